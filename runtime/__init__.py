@@ -1,0 +1,1 @@
+"""The pie-ctx runtime: KV pages (kv/), models (model/), scheduling (engine/), server (server/)."""
