@@ -1,0 +1,95 @@
+"""Per-context page state: the committed chain tip plus the working pages and their tokens.
+
+Owns: a context's working pages (private, mutable) and the tokens, positions and per-token
+extras written into them. It holds one trie reference, on its tip; the trie owns the
+committed pages themselves. Snapshots are ``ContextState`` objects too (frozen: nothing
+mutates a state while it sits in the registry).
+
+Invariants:
+
+* ``len(tokens) == len(positions) == len(extras) <= len(working) * page_size``; tokens fill
+  the working pages in order (working token ``i`` is in ``working[i // page_size]``, slot
+  ``i % page_size``), so only the last non-empty page can be partial.
+* ``committed_ids`` is ``None`` (not computed yet) or exactly the page ids root..tip. It may
+  be shared with forks (``ids_shared``): copy before appending.
+* ``seq_len == num_committed_pages * page_size + len(tokens)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.kv.trie import Node
+from runtime.kv.types import PageId
+
+__all__ = ["ContextState", "chain_nodes"]
+
+
+def chain_nodes(tip: Node | None) -> list[Node]:
+    """The nodes of a committed chain, root first. O(chain length)."""
+    nodes: list[Node] = []
+    node = tip
+    while node is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return nodes
+
+
+@dataclass(slots=True)
+class ContextState:
+    """The page state of one context or snapshot."""
+
+    tip: Node | None = None
+    working: list[PageId] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    extras: list[int] = field(default_factory=list)
+    committed_ids: list[PageId] | None = field(default_factory=list)
+    ids_shared: bool = False
+
+    @property
+    def num_committed_pages(self) -> int:
+        """Pages on the committed chain."""
+        return 0 if self.tip is None else self.tip.depth
+
+    def committed_page_ids(self) -> list[PageId]:
+        """Committed page ids root..tip; computed once, then kept in step with commits.
+
+        The returned list may be shared: callers must not mutate it.
+        """
+        ids = self.committed_ids
+        if ids is None:
+            ids = [node.page_id for node in chain_nodes(self.tip)]
+            self.committed_ids = ids
+            self.ids_shared = False
+        return ids
+
+    def extend_committed_ids(self, new_ids: list[PageId]) -> None:
+        """Record pages just appended to the chain (copy-on-write when shared)."""
+        if self.committed_ids is None:
+            return  # recomputed lazily from the tip
+        if self.ids_shared:
+            self.committed_ids = self.committed_ids + new_ids
+            self.ids_shared = False
+        else:
+            self.committed_ids.extend(new_ids)
+
+    def share_bookkeeping(self) -> ContextState:
+        """A new state with the same tip and token lists copied, but NO working pages.
+
+        The caller takes the trie reference on the tip and fills ``working``. The committed
+        id cache is shared copy-on-write, so this is O(working tokens), not O(committed).
+        """
+        child = ContextState(
+            tip=self.tip,
+            working=[],
+            tokens=self.tokens.copy(),
+            positions=self.positions.copy(),
+            extras=self.extras.copy(),
+            committed_ids=self.committed_ids,
+            ids_shared=self.committed_ids is not None,
+        )
+        if self.committed_ids is not None:
+            self.ids_shared = True
+        return child

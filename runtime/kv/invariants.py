@@ -1,0 +1,190 @@
+"""The invariant checker: recompute every page count from scratch and compare.
+
+Owns nothing and mutates nothing. ``check_invariants`` raises ``RuntimeError`` naming the
+first broken invariant; tests run it after every operation. ``describe_state`` returns a
+plain, comparable description of the whole store so tests can assert that a failing call
+changed nothing.
+
+Checked:
+
+* every page is exactly one of: free, a working page of one holder, a committed node;
+  so ``free + working + committed + cached == total``;
+* node counts: ``holders`` = contexts/snapshots whose tip it is, ``num_children`` = nodes
+  whose parent it is, ``pins = holders + pinned children``; a node is pinned iff it lies on
+  the chain of a live context or snapshot; every unpinned node is registered (cached), and
+  the LRU holds exactly the unpinned childless nodes;
+* registration: ``by_hash[h]`` is a node with hash ``h``; each node's hash recomputes from
+  its parent's hash and contents; private nodes have only private descendants;
+* per state: token/position/extra lists aligned and within the working pages' capacity;
+  the committed-id cache equals the chain.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runtime.kv.context import ContextState, chain_nodes
+from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.trie import Node
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
+
+__all__ = ["check_invariants", "describe_state"]
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(f"page store invariant broken: {message}")
+
+
+def _holders(store: PageStore) -> list[tuple[str, ContextState]]:
+    out: list[tuple[str, ContextState]] = [
+        (f"context {cid}", state) for cid, state in store._contexts.items()
+    ]
+    out.extend((f"snapshot {key}", state) for key, state in store.snapshots)
+    return out
+
+
+def _all_nodes(store: PageStore, holders: list[tuple[str, ContextState]]) -> list[Node]:
+    seen: dict[int, Node] = {}
+    roots: list[Node] = list(store.trie.by_hash.values()) + list(store.trie.lru.values())
+    roots.extend(state.tip for _, state in holders if state.tip is not None)
+    for node in roots:
+        cur: Node | None = node
+        while cur is not None and id(cur) not in seen:
+            seen[id(cur)] = cur
+            cur = cur.parent
+    return list(seen.values())
+
+
+def check_invariants(store: PageStore) -> None:
+    """Raise ``RuntimeError`` if any page-store invariant is broken."""
+    pool, trie, ps = store.pool, store.trie, store.page_size
+    owner: dict[int, str] = {}
+
+    def claim(page_id: int, who: str) -> None:
+        if not 0 <= page_id < pool.num_pages:
+            _fail(f"{who} holds out-of-range page {page_id}")
+        if page_id in owner:
+            _fail(f"page {page_id} owned by both {owner[page_id]} and {who}")
+        owner[page_id] = who
+
+    for page_id in pool.free_ids():
+        claim(page_id, "the free list")
+
+    holders = _holders(store)
+    for who, state in holders:
+        if not len(state.tokens) == len(state.positions) == len(state.extras):
+            _fail(f"{who}: token/position/extra lists differ in length")
+        if len(state.tokens) > len(state.working) * ps:
+            _fail(f"{who}: {len(state.tokens)} tokens exceed {len(state.working)} working pages")
+        for page_id in state.working:
+            claim(page_id, f"{who} (working)")
+        chain = [node.page_id for node in chain_nodes(state.tip)]
+        if state.committed_ids is not None and state.committed_ids != chain:
+            _fail(f"{who}: committed id cache {state.committed_ids} != chain {chain}")
+
+    nodes = _all_nodes(store, holders)
+    holder_count: dict[int, int] = {}
+    for _, state in holders:
+        if state.tip is not None:
+            holder_count[id(state.tip)] = holder_count.get(id(state.tip), 0) + 1
+    children: dict[int, list[Node]] = {id(n): [] for n in nodes}
+    for node in nodes:
+        claim(node.page_id, f"committed node (hash {node.page_hash:#x})")
+        if node.parent is not None:
+            children[id(node.parent)].append(node)
+    pinned: set[int] = set()
+    for _, state in holders:
+        for node in chain_nodes(state.tip):
+            pinned.add(id(node))
+
+    lru_ids = {id(n) for n in trie.lru.values()}
+    for node in nodes:
+        where = f"node page {node.page_id}"
+        parent = node.parent
+        expect_hash = hash_page(
+            None if parent is None else parent.page_hash,
+            node.tokens,
+            node.positions,
+            fold_extras(node.extras),
+        )
+        if node.page_hash != expect_hash:
+            _fail(f"{where}: stored hash does not match its contents")
+        if not len(node.tokens) == len(node.positions) == len(node.extras) == ps:
+            _fail(f"{where}: committed page is not exactly full")
+        if node.depth != (1 if parent is None else parent.depth + 1):
+            _fail(f"{where}: depth {node.depth} inconsistent with parent")
+        if node.holders != holder_count.get(id(node), 0):
+            _fail(f"{where}: holders {node.holders} != {holder_count.get(id(node), 0)}")
+        kids = children[id(node)]
+        if node.num_children != len(kids):
+            _fail(f"{where}: num_children {node.num_children} != {len(kids)}")
+        expect_pins = node.holders + sum(1 for k in kids if id(k) in pinned)
+        if node.pins != expect_pins:
+            _fail(f"{where}: pins {node.pins} != {expect_pins}")
+        if (node.pins > 0) != (id(node) in pinned):
+            _fail(f"{where}: pinned flag disagrees with the holders' chains")
+        if node.registered:
+            if trie.by_hash.get(node.page_hash) is not node:
+                _fail(f"{where}: registered but not indexed under its hash")
+            if parent is not None and not parent.registered:
+                _fail(f"{where}: registered under a private parent")
+        elif id(node) not in pinned:
+            _fail(f"{where}: private page is unpinned (should have been freed)")
+        in_lru = id(node) in lru_ids
+        if in_lru != (id(node) not in pinned and not kids):
+            _fail(f"{where}: LRU membership {in_lru} wrong (pins {node.pins}, {len(kids)} kids)")
+        if in_lru and trie.lru.get(node.page_id) is not node:
+            _fail(f"{where}: LRU keyed under the wrong page id")
+
+    for h, node in trie.by_hash.items():
+        if node.page_hash != h or not node.registered:
+            _fail(f"by_hash[{h:#x}] holds a node with another hash or a private node")
+    if len(owner) != pool.num_pages:
+        missing = sorted(set(range(pool.num_pages)) - set(owner))
+        _fail(f"pages leaked (neither free nor owned): {missing}")
+    if trie.num_nodes != len(nodes):
+        _fail(f"trie.num_nodes {trie.num_nodes} != {len(nodes)}")
+    if trie.num_pinned != len(pinned):
+        _fail(f"trie.num_pinned {trie.num_pinned} != {len(pinned)}")
+    stats = store.stats()
+    total = (
+        stats.num_pages_free
+        + stats.num_pages_working
+        + stats.num_pages_committed
+        + stats.num_pages_cached
+    )
+    if total != stats.num_pages_total:
+        _fail(f"free + working + committed + cached = {total} != {stats.num_pages_total}")
+    num_working = sum(len(state.working) for _, state in holders)
+    if stats.num_pages_working != num_working:
+        _fail(f"stats working {stats.num_pages_working} != {num_working}")
+
+
+def describe_state(store: PageStore) -> dict[str, Any]:
+    """A plain, comparable description of the whole store (for unchanged-state tests)."""
+
+    def state_desc(state: ContextState) -> tuple[Any, ...]:
+        return (
+            tuple(node.page_id for node in chain_nodes(state.tip)),
+            tuple(state.working),
+            tuple(state.tokens),
+            tuple(state.positions),
+            tuple(state.extras),
+        )
+
+    holders = _holders(store)
+    nodes = _all_nodes(store, holders)
+    return {
+        "free": tuple(store.pool.free_ids()),
+        "contexts": {cid: state_desc(s) for cid, s in store._contexts.items()},
+        "snapshots": {key: state_desc(s) for key, s in store.snapshots},
+        "nodes": sorted(
+            (n.page_id, n.page_hash, n.holders, n.num_children, n.pins, n.registered) for n in nodes
+        ),
+        "lru": tuple(store.trie.lru),
+        "by_hash": sorted((h, n.page_id) for h, n in store.trie.by_hash.items()),
+        "next_id": store._next_id,
+        "stats": store.stats(),
+    }

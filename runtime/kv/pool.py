@@ -1,0 +1,132 @@
+"""The page pool: the one tensor holding every page's K and V, and its free list.
+
+Owns: the physical pages. Only the pool allocates and frees them; everything else (the
+trie, context states) holds page ids that it must hand back here.
+
+Layout (fixed; the model runner relies on it)::
+
+    kv: Tensor[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+                                      ^ 0 = K, 1 = V
+
+Page-major, so ``kv[page_ids]`` gathers every layer of those pages with one index and a
+fork's copy of a working page is one ``kv[dst] = kv[src]``.
+
+Invariants: the free list holds distinct ids in ``[0, num_pages)``; an id is either on the
+free list or owned by exactly one holder (checked by ``runtime.kv.invariants``). Allocation
+is deterministic: a fresh pool hands out ``0, 1, 2, ...`` and freed pages are reused
+last-freed-first, in the order they were given back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runtime.kv.types import PageId
+
+__all__ = ["PagePool"]
+
+
+class PagePool:
+    """Fixed set of physical KV pages on one device with an O(1)-per-page free list.
+
+    Usage::
+
+        pool = PagePool(64, page_size=16, num_layers=2, num_kv_heads=1, head_dim=8)
+        ids = pool.allocate(3)      # [0, 1, 2]
+        pool.free(ids)
+    """
+
+    __slots__ = ("kv", "num_pages", "page_size", "_free")
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """Allocate the pool tensor (zero-filled) and the free list.
+
+        Args:
+            num_pages: number of physical pages (>= 1).
+            page_size: tokens per page (>= 1).
+            num_layers: model layers stored in each page.
+            num_kv_heads: key/value heads per layer.
+            head_dim: size of one head.
+            dtype: element type of the KV tensor.
+            device: device of the KV tensor.
+
+        Raises:
+            ValueError: a size is not a positive integer.
+        """
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagePool: {name} must be a positive int, got {value!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(
+            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        # A stack: the end of the list is handed out next.
+        self._free: list[PageId] = [PageId(i) for i in range(num_pages - 1, -1, -1)]
+
+    @property
+    def num_free(self) -> int:
+        """Number of pages on the free list."""
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        """True when ``allocate(n)`` would succeed right now."""
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[PageId] | None:
+        """Take ``n`` pages off the free list.
+
+        Args:
+            n: number of pages (>= 0).
+
+        Returns:
+            The page ids, or ``None`` (back-pressure) when fewer than ``n`` are free; in
+            that case nothing changes.
+        """
+        free = self._free
+        if n > len(free):
+            return None
+        if n == 0:
+            return []
+        ids = free[-n:]
+        del free[-n:]
+        ids.reverse()
+        return ids
+
+    def free(self, page_ids: Sequence[PageId]) -> None:
+        """Give pages back; they are handed out again in the order given.
+
+        Args:
+            page_ids: pages previously returned by ``allocate`` and not freed since.
+
+        Raises:
+            RuntimeError: more pages would be free than exist (a double free).
+        """
+        free = self._free
+        if len(free) + len(page_ids) > self.num_pages:
+            raise RuntimeError("PagePool.free: more pages freed than allocated (double free)")
+        free.extend(reversed(page_ids))
+
+    def free_ids(self) -> list[PageId]:
+        """The free list in hand-out order (next allocated first); a copy, for tests."""
+        return self._free[::-1]

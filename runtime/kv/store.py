@@ -1,0 +1,612 @@
+"""``PageStore``: the one facade the engine calls for every page operation.
+
+Owns: the pool (physical pages), the trie (committed pages), the live context states
+(working pages) and the snapshot registry; nothing outside this package touches them.
+
+Contract, for every public method: validate everything first, raising a ``PieError``
+subclass with state untouched; only then mutate. Expected back-pressure returns a value
+(``reserve_working_pages`` -> ``False``); a broken invariant raises ``RuntimeError``.
+Allocation evicts cached pages (LRU first) only when it can then succeed, so a ``False`` or
+an error never changes the cache either.
+
+Public API (see docs/design.md, "runtime/kv")::
+
+    store = PageStore(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device)
+    cid = store.create_context(); store.fork(cid); store.release(cid)
+    store.reserve_working_pages(cid, n) -> bool
+    store.write_tokens(cid, tokens, positions, extra=0) -> [(page_id, slot), ...]
+    store.commit_full_pages(cid) -> int; store.commit_working_pages(cid, k)
+    store.release_working_pages(cid, n); store.truncate_working_page_tokens(cid, n)
+    store.attach_prefix(cid, tokens, positions, extra=0) -> int
+    store.page_table(cid); store.state(cid); store.tokens(cid); store.next_position(cid)
+    store.save(cid, name); store.open(name); store.take(name); store.delete(name); store.list()
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from operator import index
+
+import torch
+
+from pie_ctx.errors import ContextClosed, InvalidArgument, OutOfPages
+from runtime.kv.context import ContextState, chain_nodes
+from runtime.kv.hashing import MAX_EXTRA, MAX_TOKEN
+from runtime.kv.pool import PagePool
+from runtime.kv.snapshots import DEFAULT_NAMESPACE, SnapshotRegistry
+from runtime.kv.trie import Node, PageTrie
+from runtime.kv.types import ContextCounters, ContextId, PageId, StoreStats
+
+__all__ = ["PageStore"]
+
+Extra = int | Sequence[int]
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}")
+    try:
+        n = index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}") from None
+    if n < 0:
+        raise InvalidArgument(f"{what} must be >= 0, got {n}")
+    return n
+
+
+def _int_list(values: Sequence[int], what: str, limit: int) -> list[int]:
+    try:
+        out = [index(v) for v in values]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a sequence of ints") from None
+    for v in out:
+        if v < 0 or v > limit:
+            raise InvalidArgument(f"{what} must be in [0, {limit}], got {v}")
+    return out
+
+
+def _inputs(
+    tokens: Sequence[int], positions: Sequence[int], extra: Extra
+) -> tuple[list[int], list[int], list[int]]:
+    """Validate a (tokens, positions, extra) triple; return three equal-length lists."""
+    toks = _int_list(tokens, "tokens", MAX_TOKEN)
+    poss = _int_list(positions, "positions", MAX_TOKEN)
+    if len(toks) != len(poss):
+        raise InvalidArgument(f"got {len(toks)} tokens but {len(poss)} positions; pass one each")
+    if isinstance(extra, bool):
+        raise InvalidArgument("extra must be an int or a sequence of ints, not a bool")
+    if isinstance(extra, int):
+        if extra < 0 or extra > MAX_EXTRA:
+            raise InvalidArgument(f"extra must be in [0, 2**64), got {extra}")
+        extras = [extra] * len(toks)
+    else:
+        extras = _int_list(extra, "extra", MAX_EXTRA)
+        if len(extras) != len(toks):
+            raise InvalidArgument(f"got {len(toks)} tokens but {len(extras)} extras")
+    return toks, poss, extras
+
+
+class PageStore:
+    """Pool + trie + contexts + snapshots behind one validated, all-or-nothing API.
+
+    Usage::
+
+        store = PageStore(64, 16, num_layers=2, num_kv_heads=1, head_dim=8)
+        cid = store.create_context()
+        store.reserve_working_pages(cid, 1)
+        slots = store.write_tokens(cid, list(range(16)), list(range(16)))
+        # ... the model writes K/V of token j into store.pool.kv[slots[j][0], :, :, slots[j][1]]
+        store.commit_full_pages(cid)
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """Allocate the pool and empty bookkeeping.
+
+        Args:
+            num_pages: physical pages in the pool.
+            page_size: tokens per page.
+            num_layers, num_kv_heads, head_dim: KV shape per token (from the model config).
+            dtype: KV element type.
+            device: device of the pool tensor.
+
+        Raises:
+            ValueError: a size is not a positive int.
+        """
+        self.pool = PagePool(
+            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device
+        )
+        self.page_size = page_size
+        self.trie = PageTrie(self.pool)
+        self.snapshots = SnapshotRegistry()
+        self._contexts: dict[ContextId, ContextState] = {}
+        self._next_id = 1
+        self._num_commits = 0
+        self._num_dedup_hits = 0
+        self._num_prefix_hits = 0
+
+    # -- capacity ----------------------------------------------------------------------
+
+    @property
+    def num_pages_total(self) -> int:
+        """Pages in the pool: the most any single request can ever hold."""
+        return self.pool.num_pages
+
+    def num_pages_available(self) -> int:
+        """Pages an allocation could get right now: free + cached (evictable)."""
+        return self.pool.num_free + self.trie.num_cached
+
+    def _allocate(self, n: int) -> list[PageId] | None:
+        """Allocate ``n`` pages, evicting cached pages only if that makes it succeed."""
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self.trie.num_cached:
+                return None
+            self.trie.evict(short)
+        return self.pool.allocate(n)
+
+    def _ctx(self, cid: ContextId) -> ContextState:
+        state = self._contexts.get(cid)
+        if state is None:
+            raise ContextClosed(
+                f"context {cid!r} is unknown or released; create, fork or open a new one"
+            )
+        return state
+
+    def _register(self, state: ContextState) -> ContextId:
+        cid = ContextId(self._next_id)
+        self._next_id += 1
+        self._contexts[cid] = state
+        return cid
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def create_context(self) -> ContextId:
+        """Create an empty context (no pages).
+
+        Returns:
+            Its id; ids are never reused within a store.
+        """
+        return self._register(ContextState())
+
+    def _fork_state(self, state: ContextState) -> ContextState:
+        """Copy of ``state`` sharing its chain (one reference) with fresh working pages.
+
+        Raises:
+            OutOfPages: the working copies cannot be allocated even after eviction.
+        """
+        n = len(state.working)
+        new_pages = self._allocate(n)
+        if new_pages is None:
+            raise OutOfPages(
+                f"fork needs {n} free pages to copy the working pages but only "
+                f"{self.num_pages_available()} are available; commit or release working "
+                "pages first, or release other contexts"
+            )
+        child = state.share_bookkeeping()
+        child.working = new_pages
+        if child.tip is not None:
+            self.trie.add_holder(child.tip)
+        num_used = -(-len(state.tokens) // self.page_size)
+        if num_used == 1:
+            self.pool.kv[new_pages[0]].copy_(self.pool.kv[state.working[0]])
+        elif num_used > 1:
+            kv = self.pool.kv
+            src = torch.tensor(state.working[:num_used], device=kv.device)
+            dst = torch.tensor(new_pages[:num_used], device=kv.device)
+            kv[dst] = kv[src]  # [num_used, layers, 2, page_size, heads, head_dim]
+        return child
+
+    def _release_state(self, state: ContextState) -> None:
+        if state.tip is not None:
+            self.trie.drop_holder(state.tip)
+            state.tip = None
+        self.pool.free(state.working)
+        state.working = []
+        state.tokens.clear()
+        state.positions.clear()
+        state.extras.clear()
+        state.committed_ids = []
+        state.ids_shared = False
+
+    def fork(self, cid: ContextId) -> ContextId:
+        """New context sharing ``cid``'s committed pages, with a copy of its working pages.
+
+        O(1) in the committed length: one reference on the tip; only the working pages'
+        KV bytes are copied.
+
+        Args:
+            cid: the context to fork.
+
+        Returns:
+            The new context's id.
+
+        Raises:
+            ContextClosed: ``cid`` is unknown or released.
+            OutOfPages: the working copies cannot be allocated even after eviction.
+        """
+        return self._register(self._fork_state(self._ctx(cid)))
+
+    def release(self, cid: ContextId) -> None:
+        """Drop every reference and free every working page of ``cid``; the id dies.
+
+        Raises:
+            ContextClosed: ``cid`` is unknown or already released.
+        """
+        state = self._ctx(cid)
+        del self._contexts[cid]
+        self._release_state(state)
+
+    # -- working pages -----------------------------------------------------------------
+
+    def reserve_working_pages(self, cid: ContextId, n: int) -> bool:
+        """Append ``n`` empty working pages, evicting cached pages if needed.
+
+        Args:
+            cid: the context.
+            n: pages to reserve (>= 0).
+
+        Returns:
+            True on success; False (nothing changed, nothing evicted) when fewer than ``n``
+            pages are free + cached.
+
+        Raises:
+            ContextClosed: unknown context. InvalidArgument: ``n`` is not an int >= 0.
+        """
+        state = self._ctx(cid)
+        n = _count(n, "reserve_working_pages: n")
+        pages = self._allocate(n)
+        if pages is None:
+            return False
+        state.working.extend(pages)
+        return True
+
+    def release_working_pages(self, cid: ContextId, n: int) -> None:
+        """Give the last ``n`` working pages back to the pool.
+
+        Tokens written into those pages are dropped with them.
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: ``n`` is negative or exceeds the working page count.
+        """
+        state = self._ctx(cid)
+        n = _count(n, "release_working_pages: n")
+        if n > len(state.working):
+            raise InvalidArgument(
+                f"release_working_pages: asked for {n} pages but the context has "
+                f"{len(state.working)} working pages"
+            )
+        if n == 0:
+            return
+        keep = len(state.working) - n
+        capacity = keep * self.page_size
+        if len(state.tokens) > capacity:
+            del state.tokens[capacity:], state.positions[capacity:], state.extras[capacity:]
+        released = state.working[keep:]
+        del state.working[keep:]
+        self.pool.free(released)
+
+    def truncate_working_page_tokens(self, cid: ContextId, n: int) -> None:
+        """Drop the last ``n`` tokens written into working pages (page count unchanged).
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: ``n`` exceeds the working tokens (committed pages are immutable).
+        """
+        state = self._ctx(cid)
+        n = _count(n, "truncate_working_page_tokens: n")
+        if n > len(state.tokens):
+            raise InvalidArgument(
+                f"truncate: asked to drop {n} tokens but only {len(state.tokens)} are in "
+                "working pages; committed pages cannot be truncated"
+            )
+        if n:
+            del state.tokens[-n:], state.positions[-n:], state.extras[-n:]
+
+    def write_tokens(
+        self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
+    ) -> list[tuple[PageId, int]]:
+        """Record tokens after the last written one, in already reserved working pages.
+
+        Args:
+            cid: the context.
+            tokens: token ids (each in ``[0, 2**63)``).
+            positions: their positions, one per token.
+            extra: per-token u64 ``extra`` (an int for all, or one per token); 0 = causal.
+
+        Returns:
+            One ``(page_id, slot)`` per token: where the model must write its K and V.
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: malformed inputs, or not enough reserved room (reserve first).
+        """
+        state = self._ctx(cid)
+        toks, poss, extras = _inputs(tokens, positions, extra)
+        start = len(state.tokens)
+        room = len(state.working) * self.page_size - start
+        if len(toks) > room:
+            raise InvalidArgument(
+                f"write_tokens: {len(toks)} tokens but only {room} reserved slots; "
+                "reserve_working_pages first"
+            )
+        state.tokens.extend(toks)
+        state.positions.extend(poss)
+        state.extras.extend(extras)
+        ps, working = self.page_size, state.working
+        return [(working[i // ps], i % ps) for i in range(start, start + len(toks))]
+
+    def commit_working_pages(self, cid: ContextId, k: int) -> None:
+        """Commit the first ``k`` working pages (all must be full), deduplicating each.
+
+        A page identical to an existing committed page (same chain, tokens, positions,
+        extras) is shared and the working copy goes back to the pool.
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: ``k`` exceeds the working pages or one of them is not full
+                (nothing is committed then).
+        """
+        state = self._ctx(cid)
+        k = _count(k, "commit_working_pages: k")
+        if k > len(state.working):
+            raise InvalidArgument(
+                f"commit_working_pages: k={k} but the context has {len(state.working)} working pages"
+            )
+        if k * self.page_size > len(state.tokens):
+            raise InvalidArgument(
+                f"commit_working_pages: page {len(state.tokens) // self.page_size} of the first "
+                f"{k} is not full ({len(state.tokens)} working tokens, page_size {self.page_size})"
+            )
+        self._commit(state, k)
+
+    def _commit(self, state: ContextState, k: int) -> None:
+        if k == 0:
+            return
+        ps, trie, tip = self.page_size, self.trie, state.tip
+        new_ids: list[PageId] = []
+        duplicates: list[PageId] = []
+        for i in range(k):
+            lo, hi = i * ps, (i + 1) * ps
+            page_id = state.working[i]
+            tip, deduped = trie.advance(
+                tip, page_id, state.tokens[lo:hi], state.positions[lo:hi], state.extras[lo:hi]
+            )
+            new_ids.append(tip.page_id)
+            if deduped:
+                duplicates.append(page_id)
+        state.tip = tip
+        state.extend_committed_ids(new_ids)
+        del state.working[:k], state.tokens[: k * ps], state.positions[: k * ps]
+        del state.extras[: k * ps]
+        self.pool.free(duplicates)
+        self._num_commits += k
+        self._num_dedup_hits += len(duplicates)
+
+    def commit_full_pages(self, cid: ContextId) -> int:
+        """Commit every full working page.
+
+        Returns:
+            The number of pages committed.
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        state = self._ctx(cid)
+        k = len(state.tokens) // self.page_size
+        self._commit(state, k)
+        return k
+
+    # -- prefix reuse ------------------------------------------------------------------
+
+    def _match(
+        self, state: ContextState, toks: list[int], poss: list[int], extras: list[int]
+    ) -> list[Node]:
+        ps, node, hits = self.page_size, state.tip, []
+        for i in range(len(toks) // ps):
+            lo, hi = i * ps, (i + 1) * ps
+            found = self.trie.lookup(node, toks[lo:hi], poss[lo:hi], extras[lo:hi])
+            if found is None:
+                break
+            hits.append(found)
+            node = found
+        return hits
+
+    def match_prefix(
+        self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
+    ) -> int:
+        """How many leading full pages of these tokens ``attach_prefix`` would attach.
+
+        Read-only: touches neither counts nor LRU order. Errors as ``attach_prefix``.
+        """
+        state = self._ctx(cid)
+        toks, poss, extras = _inputs(tokens, positions, extra)
+        if state.tokens:
+            raise InvalidArgument("match_prefix: the context has working tokens; commit them first")
+        return len(self._match(state, toks, poss, extras))
+
+    def attach_prefix(
+        self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
+    ) -> int:
+        """Attach the leading full pages of these tokens already in the trie (no compute).
+
+        Live and cached pages both count; hits leave the LRU. The caller then writes only
+        ``tokens[n * page_size:]``.
+
+        Args:
+            cid: the context; it must have no working tokens (reserved empty pages are fine).
+            tokens, positions, extra: as for ``write_tokens``.
+
+        Returns:
+            ``n``, the number of pages attached (``n * page_size`` tokens consumed).
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: malformed inputs, or the context has working tokens.
+        """
+        state = self._ctx(cid)
+        toks, poss, extras = _inputs(tokens, positions, extra)
+        if state.tokens:
+            raise InvalidArgument(
+                "attach_prefix: the context has working tokens; commit or truncate them first"
+            )
+        hits = self._match(state, toks, poss, extras)
+        if hits:
+            self.trie.add_holder(hits[-1])
+            if state.tip is not None:
+                self.trie.drop_holder(state.tip)
+            state.tip = hits[-1]
+            state.extend_committed_ids([node.page_id for node in hits])
+            self._num_prefix_hits += len(hits)
+        return len(hits)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def page_table(self, cid: ContextId) -> list[PageId]:
+        """Every page of the context in KV order: committed (root..tip), then working.
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        state = self._ctx(cid)
+        return state.committed_page_ids() + state.working
+
+    def state(self, cid: ContextId) -> ContextCounters:
+        """The context's page counters.
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        s = self._ctx(cid)
+        num_committed = s.num_committed_pages
+        return ContextCounters(
+            num_committed_pages=num_committed,
+            num_working_pages=len(s.working),
+            num_working_tokens=len(s.tokens),
+            seq_len=num_committed * self.page_size + len(s.tokens),
+            page_size=self.page_size,
+        )
+
+    def tokens(self, cid: ContextId) -> list[int]:
+        """All token ids of the context, committed then working. O(seq_len).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        state = self._ctx(cid)
+        out: list[int] = []
+        for node in chain_nodes(state.tip):
+            out.extend(node.tokens)
+        out.extend(state.tokens)
+        return out
+
+    def working_tokens(self, cid: ContextId) -> list[int]:
+        """Token ids written into working pages (a copy).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        return self._ctx(cid).tokens.copy()
+
+    def next_position(self, cid: ContextId) -> int:
+        """Position after the last written token (equals ``seq_len`` with default positions).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        state = self._ctx(cid)
+        if state.positions:
+            return state.positions[-1] + 1
+        if state.tip is not None:
+            return state.tip.positions[-1] + 1
+        return 0
+
+    def context_ids(self) -> list[ContextId]:
+        """Ids of the live contexts, in creation order."""
+        return builtins.list(self._contexts)
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def save(self, cid: ContextId, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Save a frozen copy (a fork) of the context under ``name``; the context goes on.
+
+        Raises:
+            ContextClosed: unknown context. InvalidArgument: bad name.
+            SnapshotExists: the name is taken. OutOfPages: working copies do not fit.
+        """
+        state = self._ctx(cid)
+        key = self.snapshots.check_free(name, namespace)
+        self.snapshots.put(key, self._fork_state(state))
+
+    def open(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
+        """A new context forked from the snapshot; the snapshot is unchanged.
+
+        Raises:
+            SnapshotNotFound: no such name. InvalidArgument: bad name.
+            OutOfPages: working copies do not fit.
+        """
+        return self._register(self._fork_state(self.snapshots.get(name, namespace)))
+
+    def take(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
+        """Open the snapshot and delete it, moving its pages to the new context in O(1).
+
+        Raises:
+            SnapshotNotFound: no such name. InvalidArgument: bad name.
+        """
+        return self._register(self.snapshots.pop(name, namespace))
+
+    def delete(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Delete the snapshot, dropping its references and working pages.
+
+        Raises:
+            SnapshotNotFound: no such name. InvalidArgument: bad name.
+        """
+        self._release_state(self.snapshots.pop(name, namespace))
+
+    def list(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+        """Sorted snapshot names saved in ``namespace``."""
+        return self.snapshots.names(namespace)
+
+    # -- accounting --------------------------------------------------------------------
+
+    def cached_page_ids(self) -> list[PageId]:
+        """Pages evictable right now, in eviction order (next victim first)."""
+        return self.trie.cached_page_ids()
+
+    def stats(self) -> StoreStats:
+        """Engine-wide page accounting and hit/eviction counters."""
+        trie = self.trie
+        num_free = self.pool.num_free
+        return StoreStats(
+            num_pages_total=self.pool.num_pages,
+            num_pages_free=num_free,
+            num_pages_working=self.pool.num_pages - num_free - trie.num_nodes,
+            num_pages_committed=trie.num_pinned,
+            num_pages_cached=trie.num_cached,
+            num_contexts=len(self._contexts),
+            num_snapshots=len(self.snapshots),
+            num_commits=self._num_commits,
+            num_dedup_hits=self._num_dedup_hits,
+            num_prefix_hits=self._num_prefix_hits,
+            num_evictions=trie.num_evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Recompute every count from scratch and compare.
+
+        Raises:
+            RuntimeError: an invariant is broken (a bug in the store).
+        """
+        from runtime.kv.invariants import check_invariants
+
+        check_invariants(self)

@@ -1,0 +1,235 @@
+"""The committed-page trie: chained-hash index, reference counts, LRU cache of free pages.
+
+Owns: every committed page (a ``Node`` per physical page) from the moment it is committed
+until it is evicted or dropped; it gives pages back to the pool itself.
+
+Structure. Each node points at its parent (the previous page of the chain), so a chain is
+identified by its *tip*. A context or snapshot holds only its tip (``holders``); a node is
+kept alive by its holders and its children (``refcount = holders + num_children``). That
+makes ``fork`` one count bump, whatever the committed length.
+
+Pinning. A node is *pinned* when some holder's chain runs through it:
+``pins = holders + number of pinned children`` and pinned means ``pins > 0``. Pins
+propagate up only on a 0 <-> 1 transition, so the cost is the number of pages whose state
+changes. Unpinned registered nodes are *cached*: findable by ``lookup`` and evictable.
+
+LRU. ``lru`` holds exactly the cached nodes that have no children (the only ones that can
+be evicted without breaking a chain), least recently used first. A node whose last holder
+leaves is appended (most recent); a parent left childless by an eviction is put at the
+front, because its last use was its child's, the oldest in the cache. So a chain cached
+together is evicted tip-first, contiguously. Lookup hits pin nodes, taking them out.
+
+Registration and collisions. ``by_hash`` maps a hash to one registered node. On commit, a
+hash hit is verified (same parent node, tokens, positions, per-token extras); only then is
+the existing page shared. If the hash is taken by a *different* page (a 64-bit collision,
+or a chain under a private node), the new node is *private*: it is not registered, never
+found by lookup, never cached (freed as soon as it is unpinned), and its descendants are
+private too. A collision therefore costs sharing, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.pool import PagePool
+from runtime.kv.types import PageHash, PageId
+
+__all__ = ["Node", "PageTrie"]
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One committed page: its physical id, identity (hash + contents) and counts."""
+
+    page_id: PageId
+    page_hash: PageHash
+    parent: Node | None
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    extras: tuple[int, ...]
+    depth: int  # pages on the chain root..self, inclusive
+    registered: bool
+    holders: int = 0
+    num_children: int = 0
+    pins: int = 0
+
+    @property
+    def refcount(self) -> int:
+        """References keeping this page alive: holders (contexts, snapshots) + children."""
+        return self.holders + self.num_children
+
+    def matches(
+        self,
+        parent: Node | None,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        extras: Sequence[int],
+    ) -> bool:
+        """True when this node stores exactly this page after exactly this parent."""
+        return (
+            self.parent is parent
+            and self.tokens == tuple(tokens)
+            and self.positions == tuple(positions)
+            and self.extras == tuple(extras)
+        )
+
+
+class PageTrie:
+    """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
+
+    __slots__ = ("pool", "by_hash", "lru", "num_nodes", "num_pinned", "num_evictions")
+
+    def __init__(self, pool: PagePool) -> None:
+        """Create an empty trie that frees evicted pages into ``pool``."""
+        self.pool = pool
+        self.by_hash: dict[PageHash, Node] = {}
+        self.lru: OrderedDict[PageId, Node] = OrderedDict()
+        self.num_nodes = 0
+        self.num_pinned = 0
+        self.num_evictions = 0
+
+    @property
+    def num_cached(self) -> int:
+        """Committed pages no holder needs; all of them can be evicted (leaves first)."""
+        return self.num_nodes - self.num_pinned
+
+    # -- lookup and commit -------------------------------------------------------------
+
+    def lookup(
+        self,
+        parent: Node | None,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        extras: Sequence[int],
+    ) -> Node | None:
+        """The registered node holding this page after ``parent``, verified, or ``None``."""
+        h = hash_page(
+            None if parent is None else parent.page_hash, tokens, positions, fold_extras(extras)
+        )
+        node = self.by_hash.get(h)
+        if node is not None and node.matches(parent, tokens, positions, extras):
+            return node
+        return None
+
+    def advance(
+        self,
+        tip: Node | None,
+        page_id: PageId,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        extras: Sequence[int],
+    ) -> tuple[Node, bool]:
+        """Commit one full page after ``tip`` and move one holder from ``tip`` to it.
+
+        Args:
+            tip: the holder's current tip (``None`` for an empty chain); the caller holds it.
+            page_id: the working page whose KV holds these tokens.
+            tokens, positions, extras: the page contents (exactly ``page_size`` each).
+
+        Returns:
+            ``(new_tip, deduped)``. When ``deduped`` is True an identical page already
+            existed and ``page_id`` was NOT taken: the caller must free it.
+        """
+        parent_hash = None if tip is None else tip.page_hash
+        h = hash_page(parent_hash, tokens, positions, fold_extras(extras))
+        existing = self.by_hash.get(h)
+        if existing is not None and existing.matches(tip, tokens, positions, extras):
+            self.add_holder(existing)
+            if tip is not None:
+                self.drop_holder(tip)
+            return existing, True
+        registered = existing is None and (tip is None or tip.registered)
+        node = Node(
+            page_id=page_id,
+            page_hash=h,
+            parent=tip,
+            tokens=tuple(tokens),
+            positions=tuple(positions),
+            extras=tuple(extras),
+            depth=1 if tip is None else tip.depth + 1,
+            registered=registered,
+        )
+        self.num_nodes += 1
+        if registered:
+            self.by_hash[h] = node
+        if tip is not None:
+            tip.num_children += 1
+        self.add_holder(node)
+        if tip is not None:
+            self.drop_holder(tip)
+        return node, False
+
+    # -- holders and pins --------------------------------------------------------------
+
+    def add_holder(self, node: Node) -> None:
+        """A context or snapshot now has ``node`` as its tip."""
+        node.holders += 1
+        self._pin(node)
+
+    def drop_holder(self, node: Node) -> None:
+        """A context or snapshot no longer has ``node`` as its tip."""
+        if node.holders <= 0:
+            raise RuntimeError(f"PageTrie: page {node.page_id} dropped with no holder")
+        node.holders -= 1
+        self._unpin(node)
+
+    def _pin(self, node: Node | None) -> None:
+        while node is not None:
+            node.pins += 1
+            if node.pins > 1:
+                return
+            self.num_pinned += 1
+            if node.num_children == 0:
+                self.lru.pop(node.page_id, None)
+            node = node.parent
+
+    def _unpin(self, node: Node | None) -> None:
+        while node is not None:
+            node.pins -= 1
+            if node.pins > 0:
+                return
+            if node.pins < 0:
+                raise RuntimeError(f"PageTrie: page {node.page_id} has negative pins")
+            self.num_pinned -= 1
+            parent = node.parent
+            if node.num_children == 0:
+                if node.registered:
+                    self.lru[node.page_id] = node  # most recently used end
+                else:
+                    self._drop_node(node)  # private pages are never cached
+            node = parent
+
+    # -- eviction ----------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[PageId]:
+        """Evict up to ``n`` cached pages, least recently used first; return their ids.
+
+        The evicted pages go back to the pool in eviction order.
+        """
+        evicted: list[PageId] = []
+        lru = self.lru
+        while len(evicted) < n and lru:
+            _, node = lru.popitem(last=False)
+            del self.by_hash[node.page_hash]
+            self._drop_node(node)
+            evicted.append(node.page_id)
+            parent = node.parent
+            if parent is not None and parent.num_children == 0 and parent.pins == 0:
+                lru[parent.page_id] = parent
+                lru.move_to_end(parent.page_id, last=False)
+        self.num_evictions += len(evicted)
+        return evicted
+
+    def _drop_node(self, node: Node) -> None:
+        """Unlink an unpinned, childless node and free its page."""
+        self.num_nodes -= 1
+        if node.parent is not None:
+            node.parent.num_children -= 1
+        self.pool.free([node.page_id])
+
+    def cached_page_ids(self) -> list[PageId]:
+        """Evictable-now pages in eviction order (next victim first); for tests and stats."""
+        return list(self.lru)

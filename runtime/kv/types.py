@@ -1,0 +1,60 @@
+"""Identifier types and plain-data records of the page store.
+
+Owns nothing; it only names things. ``PageId``, ``PageHash`` and ``ContextId`` are
+``NewType``s over ``int`` so a type checker stops a page id from being passed where a
+context id is expected. The records are the counters the store reports; they are
+snapshots (copies), never live views, so holding one cannot observe or cause mutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+__all__ = ["PageId", "PageHash", "ContextId", "ContextCounters", "StoreStats"]
+
+PageId = NewType("PageId", int)
+"""Index of a physical page in the pool tensor (row of ``pool.kv``)."""
+
+PageHash = NewType("PageHash", int)
+"""Chained page hash, an unsigned 64-bit integer (see ``runtime.kv.hashing``)."""
+
+ContextId = NewType("ContextId", int)
+"""Handle of one live context inside a ``PageStore``."""
+
+
+@dataclass(slots=True, frozen=True)
+class ContextCounters:
+    """Page counters of one context, as SPEC section 3 names them.
+
+    ``seq_len == num_committed_pages * page_size + num_working_tokens``.
+    """
+
+    num_committed_pages: int
+    num_working_pages: int
+    num_working_tokens: int
+    seq_len: int
+    page_size: int
+
+
+@dataclass(slots=True, frozen=True)
+class StoreStats:
+    """Engine-wide page accounting and cache counters.
+
+    ``num_pages_free + num_pages_working + num_pages_committed + num_pages_cached``
+    always equals ``num_pages_total``. ``num_pages_committed`` counts committed pages on the
+    chain of some live context or snapshot; ``num_pages_cached`` counts committed pages no
+    holder needs (they stay findable until evicted).
+    """
+
+    num_pages_total: int
+    num_pages_free: int
+    num_pages_working: int
+    num_pages_committed: int
+    num_pages_cached: int
+    num_contexts: int
+    num_snapshots: int
+    num_commits: int
+    num_dedup_hits: int
+    num_prefix_hits: int
+    num_evictions: int
