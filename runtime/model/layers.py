@@ -1,0 +1,149 @@
+"""Decoder-layer weights (fused at load) and the stateless layer math.
+
+Owner: the model runner. Weights arrive as ``dict[str, Tensor]`` in Hugging Face naming
+(``model.layers.{i}.self_attn.q_proj.weight`` ...). At load they are fused so that a
+layer runs one q/k/v matmul and one gate/up matmul; the originals are not kept.
+
+Invariants: every tensor in a :class:`LayerWeights` lives on the runner's device in the
+compute dtype; the fused q/k/v weight stacks rows as ``[q (H*D); k (KVH*D); v (KVH*D)]``,
+and the fused gate/up weight as ``[gate (I); up (I)]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pie_ctx.errors import ModelError
+from runtime.model.config import ModelConfig
+
+__all__ = ["LayerWeights", "fuse_layer", "rms_norm", "swiglu_mlp", "take_weight"]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer, fused for speed. Shapes use H heads, KVH kv heads, D head_dim."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
+    o_proj: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None  # [hidden]
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None  # [D] (Qwen3)
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def take_weight(
+    weights: dict[str, torch.Tensor],
+    name: str,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Fetch one checkpoint tensor, checking its shape, on ``device`` in ``dtype``.
+
+    Raises:
+        ModelError: the tensor is missing or has the wrong shape.
+    """
+    t = weights.get(name)
+    if t is None:
+        raise ModelError(f"checkpoint is missing tensor {name!r}")
+    if tuple(t.shape) != shape:
+        raise ModelError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+    return t.detach().to(device=device, dtype=dtype)
+
+
+def _optional(
+    weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
+    device: torch.device, dtype: torch.dtype,
+) -> torch.Tensor | None:
+    return take_weight(weights, name, shape, device, dtype) if name in weights else None
+
+
+def fuse_layer(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    index: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LayerWeights:
+    """Build the fused weights of layer ``index`` from HF-named tensors.
+
+    Raises:
+        ModelError: a required tensor is missing or mis-shaped.
+    """
+    c = config
+    p = f"model.layers.{index}."
+    hd, qd, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return take_weight(weights, p + name, shape, device, dtype)
+
+    qkv = torch.cat([
+        w("self_attn.q_proj.weight", (qd, hd)),
+        w("self_attn.k_proj.weight", (kvd, hd)),
+        w("self_attn.v_proj.weight", (kvd, hd)),
+    ]).contiguous()
+    qkv_bias = None
+    if c.attention_bias:
+        qkv_bias = torch.cat([
+            w("self_attn.q_proj.bias", (qd,)),
+            w("self_attn.k_proj.bias", (kvd,)),
+            w("self_attn.v_proj.bias", (kvd,)),
+        ]).contiguous()
+    q_norm = k_norm = None
+    if c.qk_norm:
+        q_norm = w("self_attn.q_norm.weight", (c.head_dim,))
+        k_norm = w("self_attn.k_norm.weight", (c.head_dim,))
+    gate_up = torch.cat([
+        w("mlp.gate_proj.weight", (c.intermediate_size, hd)),
+        w("mlp.up_proj.weight", (c.intermediate_size, hd)),
+    ]).contiguous()
+    return LayerWeights(
+        input_norm=w("input_layernorm.weight", (hd,)),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o_proj=w("self_attn.o_proj.weight", (hd, qd)).contiguous(),
+        o_bias=_optional(weights, p + "self_attn.o_proj.bias", (hd,), device, dtype),
+        q_norm=q_norm,
+        k_norm=k_norm,
+        post_norm=w("post_attention_layernorm.weight", (hd,)),
+        gate_up=gate_up,
+        down=w("mlp.down_proj.weight", (hd, c.intermediate_size)).contiguous(),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32 (as HF Llama/Qwen do).
+
+    Args:
+        x: Tensor[..., d].
+        weight: Tensor[d].
+        eps: variance epsilon.
+
+    Returns:
+        Tensor[..., d] in ``x.dtype``.
+    """
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # [..., d] fp32
+    return weight * normed.to(x.dtype)
+
+
+def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with one fused gate/up matmul.
+
+    Args:
+        x: Tensor[T, hidden].
+        layer: the layer's fused weights.
+
+    Returns:
+        Tensor[T, hidden].
+    """
+    gu = F.linear(x, layer.gate_up)  # [T, 2I]
+    inter = gu.shape[-1] // 2
+    gate, up = gu[:, :inter], gu[:, inter:]
+    return F.linear(F.silu(gate).mul_(up), layer.down)  # [T, hidden]

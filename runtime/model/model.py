@@ -1,0 +1,111 @@
+"""Our own decoder-only transformer forward (Llama / Qwen2 / Qwen3), attention pluggable.
+
+Owner: the model runner. :class:`Transformer` holds the fused weights and runs the layer
+stack over a flat batch of new tokens; attention is a callable supplied per forward, so
+the same layers serve the paged runner (attention over the pool) and the dense reference
+(attention over in-memory K/V), which keeps the reference an independent check of paging.
+
+Numerics follow HF transformers (fp32 RMSNorm statistics, rotate-half RoPE, SwiGLU), so
+fp32 logits match HF to ~1e-5. The lm_head runs only on the rows asked for: at prefill
+that is usually one row, not the whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.model.config import ModelConfig
+from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
+from runtime.model.rope import RotaryEmbedding, apply_rotary
+
+__all__ = ["Transformer", "AttendFn"]
+
+# attend(layer, q [T, H, D], kv [T, 2, KVH, D]) -> [T, H * D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Transformer:
+    """Fused weights plus the forward math.
+
+    Args:
+        config: the model config.
+        weights: HF-named tensors (``model.embed_tokens.weight``, ``model.layers.{i}...``,
+            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
+        device: where to run.
+        dtype: compute dtype (weights are cast to it).
+
+    Raises:
+        ModelError: a tensor is missing or mis-shaped.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        c = config
+        self.config = c
+        self.device = device
+        self.dtype = dtype
+        self.embed = take_weight(weights, "model.embed_tokens.weight",
+                                 (c.vocab_size, c.hidden_size), device, dtype)
+        self.layers: list[LayerWeights] = [
+            fuse_layer(c, weights, i, device, dtype) for i in range(c.num_layers)
+        ]
+        self.final_norm = take_weight(weights, "model.norm.weight", (c.hidden_size,), device, dtype)
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take_weight(weights, "lm_head.weight",
+                                       (c.vocab_size, c.hidden_size), device, dtype)
+        self.rotary = RotaryEmbedding(c, device)
+        self._q_dim = c.num_heads * c.head_dim
+        self._kv_dim = c.num_kv_heads * c.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decode step (tied lm_head counted once)."""
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for lw in self.layers:
+            tensors.extend(t for t in (lw.input_norm, lw.qkv, lw.qkv_bias, lw.o_proj, lw.o_bias,
+                                       lw.q_norm, lw.k_norm, lw.post_norm, lw.gate_up, lw.down)
+                           if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Run the layer stack and the lm_head on the selected rows.
+
+        Args:
+            tokens: Tensor[T] int64 token ids (flat over the batch).
+            positions: Tensor[T] int64 rotary positions.
+            attend: attention for one layer (see :data:`AttendFn`).
+            logit_rows: Tensor[N] int64 rows of ``tokens`` that need logits; None = all.
+
+        Returns:
+            Tensor[N, vocab] float32 logits.
+        """
+        c = self.config
+        t = tokens.shape[0]
+        h, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, 1, D] each
+        x = F.embedding(tokens, self.embed)  # [T, hidden]
+        for i, lw in enumerate(self.layers):
+            hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
+            qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2KVH) * D]
+            q = qkv[:, : self._q_dim].view(t, h, d)  # [T, H, D]
+            kv = qkv[:, self._q_dim:].view(t, 2, kvh, d)  # [T, 2, KVH, D] (k then v)
+            k = kv[:, 0]  # [T, KVH, D]
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+            q = apply_rotary(q, cos, sin)  # [T, H, D]
+            kv[:, 0] = apply_rotary(k, cos, sin)  # rotate keys in place inside qkv
+            attn = attend(i, q, kv)  # [T, H * D]
+            x = x + F.linear(attn, lw.o_proj, lw.o_bias)  # [T, hidden]
+            x = x + swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [N, hidden]
+        x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]
+        return F.linear(x, self.lm_head).float()  # [N, vocab]

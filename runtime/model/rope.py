@@ -1,0 +1,101 @@
+"""Rotary position embeddings for arbitrary per-token positions.
+
+Owner: the model runner. Positions are whatever the caller wrote (SPEC §3 ``input_at``):
+they need not be contiguous, increasing or unique, so cos/sin are computed from the
+position values of each forward (once per forward, shared by every layer), never from a
+token's index in the sequence.
+
+The inverse frequencies follow transformers' ``modeling_rope_utils`` exactly (same fp32
+arithmetic), so our rotations match the HF oracle bit-for-bit on the same device:
+
+* default: ``inv_freq[i] = 1 / theta ** (2i / head_dim)``;
+* ``linear``: ``inv_freq / factor``;
+* ``llama3``: low frequencies divided by ``factor``, high frequencies kept, a smooth
+  interpolation in between (Llama 3.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.model.config import ModelConfig
+
+__all__ = ["inv_freq_for", "RotaryEmbedding", "apply_rotary"]
+
+
+def inv_freq_for(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, fp32 on CPU.
+
+    Args:
+        config: the model config (``head_dim``, ``rope_theta``, ``rope_scaling``).
+
+    Returns:
+        Tensor[head_dim // 2] (float32).
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)  # [D/2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq  # [D/2]
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise RuntimeError(f"rope_type {rope_type!r} passed config validation but has no rule")
+
+
+class RotaryEmbedding:
+    """cos/sin tables for one forward, from explicit positions.
+
+    Args:
+        config: the model config.
+        device: where the forward runs.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        self.inv_freq = inv_freq_for(config).to(device)  # [D/2] fp32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotation tables for these positions.
+
+        Args:
+            positions: Tensor[T] (int64) rotary position of each new token.
+            dtype: the model's compute dtype.
+
+        Returns:
+            (cos, sin), each Tensor[T, 1, head_dim] in ``dtype`` (the 1 broadcasts over heads).
+        """
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate query or key heads (the "rotate half" convention of HF Llama/Qwen).
+
+    Args:
+        x: Tensor[T, heads, D].
+        cos: Tensor[T, 1, D].
+        sin: Tensor[T, 1, D].
+
+    Returns:
+        Tensor[T, heads, D].
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
+    return x * cos + rotated * sin

@@ -1,0 +1,184 @@
+"""ModelRunner: one batched forward over the paged KV pool.
+
+Owner: the engine calls :meth:`ModelRunner.forward` once per scheduler step. The runner
+owns the fused weights and the attention backend; it does NOT own the pool tensor or the
+page tables (runtime/kv does): it only writes K/V of the new tokens into the slots their
+page tables name, for every layer.
+
+Contract (docs/design.md, runtime/model): new token ``j`` of a sequence is written at KV
+index ``num_cached + j`` = page ``page_table[idx // page_size]``, slot
+``idx % page_size``; logits come back for ``logit_indices`` only, in batch order then
+``logit_indices`` order, as float32. Every input is validated before any slot is written,
+so a rejected batch leaves the pool untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pie_ctx.errors import InvalidArgument
+from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
+from runtime.model.config import ModelConfig
+from runtime.model.model import Transformer
+
+__all__ = ["SeqInput", "ModelRunner"]
+
+
+@dataclass(slots=True)
+class SeqInput:
+    """One context's share of a forward."""
+
+    tokens: list[int]  # new tokens of this context in this step
+    positions: list[int]  # their rotary positions (arbitrary)
+    page_table: list[int]  # every page of the context, in KV order
+    num_cached: int  # KV entries already present before these tokens
+    logit_indices: list[int]  # which of `tokens` need logits (indices into tokens)
+    mask: np.ndarray | None = None  # bool [len(tokens), num_cached + len(tokens)]; None = causal
+
+
+class ModelRunner:
+    """Runs the model over batches of :class:`SeqInput` against a paged pool.
+
+    Args:
+        config: the model config, or a loaded model (anything with ``.config`` and
+            ``.weights``, e.g. ``LoadedModel``), in which case ``weights`` is omitted and
+            the remaining arguments shift left: ``ModelRunner(loaded, pool_kv, page_size)``.
+        weights: HF-named tensors.
+        pool_kv: Tensor[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]; its
+            device and dtype are the model's.
+        page_size: tokens per page.
+        backend: attention backend; default chooses flash-attn on CUDA when available.
+
+    Raises:
+        InvalidArgument: the pool's shape does not fit the model.
+        ModelError: a weight is missing or mis-shaped.
+    """
+
+    def __init__(self, config: Any, weights: Any, pool_kv: Any = None, page_size: Any = None,
+                 backend: AttentionBackend | None = None) -> None:
+        if not isinstance(config, ModelConfig) and hasattr(config, "weights"):
+            # design.md form: ModelRunner(loaded, pool_kv, page_size, backend=None)
+            config, weights, pool_kv, page_size, backend = (
+                config.config, config.weights, weights, pool_kv, page_size or backend)
+        if not isinstance(pool_kv, torch.Tensor) or not isinstance(page_size, int):
+            raise InvalidArgument("ModelRunner needs (config, weights, pool_kv, page_size)")
+        c: ModelConfig = config
+        want = (c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim)
+        if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
+            raise InvalidArgument(
+                f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "
+                f"[num_pages, {', '.join(map(str, want))}]")
+        self.config = c
+        self.pool_kv = pool_kv
+        self.page_size = page_size
+        self.num_pages = int(pool_kv.shape[0])
+        self.device = pool_kv.device
+        self.dtype = pool_kv.dtype
+        self.model = Transformer(c, weights, self.device, self.dtype)
+        self.backend = backend or select_backend(self.device, self.dtype, page_size)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights the forward reads per step."""
+        return self.model.weight_bytes()
+
+    def forward(self, batch: list[SeqInput]) -> torch.Tensor:
+        """Write the batch's K/V into the pool and return the requested logits.
+
+        Args:
+            batch: one entry per context; each needs at least one new token.
+
+        Returns:
+            Tensor[num_logit_rows, vocab] float32, rows in batch then ``logit_indices`` order.
+
+        Raises:
+            InvalidArgument: a malformed entry (lengths, page table too short, page id or
+                token out of range, bad mask); nothing is written.
+        """
+        with torch.inference_mode():
+            meta, tokens, rows = self._build(batch)
+            self.backend.prepare(meta, self.pool_kv)
+            pool, backend = self.pool_kv, self.backend
+
+            def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                return backend.forward(layer, q, kv, pool, meta)
+
+            return self.model.forward(tokens, meta.positions, attend, rows)
+
+    def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Validate the batch and flatten it into tensors and attention metadata."""
+        if not batch:
+            raise InvalidArgument("forward needs at least one sequence")
+        s, vocab = self.page_size, self.config.vocab_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_pages: list[int] = []
+        write_slots: list[int] = []
+        rows: list[int] = []
+        q_lens, cached, kv_lens, tables = [], [], [], []
+        masks: list[torch.Tensor | None] = []
+        for i, seq in enumerate(batch):
+            n, nc = len(seq.tokens), seq.num_cached
+            if n == 0:
+                raise InvalidArgument(f"batch[{i}]: no new tokens")
+            if len(seq.positions) != n:
+                raise InvalidArgument(f"batch[{i}]: {len(seq.positions)} positions for {n} tokens")
+            if nc < 0:
+                raise InvalidArgument(f"batch[{i}]: num_cached must be >= 0, got {nc}")
+            kv_len = nc + n
+            if len(seq.page_table) * s < kv_len:
+                raise InvalidArgument(
+                    f"batch[{i}]: page table of {len(seq.page_table)} pages holds "
+                    f"{len(seq.page_table) * s} tokens, needs {kv_len}; reserve pages first")
+            pt = seq.page_table
+            if pt and (min(pt) < 0 or max(pt) >= self.num_pages):
+                raise InvalidArgument(f"batch[{i}]: page id out of range [0, {self.num_pages})")
+            if min(seq.tokens) < 0 or max(seq.tokens) >= vocab:
+                raise InvalidArgument(f"batch[{i}]: token id out of range [0, {vocab})")
+            if seq.logit_indices and (min(seq.logit_indices) < 0 or max(seq.logit_indices) >= n):
+                raise InvalidArgument(f"batch[{i}]: logit index out of range [0, {n})")
+            masks.append(self._check_mask(i, seq.mask, n, kv_len))
+            base = len(tokens)
+            rows.extend(base + j for j in seq.logit_indices)
+            tokens.extend(seq.tokens)
+            positions.extend(seq.positions)
+            for idx in range(nc, kv_len):
+                write_pages.append(pt[idx // s])
+                write_slots.append(idx % s)
+            q_lens.append(n)
+            cached.append(nc)
+            kv_lens.append(kv_len)
+            tables.append(list(pt[: (kv_len + s - 1) // s]))
+        if len(set(zip(write_pages, write_slots, strict=True))) != len(write_pages):
+            raise InvalidArgument("two new tokens in this batch write the same KV slot")
+        dev = self.device
+        meta = AttentionMetadata(
+            page_size=s, query_lens=q_lens, num_cached=cached, kv_lens=kv_lens,
+            page_tables=tables,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            write_pages=torch.tensor(write_pages, dtype=torch.int64, device=dev),
+            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=dev),
+            masks=masks,
+        )
+        token_t = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        return meta, token_t, row_t
+
+    def _check_mask(self, i: int, mask: np.ndarray | None, n: int, kv_len: int) -> torch.Tensor | None:
+        """Validate one custom mask and convert it to a bool tensor on the model's device."""
+        if mask is None:
+            return None
+        m = np.asarray(mask)
+        if m.dtype != np.bool_:
+            raise InvalidArgument(f"batch[{i}]: mask must be bool (True = attend), got {m.dtype}")
+        if m.shape != (n, kv_len):
+            raise InvalidArgument(
+                f"batch[{i}]: mask shape {m.shape}, expected (len(tokens), num_cached + "
+                f"len(tokens)) = ({n}, {kv_len})")
+        if not m.any(axis=1).all():
+            raise InvalidArgument(f"batch[{i}]: every mask row must attend to at least one entry")
+        return torch.from_numpy(np.ascontiguousarray(m)).to(self.device)
