@@ -1,0 +1,189 @@
+"""Paged equivalences: any chunking, page size, batch mix or mask == the dense reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import PagedSeq, free_list, make_hf_model, make_runner, random_tokens
+
+from pie_ctx.errors import InvalidArgument
+from runtime.model.reference import causal_mask, dense_forward
+from runtime.model.runner import ModelRunner, SeqInput
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> torch.nn.Module:
+    return make_hf_model("llama3", seed=7, num_layers=2)
+
+
+def _runner(hf_model: torch.nn.Module, page_size: int) -> ModelRunner:
+    return make_runner(hf_model, page_size=page_size, num_pages=max(64, 400 // page_size))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 5])
+@pytest.mark.parametrize("chunk", [None, 1, 7, 16])
+def test_chunked_prefill_equals_dense(hf_model: torch.nn.Module, page_size: int,
+                                      chunk: int | None) -> None:
+    runner = _runner(hf_model, page_size)
+    tokens = random_tokens(37, seed=11)
+    dense = dense_forward(runner.model, tokens)  # [37, V]
+    seq = PagedSeq(runner, free_list(runner, seed=page_size))
+    step = chunk or len(tokens)
+    parts = [seq.run(tokens[i:i + step]) for i in range(0, len(tokens), step)]
+    _close(torch.cat(parts), dense)
+
+
+def test_mixed_batch_of_five_equals_each_alone(hf_model: torch.nn.Module) -> None:
+    """Decodes, cached chunks and fresh prefills of different lengths in one forward."""
+    runner = _runner(hf_model, 16)
+    prompts = [random_tokens(n, seed=20 + n) for n in (1, 9, 17, 33, 50)]
+    cached = [0, 8, 10, 32, 0]  # tokens already in the KV cache before the batched step
+    free = free_list(runner, seed=3)
+    seqs = [PagedSeq(runner, free) for _ in prompts]
+    for seq, p, c in zip(seqs, prompts, cached, strict=True):
+        if c:
+            seq.run(p[:c])
+    batch = [seq.step(p[c:]) for seq, p, c in zip(seqs, prompts, cached, strict=True)]
+    batch[3].logit_indices = [0]  # a decode asks for its single row
+    batch[2].logit_indices = [6, 0]  # arbitrary order is preserved
+    out = runner.forward(batch)
+    row = 0
+    for seq_in, p, c in zip(batch, prompts, cached, strict=True):
+        alone = make_runner(hf_model, page_size=16)
+        solo = PagedSeq(alone, free_list(alone, seed=9))
+        if c:
+            solo.run(p[:c])
+        want = solo.run(p[c:])[seq_in.logit_indices]
+        n = len(seq_in.logit_indices)
+        _close(out[row:row + n], want)
+        _close(out[row:row + n], dense_forward(runner.model, p)[[c + j for j in seq_in.logit_indices]])
+        row += n
+    assert row == out.shape[0]
+
+
+def test_batched_decode_equal_and_unequal_lengths(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    free = free_list(runner, seed=4)
+    for lengths in ((20, 20, 20), (3, 40, 17)):
+        prompts = [random_tokens(n + 1, seed=n) for n in lengths]
+        seqs = [PagedSeq(runner, free) for _ in prompts]
+        for seq, p in zip(seqs, prompts, strict=True):
+            seq.run(p[:-1])
+        out = runner.forward([seq.step(p[-1:]) for seq, p in zip(seqs, prompts, strict=True)])
+        for i, p in enumerate(prompts):
+            _close(out[i:i + 1], dense_forward(runner.model, p)[-1:])
+
+
+def test_custom_tree_mask(hf_model: torch.nn.Module) -> None:
+    """Two branches after a shared prefix, written in one pass; branch b cannot see a."""
+    runner = _runner(hf_model, 16)
+    prefix, a, b = random_tokens(6, seed=1), random_tokens(3, seed=2), random_tokens(2, seed=3)
+    seq = PagedSeq(runner, free_list(runner))
+    seq.run(prefix)
+    new = a + b
+    mask = np.zeros((5, 11), dtype=np.bool_)
+    mask[:, :6] = True
+    for j in range(3):
+        mask[j, 6:6 + j + 1] = True  # a_j sees a_0..a_j
+    for j in range(2):
+        mask[3 + j, 9:9 + j + 1] = True  # b_j sees b_0..b_j only
+    positions = [6, 7, 8, 6, 7]  # both branches continue at position 6
+    out = seq.run(new, positions=positions, mask=mask)
+    full = np.zeros((11, 11), dtype=np.bool_)
+    full[:6, :6] = causal_mask(6)
+    full[6:] = mask
+    dense = dense_forward(runner.model, prefix + new, list(range(6)) + positions, full)
+    _close(out, dense[6:])
+    # branch b equals a plain causal run of prefix + b
+    _close(out[3:], dense_forward(runner.model, prefix + b)[6:])
+
+
+def test_custom_mask_mixed_with_causal_sequences(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 5)
+    free = free_list(runner, seed=5)
+    toks = random_tokens(8, seed=8)
+    mask = np.ones((8, 8), dtype=np.bool_)  # bidirectional block
+    s1, s2 = PagedSeq(runner, free), PagedSeq(runner, free)
+    other = random_tokens(13, seed=9)
+    out = runner.forward([s1.step(toks, mask=mask), s2.step(other)])
+    _close(out[:8], dense_forward(runner.model, toks, mask=mask))
+    _close(out[8:], dense_forward(runner.model, other))
+
+
+def test_arbitrary_positions_chunked(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    tokens = random_tokens(24, seed=12)
+    positions = list(range(1000, 1012)) + [3] * 4 + list(range(50, 58))
+    seq = PagedSeq(runner, free_list(runner))
+    out = torch.cat([seq.run(tokens[:12], positions=positions[:12]),
+                     seq.run(tokens[12:], positions=positions[12:])])
+    _close(out, dense_forward(runner.model, tokens, positions))
+
+
+def test_fork_shares_pages_and_decodes_like_parent(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    free = free_list(runner, seed=6)
+    parent = PagedSeq(runner, free)
+    parent.run(random_tokens(32, seed=13))  # two full pages
+    child = PagedSeq(runner, free, pages=list(parent.pages), num_cached=32)
+    nxt = random_tokens(3, seed=14)
+    got_child = child.run(nxt)
+    got_parent = parent.run(nxt)
+    assert child.pages[:2] == parent.pages[:2] and child.pages[2] != parent.pages[2]
+    _close(got_child, got_parent)
+
+
+def test_truncate_then_refeed_reproduces(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    seq = PagedSeq(runner, free_list(runner))
+    seq.run(random_tokens(20, seed=15))
+    tail = random_tokens(6, seed=16)
+    first = seq.run(tail)
+    seq.num_cached -= 6  # truncate: the slots will be overwritten
+    seq.run(random_tokens(6, seed=17))  # something else in between
+    seq.num_cached -= 6
+    _close(seq.run(tail), first)
+
+
+def test_pages_outside_the_tables_are_untouched(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    seq = PagedSeq(runner, free_list(runner))
+    seq.run(random_tokens(40, seed=18))
+    others = sorted(set(range(runner.num_pages)) - set(seq.pages))
+    assert runner.pool_kv[others].abs().sum().item() == 0.0
+    assert runner.pool_kv[seq.pages[:2]].abs().sum().item() > 0.0
+
+
+@pytest.mark.parametrize("bad", ["short_table", "token", "mask_shape", "mask_row", "dup_slot",
+                                 "page_id", "positions", "logit_index"])
+def test_invalid_batch_raises_and_writes_nothing(hf_model: torch.nn.Module, bad: str) -> None:
+    runner = _runner(hf_model, 16)
+    ok = SeqInput([1, 2, 3], [0, 1, 2], [4], 0, [2], None)
+    seq = SeqInput([5, 6], [0, 1], [7], 0, [1], None)
+    if bad == "short_table":
+        seq = SeqInput(list(range(20)), list(range(20)), [7], 0, [0], None)
+    elif bad == "token":
+        seq.tokens = [5, 10**6]
+    elif bad == "mask_shape":
+        seq.mask = np.ones((2, 3), dtype=np.bool_)
+    elif bad == "mask_row":
+        seq.mask = np.array([[True, False], [False, False]])
+    elif bad == "dup_slot":
+        seq.page_table = [4]
+    elif bad == "page_id":
+        seq.page_table = [runner.num_pages]
+    elif bad == "positions":
+        seq.positions = [0]
+    elif bad == "logit_index":
+        seq.logit_indices = [2]
+    with pytest.raises(InvalidArgument):
+        runner.forward([ok, seq])
+    assert runner.pool_kv.abs().sum().item() == 0.0
