@@ -1,0 +1,190 @@
+"""Model loading: resolve a model reference, fetch/convert if needed, load weights + tokenizer.
+
+Owner: this package owns the on-disk model cache (see :mod:`.cache`) and produces
+:class:`LoadedModel` records; it never runs the model. Public API::
+
+    loaded = load_model()                       # the default SmolLM2-135M-Instruct
+    loaded = load_model("smollm2-135m")         # a known short name
+    loaded = load_model("/path/to/hf-folder")   # config.json + *.safetensors + tokenizer.json
+    loaded = load_model("/path/to/model.gguf")  # converted once into the cache, then loaded
+    loaded.config, loaded.weights["model.embed_tokens.weight"], loaded.tokenizer.encode("hi")
+
+A GGUF is dequantized to float32 once, at conversion; the requested dtype is applied when
+the converted folder is loaded (float32 on CPU, bfloat16 on CUDA, unless ``dtype`` says).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pie_ctx.errors import InvalidArgument, ModelError
+
+from ..config import ModelConfig
+from . import cache
+from .convert import ensure_converted, gguf_cache_name
+from .default import DEFAULT_NAME, default_gguf_path, ensure_default
+from .hf import load_tokenizer, load_weights, read_config
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+__all__ = [
+    "LoadedModel", "CachedModel", "load_model", "resolve_model", "list_cached_models",
+    "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
+]
+
+# Short names -> cache entry of a model pie-ctx knows how to fetch.
+KNOWN_MODELS: dict[str, str] = {
+    "default": DEFAULT_NAME,
+    "smollm2-135m": DEFAULT_NAME,
+    "smollm2-135m-instruct": DEFAULT_NAME,
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for the runner: config, weights (HF names) and tokenizer."""
+
+    name: str
+    config: ModelConfig
+    config_dict: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path
+
+
+@dataclass(slots=True)
+class CachedModel:
+    """One converted model in the cache (for ``pie-ctx models``)."""
+
+    name: str
+    path: Path
+    size_bytes: int
+    source: dict[str, Any]
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument(f"device {device!r} is not a torch device (try 'cpu' or 'cuda')") from None
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise InvalidArgument(f"dtype {dtype!r} is unsupported; use float32, bfloat16 or float16")
+
+
+def resolve_model(ref: str | Path | None = None, *, progress: bool = True) -> tuple[str, Path]:
+    """Turn a model reference into ``(name, HF-layout folder)``, fetching/converting if needed.
+
+    Args:
+        ref: None or ``"default"`` (the default model), a known short name (see
+            :data:`KNOWN_MODELS`), a checkpoint folder, or a ``.gguf`` file.
+        progress: show fetch/convert progress on stderr.
+
+    Returns:
+        The model's display name and the folder to load.
+
+    Raises:
+        ModelError: the reference names nothing loadable.
+    """
+    if ref is None or (isinstance(ref, str) and ref.lower() in KNOWN_MODELS):
+        name = KNOWN_MODELS[(ref or "default").lower()]
+        return name, ensure_default(progress=progress)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path.name, path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.stem, ensure_converted(path, gguf_cache_name(path), progress=progress)
+    if path.is_file():
+        raise ModelError(f"model file {path} is not a .gguf; pass a GGUF file or an HF folder")
+    raise ModelError(f"model {str(ref)!r} not found: not a known name "
+                     f"({', '.join(sorted(KNOWN_MODELS))}), a folder, or a .gguf file")
+
+
+def load_model(
+    ref: str | Path | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model's config, weights and tokenizer.
+
+    Args:
+        ref: see :func:`resolve_model` (None = the default SmolLM2-135M-Instruct).
+        dtype: weight dtype; default float32 on CPU, bfloat16 on CUDA.
+        device: where weights go; default CUDA when available, else CPU.
+        progress: show fetch/convert progress bars on stderr.
+
+    Returns:
+        The :class:`LoadedModel`.
+
+    Raises:
+        InvalidArgument: bad dtype or device.
+        ModelError: a file is missing, corrupt or unsupported (the message says which and
+            what to do).
+    """
+    dev = _resolve_device(device)
+    dt = _resolve_dtype(dtype, dev)
+    name, folder = resolve_model(ref, progress=progress)
+    config_dict = read_config(folder)
+    config = ModelConfig.from_hf_config(config_dict)
+    weights = load_weights(folder, dt, dev)
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelError(f"model {folder} has no model.embed_tokens.weight; is it a causal LM?")
+    tokenizer = load_tokenizer(folder, config_dict)
+    return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
+                       tokenizer=tokenizer, path=folder)
+
+
+def pull_default(*, force: bool = False, progress: bool = True) -> Path:
+    """Fetch and convert the default model into the cache (``pie-ctx models pull``).
+
+    Args:
+        force: fetch and convert again even if cached.
+        progress: show progress bars on stderr.
+
+    Returns:
+        The converted folder.
+
+    Raises:
+        ModelError: fetch, verification or conversion failed.
+    """
+    folder = ensure_default(progress=progress, force=force)
+    if progress:
+        print(f"pie-ctx: default model ready in {folder}", file=sys.stderr)
+    return folder
+
+
+def list_cached_models() -> list[CachedModel]:
+    """Every complete converted model in the cache, sorted by name (``pie-ctx models``)."""
+    root = cache.models_dir()
+    out: list[CachedModel] = []
+    if not root.is_dir():
+        return out
+    for folder in sorted(root.iterdir()):
+        manifest = cache.read_manifest(folder) if folder.is_dir() else None
+        if manifest is None:
+            continue
+        size = sum(int(v) for v in manifest.get("files", {}).values())
+        out.append(CachedModel(name=folder.name, path=folder, size_bytes=size,
+                               source=dict(manifest.get("source", {}))))
+    return out

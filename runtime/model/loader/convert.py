@@ -1,0 +1,141 @@
+"""Convert a GGUF file once into an HF-layout cache folder.
+
+Owner: the loader; writes only under the cache (see :mod:`.cache`). The converted folder
+holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
+dequantized, HF names, Q/K un-permuted), ``tokenizer.json``, ``tokenizer_config.json``
+(chat template and special tokens) and the cache manifest. Later starts load that folder
+with the plain HF loader, which is much faster than reading and dequantizing the GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pie_ctx.errors import ModelError
+
+from . import cache
+from .gguf_file import GGUFModel
+from .gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer
+
+__all__ = ["CONVERTER_VERSION", "convert_gguf", "gguf_cache_name", "ensure_converted"]
+
+# Bump when the converted layout changes; folders of another version are rebuilt.
+CONVERTER_VERSION = 1
+
+
+def gguf_cache_name(gguf_path: Path) -> str:
+    """Cache entry name of a user GGUF: its stem plus a key of path, size and mtime."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return f"gguf-{gguf_path.stem.lower()}-{key[:12]}"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
+    """Write the HF-layout conversion of ``gguf_path`` into the new folder ``out_dir``.
+
+    Args:
+        gguf_path: the source GGUF.
+        out_dir: an empty, existing folder (normally a cache staging folder).
+        progress: show a tqdm bar over tensors on stderr.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        ModelError: the GGUF is unreadable or describes an unsupported model or tokenizer.
+    """
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    model = GGUFModel(gguf_path)
+    spec = GGUFTokenizerSpec.from_metadata(model.metadata)
+    tokenizer = build_gguf_tokenizer(spec)
+
+    tensors: dict[str, np.ndarray] = {}
+    bar = tqdm(total=model.num_tensors, desc=f"converting {gguf_path.name}", unit="tensor",
+               file=sys.stderr, disable=not progress, leave=False)
+    with bar:
+        for name, array in model.iter_tensors():
+            tensors[name] = np.ascontiguousarray(array, dtype=np.float32)
+            bar.update(1)
+    try:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    except OSError as e:
+        raise ModelError(f"cannot write {out_dir / 'model.safetensors'} ({e}); free disk space "
+                         "or set PIE_CTX_CACHE to another folder") from None
+
+    config = dict(model.config)
+    _write_json(out_dir / "config.json", config)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    if spec.extra_stop_ids and spec.eos_token_id is not None:
+        gen["eos_token_id"] = [spec.eos_token_id, *spec.extra_stop_ids]
+    _write_json(out_dir / "generation_config.json", gen)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tok_cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.token(spec.bos_token_id),
+        "eos_token": spec.token(spec.eos_token_id),
+        "unk_token": spec.token(spec.unk_token_id),
+        "pad_token": spec.token(spec.pad_token_id),
+        "add_bos_token": spec.add_bos_token,
+        "add_eos_token": spec.add_eos_token,
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    if spec.chat_template:
+        tok_cfg["chat_template"] = spec.chat_template
+    _write_json(out_dir / "tokenizer_config.json", {k: v for k, v in tok_cfg.items() if v is not None})
+    return out_dir
+
+
+def ensure_converted(gguf_path: Path, name: str, *, progress: bool = True,
+                     force: bool = False) -> Path:
+    """The converted cache folder of ``gguf_path`` under entry ``name``, converting if needed.
+
+    Safe under concurrency: conversion runs under the entry lock into a staging folder that
+    is renamed into place, so readers see a complete folder or none.
+
+    Args:
+        gguf_path: the source GGUF.
+        name: the cache entry name (folder under ``models/``).
+        progress: show progress bars on stderr.
+        force: rebuild even if a complete conversion exists.
+
+    Returns:
+        The converted folder.
+
+    Raises:
+        ModelError: as :func:`convert_gguf`, or the cache is not writable.
+    """
+    final = cache.models_dir() / name
+    if not force and _is_current(final):
+        return final
+    with cache.entry_lock(name):
+        if not force and _is_current(final):  # another process converted it meanwhile
+            return final
+        tmp = cache.staging_dir(final)
+        try:
+            convert_gguf(gguf_path, tmp, progress=progress)
+            cache.write_manifest(tmp, {"gguf": str(gguf_path), "converter": CONVERTER_VERSION})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        return cache.publish(tmp, final)
+
+
+def _is_current(folder: Path) -> bool:
+    manifest = cache.read_manifest(folder)
+    return manifest is not None and manifest.get("source", {}).get("converter") == CONVERTER_VERSION
