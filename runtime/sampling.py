@@ -1,0 +1,171 @@
+"""Token sampling over a step's logit rows, plus the raw outputs the SDK exposes.
+
+Owner: the engine calls :func:`sample_rows` once per step on the logits the runner
+returned. Each request keeps its own ``torch.Generator`` (see :func:`make_generator`),
+seeded from ``SamplerParams.seed``, and each sampled row draws exactly one uniform number
+from its own generator, so a request's tokens are reproducible and do not depend on which
+other requests share the batch.
+
+Filters run in fp32 in this order, each on the distribution the previous one left
+(HF ``generate`` semantics): temperature, top-k, top-p (smallest prefix of the sorted
+distribution whose mass reaches ``top_p``), min-p (drop tokens below ``min_p`` times the
+top probability). Every filter keeps a prefix of the tokens sorted by probability, and
+always keeps the most likely token. ``temperature == 0`` is greedy (argmax; filters are
+irrelevant), vectorised over all greedy rows.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import msgspec
+import torch
+
+from pie_ctx.errors import InvalidArgument
+
+__all__ = ["SamplerParams", "make_generator", "sample_rows", "logprobs", "top_k_distribution"]
+
+
+class SamplerParams(msgspec.Struct, frozen=True):
+    """How to pick the next token. The defaults are greedy decoding.
+
+    Raises:
+        InvalidArgument: a value is out of range (on construction).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private generator: seeded from ``seed``, or from OS entropy if None."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return gen
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplerParams],
+                generators: list[torch.Generator | None]) -> list[int]:
+    """Pick one token per logit row.
+
+    Args:
+        logits: Tensor[n, V] (any float dtype).
+        params: n sampler settings, one per row.
+        generators: n generators (None = torch's global RNG); greedy rows ignore theirs.
+
+    Returns:
+        n token ids.
+
+    Raises:
+        InvalidArgument: the list lengths do not match the number of rows.
+    """
+    n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise InvalidArgument(
+            f"sample_rows: {n} logit rows but {len(params)} params and {len(generators)} generators")
+    out = [0] * n
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        rows = logits if len(greedy) == n else logits[greedy]
+        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            out[i] = tok
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        chosen = _sample(logits[sampled].float(), [params[i] for i in sampled],
+                         [generators[i] for i in sampled])
+        for i, tok in zip(sampled, chosen, strict=True):
+            out[i] = tok
+    return out
+
+
+def _sample(x: torch.Tensor, params: list[SamplerParams],
+            generators: list[torch.Generator | None]) -> list[int]:
+    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V]."""
+    m, vocab = x.shape
+    dev = x.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)  # [m]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)  # [m]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)  # [m]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)  # [m]
+
+    sorted_logits, order = torch.sort(x / temp[:, None], dim=-1, descending=True)  # [m, V]
+    ranks = torch.arange(vocab, device=dev)  # [V]
+    keep = ranks[None, :] < top_k[:, None]  # [m, V] top-k prefix
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+    probs = torch.softmax(torch.where(keep, sorted_logits, neg_inf), dim=-1)  # [m, V]
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [m, V]
+    keep &= mass_before < top_p[:, None]  # top-p prefix (first token always kept)
+    probs = torch.softmax(torch.where(keep, sorted_logits, neg_inf), dim=-1)
+    keep &= probs >= min_p[:, None] * probs[:, :1]  # min-p relative to the top token
+    probs = torch.where(keep, probs, torch.zeros((), device=dev))  # [m, V]
+    cdf = torch.cumsum(probs, dim=-1)  # [m, V] (unnormalised after min-p)
+
+    u = torch.empty(m, device=dev)
+    for i, gen in enumerate(generators):  # one draw per row from the row's own generator
+        u[i] = torch.rand((), generator=gen, device=dev) if gen is not None else torch.rand(())
+    target = u[:, None] * cdf[:, -1:]  # [m, 1]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)  # [m, 1]
+    # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
+    idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
+    return order.gather(1, idx).squeeze(1).tolist()
+
+
+def logprobs(logits_row: torch.Tensor, token_ids: list[int]) -> list[float]:
+    """Log-probabilities (temperature 1, fp32) of ``token_ids`` under one logit row.
+
+    Args:
+        logits_row: Tensor[V].
+        token_ids: tokens to score.
+
+    Returns:
+        One log-probability per token id.
+
+    Raises:
+        InvalidArgument: a token id is outside the vocabulary.
+    """
+    vocab = logits_row.shape[-1]
+    if any(t < 0 or t >= vocab for t in token_ids):
+        raise InvalidArgument(f"logprobs: token ids must be in [0, {vocab})")
+    lp = torch.log_softmax(logits_row.float(), dim=-1)  # [V]
+    return lp[torch.tensor(token_ids, dtype=torch.int64, device=lp.device)].tolist()
+
+
+def top_k_distribution(logits_row: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens and their probabilities (temperature 1, fp32).
+
+    Args:
+        logits_row: Tensor[V].
+        k: how many tokens, 1 <= k <= V.
+
+    Returns:
+        (ids, probs), most likely first.
+
+    Raises:
+        InvalidArgument: k out of range.
+    """
+    vocab = logits_row.shape[-1]
+    if not 1 <= k <= vocab:
+        raise InvalidArgument(f"top_k_distribution: k must be in [1, {vocab}], got {k}")
+    probs = torch.softmax(logits_row.float(), dim=-1)  # [V]
+    values, ids = torch.topk(probs, k)
+    return ids.tolist(), values.tolist()
