@@ -1,0 +1,164 @@
+"""Synthetic GGUF files and HF folders for the loader and tokenizer tests.
+
+Owner: tests/model (loader side). Everything here is tiny and seeded: a 2-layer model with
+hidden size 64 (a multiple of 32, so Q8_0 blocks fit one row) and a byte-level BPE
+vocabulary of 3 control tokens, the 256 byte symbols and a handful of merges.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from runtime.model.loader.gguf_file import permute_qk
+from runtime.model.loader.gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer, byte_to_unicode
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 96, 2, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "1 2"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def tiny_tokens() -> list[str]:
+    """Vocabulary: control tokens, the 256 byte symbols, then one token per merge."""
+    merged = ["".join(m.split(" ")) for m in MERGES]
+    return CONTROL + [byte_to_unicode()[b] for b in range(256)] + merged
+
+
+def tiny_spec(pre: str = "smollm", add_bos: bool = False) -> GGUFTokenizerSpec:
+    """The tokenizer metadata of the synthetic GGUF, as the loader sees it."""
+    tokens = tiny_tokens()
+    return GGUFTokenizerSpec(
+        model="gpt2", pre=pre, tokens=tokens, token_types=[3] * 3 + [1] * (len(tokens) - 3),
+        merges=list(MERGES), bos_token_id=1, eos_token_id=2, unk_token_id=0, pad_token_id=2,
+        extra_stop_ids=[], add_bos_token=add_bos, add_eos_token=False, chat_template=CHAT_TEMPLATE,
+    )
+
+
+def hf_reference_weights(seed: int = 0, tied: bool = True, qkv_bias: bool = False) -> dict[str, np.ndarray]:
+    """Random fp32 weights in HF naming and layout (what the loader must reproduce)."""
+    rng = np.random.default_rng(seed)
+    vocab = len(tiny_tokens())
+
+    def r(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": r(vocab, HIDDEN), "model.norm.weight": r(HIDDEN)}
+    if not tied:
+        w["lm_head.weight"] = r(vocab, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": r(HIDDEN), p + "post_attention_layernorm.weight": r(HIDDEN),
+              p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.k_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.v_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
+              p + "mlp.gate_proj.weight": r(FFN, HIDDEN), p + "mlp.up_proj.weight": r(FFN, HIDDEN),
+              p + "mlp.down_proj.weight": r(HIDDEN, FFN)}
+        if qkv_bias:
+            w |= {p + "self_attn.q_proj.bias": r(HEADS * HEAD_DIM),
+                  p + "self_attn.k_proj.bias": r(KV_HEADS * HEAD_DIM),
+                  p + "self_attn.v_proj.bias": r(KV_HEADS * HEAD_DIM)}
+    return w
+
+
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down"}
+QUANTIZED = ("attn_k.weight", "ffn_up.weight")  # stored as Q8_0; everything else F32
+
+
+def gguf_name(hf: str) -> str:
+    """llama.cpp name of an HF tensor name (test-side inverse of the loader's mapping)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+
+
+def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
+                    meta_overrides: dict[str, Any] | None = None) -> Path:
+    """Write ``hf`` as a llama.cpp-style GGUF (Q/K permuted for llama; some tensors Q8_0)."""
+    spec = tiny_spec()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.context_length", 256)
+    w.add_uint32(f"{arch}.embedding_length", HIDDEN)
+    w.add_uint32(f"{arch}.block_count", LAYERS)
+    w.add_uint32(f"{arch}.feed_forward_length", FFN)
+    w.add_uint32(f"{arch}.attention.head_count", HEADS)
+    w.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    w.add_float32(f"{arch}.rope.freq_base", 50000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "smollm")
+    w.add_array("tokenizer.ggml.tokens", spec.tokens)
+    w.add_array("tokenizer.ggml.token_type", spec.token_types)
+    w.add_array("tokenizer.ggml.merges", spec.merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 2)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    for key, value in (meta_overrides or {}).items():
+        w.add_key_value(key, value[0], value[1])
+    for name, array in hf.items():
+        gname = gguf_name(name)
+        if arch == "llama" and ".attn_q." in gname:
+            array = permute_qk(array, HEADS)
+        elif arch == "llama" and ".attn_k." in gname:
+            array = permute_qk(array, KV_HEADS)
+        if gname.endswith(QUANTIZED):
+            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def q8_roundtrip(array: np.ndarray) -> np.ndarray:
+    """What a Q8_0 tensor dequantizes to (rows quantize independently of their order)."""
+    q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+    return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(array.shape)
+
+
+def write_tiny_hf_folder(folder: Path, hf: dict[str, np.ndarray], shards: int = 1) -> Path:
+    """An HF checkpoint folder (config, safetensors, possibly sharded, tokenizer files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": len(tiny_tokens()),
+           "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5,
+           "rope_theta": 50000.0, "max_position_embeddings": 256,
+           "tie_word_embeddings": "lm_head.weight" not in hf, "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    names = sorted(hf)
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: torch.from_numpy(hf[n]) for n in part}, str(folder / fname), metadata={"format": "pt"})
+        weight_map |= {n: fname for n in part}
+    if shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    build_gguf_tokenizer(tiny_spec()).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return folder
