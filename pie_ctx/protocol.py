@@ -1,0 +1,305 @@
+"""Plain-data messages between the SDK and the runtime.
+
+The same msgspec Structs travel in-process (passed as objects to ``Engine.handle``) and over
+a socket (MessagePack frames, see ``runtime/server``). This module is pure Python: the SDK
+imports it without torch.
+
+Requests are a tagged union (``Request``); each request has exactly one reply type, or an
+``ErrorReply`` carrying the typed error's class name and message. ``Generate`` is the one
+streaming request: it yields ``GenerateChunk`` messages and ends with ``GenerateDone``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class SamplerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick a token from a row of logits.
+
+    ``temperature == 0`` means greedy (the other fields are ignored). Filters apply in the
+    order temperature, top-k, top-p, min-p. ``seed`` makes sampling reproducible and
+    independent of whatever else shares the batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class ContextState(msgspec.Struct, frozen=True, kw_only=True):
+    """A context's counters, sent with every reply that may have changed them."""
+
+    seq_len: int
+    page_size: int
+    num_committed_pages: int
+    num_working_pages: int
+    num_working_tokens: int
+    next_position: int
+
+
+class PassReport(msgspec.Struct, kw_only=True):
+    """What a flush or forward pass did: tokens written, pages reused vs computed."""
+
+    tokens_written: int = 0
+    tokens_computed: int = 0
+    pages_reused: int = 0
+    pages_computed: int = 0
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Request(msgspec.Struct, tag=True, kw_only=True, frozen=True):
+    pass
+
+
+class CreateContext(_Request):
+    pass
+
+
+class ForkContext(_Request):
+    ctx: int
+
+
+class ReleaseContext(_Request):
+    ctx: int
+
+
+class GetState(_Request):
+    ctx: int
+
+
+class ReservePages(_Request):
+    ctx: int
+    num_pages: int
+
+
+class CommitPages(_Request):
+    ctx: int
+    num_pages: int
+
+
+class ReleasePages(_Request):
+    ctx: int
+    num_pages: int
+
+
+class TruncateTokens(_Request):
+    ctx: int
+    num_tokens: int
+
+
+class SaveSnapshot(_Request):
+    ctx: int
+    name: str
+
+
+class OpenSnapshot(_Request):
+    name: str
+
+
+class TakeSnapshot(_Request):
+    name: str
+
+
+class DeleteSnapshot(_Request):
+    name: str
+
+
+class ListSnapshots(_Request):
+    pass
+
+
+class SampleSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    sampler: SamplerSpec
+
+
+class DistributionSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    top_k: int
+
+
+class LogprobSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    token_ids: list[int]
+
+
+class Forward(_Request):
+    """Write ``tokens`` into the context and probe the outputs at some of their indices.
+
+    ``positions`` defaults to consecutive positions from the context's ``next_position``.
+    ``mask`` (optional) has one row per token, each of length ``seq_len + len(tokens)``
+    (every KV entry the token could see, including the new ones); True = attend.
+    ``commit`` commits every full working page afterwards; ``reuse_prefix`` lets the engine
+    attach already-computed pages instead of computing them (causal, default positions only).
+    """
+
+    ctx: int
+    tokens: list[int]
+    positions: list[int] | None = None
+    mask: list[list[bool]] | None = None
+    commit: bool = True
+    reuse_prefix: bool = False
+    sample: list[SampleSpec] = []
+    logits: list[int] = []
+    distributions: list[DistributionSpec] = []
+    logprobs: list[LogprobSpec] = []
+
+
+class Generate(_Request):
+    """Write ``tokens`` (the prompt not yet in KV), then decode until a stop condition.
+
+    The last token sampled is *not* written to the KV cache (nothing has read it yet); it
+    comes back in ``GenerateDone.pending`` for the caller to write with its next pass.
+    ``stop_token_ids=None`` means the model's end-of-turn tokens.
+    """
+
+    ctx: int
+    tokens: list[int]
+    sampler: SamplerSpec = SamplerSpec()
+    max_tokens: int = 256
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] = []
+
+
+class Tokenize(_Request):
+    text: str
+
+
+class GetInfo(_Request):
+    pass
+
+
+class GetStats(_Request):
+    pass
+
+
+Request = (
+    CreateContext
+    | ForkContext
+    | ReleaseContext
+    | GetState
+    | ReservePages
+    | CommitPages
+    | ReleasePages
+    | TruncateTokens
+    | SaveSnapshot
+    | OpenSnapshot
+    | TakeSnapshot
+    | DeleteSnapshot
+    | ListSnapshots
+    | Forward
+    | Generate
+    | Tokenize
+    | GetInfo
+    | GetStats
+)
+
+# ------------------------------------------------------------------------------ replies
+
+
+class _Reply(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+class Ok(_Reply):
+    pass
+
+
+class ContextReply(_Reply):
+    ctx: int
+    state: ContextState
+
+
+class StateReply(_Reply):
+    state: ContextState
+    ok: bool = True  # False = back-pressure (e.g. not enough pages to reserve right now)
+
+
+class SnapshotList(_Reply):
+    names: list[str]
+
+
+class Distribution(msgspec.Struct, kw_only=True):
+    token_ids: list[int]
+    probs: list[float]
+
+
+class ForwardReply(_Reply):
+    state: ContextState
+    report: PassReport
+    sampled: list[int] = []
+    logits: list[bytes] = []  # float32 little-endian rows of vocab_size values
+    distributions: list[Distribution] = []
+    logprobs: list[list[float]] = []
+
+
+class GenerateChunk(_Reply):
+    tokens: list[int]
+    text: str
+
+
+class GenerateDone(_Reply):
+    finish_reason: str  # "stop_token" | "stop_string" | "length"
+    tokens: list[int]  # every token sampled, including the pending one
+    pending: list[int]  # tokens sampled but not yet in the KV cache (the last one)
+    state: ContextState
+    report: PassReport
+
+
+class TokenIds(_Reply):
+    token_ids: list[int]
+
+
+class EngineInfo(_Reply):
+    protocol_version: int
+    model_name: str
+    page_size: int
+    num_pages: int
+    vocab_size: int
+    max_seq_len: int
+    stop_token_ids: list[int]
+    max_step_tokens: int
+
+
+class EngineStats(_Reply):
+    num_pages_total: int
+    num_pages_free: int
+    num_pages_used: int
+    num_pages_cached: int
+    num_contexts: int
+    num_snapshots: int
+    num_steps: int
+    num_model_calls: int
+    tokens_computed: int
+    pages_reused: int
+    pages_computed: int
+    hit_rate: float
+    model_seconds: float
+    scheduler_seconds: float
+
+
+class ErrorReply(_Reply):
+    kind: str  # class name in pie_ctx.errors
+    message: str
+
+
+Reply = (
+    Ok
+    | ContextReply
+    | StateReply
+    | SnapshotList
+    | ForwardReply
+    | GenerateChunk
+    | GenerateDone
+    | TokenIds
+    | EngineInfo
+    | EngineStats
+    | ErrorReply
+)

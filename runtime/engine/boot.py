@@ -1,0 +1,58 @@
+"""Build an engine from a model reference: load the model, size the pool, wire the runner.
+
+Owns nothing after it returns; the engine owns what it builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pie_ctx.errors import InvalidArgument
+
+
+def pool_pages_for(config: Any, page_size: int, dtype: torch.dtype, kv_memory_gb: float) -> int:
+    """How many pages of this model fit in ``kv_memory_gb`` GiB."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_bytes = config.num_layers * 2 * page_size * config.num_kv_heads * config.head_dim * itemsize
+    return max(1, int(kv_memory_gb * 2**30) // page_bytes)
+
+
+def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int | None = None,
+                kv_memory_gb: float = 2.0, dtype: Any = None, device: Any = None,
+                max_step_tokens: int = 1024, progress: bool = True) -> Any:
+    """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
+
+    Args:
+        model: a model reference (see ``runtime.model.loader.resolve_model``).
+        page_size: tokens per page (engine-wide, fixed for the engine's life).
+        num_pages: pool size; default: as many as ``kv_memory_gb`` holds.
+        kv_memory_gb: KV pool budget used when ``num_pages`` is None.
+        dtype, device: model/pool dtype and device (defaults: fp32 on CPU, bf16 on CUDA).
+        max_step_tokens: token budget of one model call.
+        progress: progress bars while fetching/converting.
+
+    Raises:
+        InvalidArgument: a size is not positive.
+        ModelError: the model cannot be loaded.
+    """
+    from runtime.engine.engine import Engine
+    from runtime.kv.store import PageStore
+    from runtime.model.loader import load_model
+    from runtime.model.runner import ModelRunner
+
+    if not isinstance(page_size, int) or page_size < 1:
+        raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
+    if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
+        raise InvalidArgument(f"num_pages must be a positive int, got {num_pages!r}")
+    loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+    cfg = loaded.config
+    weight = loaded.weights["model.embed_tokens.weight"]
+    pages = num_pages or pool_pages_for(cfg, page_size, weight.dtype, kv_memory_gb)
+    store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                      dtype=weight.dtype, device=weight.device)
+    runner = ModelRunner(cfg, loaded.weights, store.pool.kv, page_size)
+    return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
+                  vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
+                  max_step_tokens=max_step_tokens)

@@ -1,0 +1,665 @@
+"""The engine: one narrow async request interface over the page store and the model.
+
+Owns: the page store (pool, trie, contexts, snapshots), the model runner (through the step
+executor), the scheduler and its loop, and the table of public context handles. The SDK and
+the server both talk to it with the plain-data messages of ``pie_ctx.protocol``:
+
+    reply = await engine.handle(request, owner=..., namespace=...)
+    async for message in engine.generate(request, ...): ...
+
+Every ``PieError`` comes back as an ``ErrorReply`` (``raise_errors=True`` raises instead)
+and changes nothing. Requests on one context are serialized by that context's lock; requests
+on different contexts run concurrently and their model work shares each step's model call.
+
+Usage::
+
+    async with Engine.boot(model=None, page_size=16) as engine:
+        reply = await engine.handle(CreateContext())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+import xxhash
+
+from pie_ctx import protocol as P
+from pie_ctx.errors import (
+    ContextClosed,
+    ContextTooLong,
+    InvalidArgument,
+    OutOfPages,
+    PieError,
+)
+from runtime.engine.executor import StepExecutor
+from runtime.engine.jobs import Job, JobKind, JobStatus
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.stops import StopChecker
+from runtime.kv.snapshots import DEFAULT_NAMESPACE
+
+__all__ = ["Engine", "ContextRecord"]
+
+
+@dataclass(slots=True, eq=False)
+class ContextRecord:
+    """A public context handle: which store context it is now, who owns it, its lock."""
+
+    handle: int
+    cid: Any  # store ContextId; replaced when a job's shadow is swapped in
+    owner: Any
+    # A semaphore, not a lock: a generation takes it in the caller's task and the engine
+    # loop gives it back when the job ends.
+    lock: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(1))
+    # Logits of the last token written, so generate() can start right after a flush.
+    last_logits: np.ndarray | None = None
+
+
+class Engine:
+    """Continuous-batching engine over one model and one page store.
+
+    Args:
+        store: the ``PageStore``.
+        runner: anything with ``forward(list[SeqInput]) -> Tensor[rows, vocab]``.
+        tokenizer: decodes generated text (``decode``, ``encode``, ``stop_token_ids``).
+        model_name, vocab_size, max_seq_len: reported in ``EngineInfo``; ``max_seq_len``
+            bounds positions.
+        max_step_tokens: token budget of one model call (prefill chunks + decodes).
+        stall_timeout: seconds a request waiting for pages that only a release elsewhere can
+            free keeps waiting before it fails with ``OutOfPages``.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        runner: Any,
+        tokenizer: Any,
+        *,
+        model_name: str = "model",
+        vocab_size: int,
+        max_seq_len: int,
+        max_step_tokens: int = 1024,
+        stall_timeout: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.tokenizer = tokenizer
+        self.executor = StepExecutor(runner)
+        self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens)
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.stall_timeout = stall_timeout
+        self.stop_token_ids: list[int] = sorted(getattr(tokenizer, "stop_token_ids", []) or [])
+        self._records: dict[int, ContextRecord] = {}
+        self._next_handle = 1
+        self._next_job = 1
+        self._wake = anyio.Event()
+        self._gc_queue: deque[int] = deque()  # handles whose SDK object was collected
+        self._task_group: Any = None
+        self._snapshot_logits: dict[tuple[str, str], np.ndarray | None] = {}
+        self.model_seconds = 0.0
+        self.scheduler_seconds = 0.0
+        self.num_tokens_computed = 0
+        self.num_pages_reused = 0
+        self.num_pages_computed = 0
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def boot(cls, model: str | None = None, *, page_size: int = 16, num_pages: int | None = None,
+             kv_memory_gb: float = 2.0, dtype: Any = None, device: Any = None,
+             max_step_tokens: int = 1024, progress: bool = True) -> Engine:
+        """Load a model and build an engine around it (see ``runtime.engine.boot``)."""
+        from runtime.engine.boot import boot_engine
+
+        return boot_engine(model, page_size=page_size, num_pages=num_pages,
+                           kv_memory_gb=kv_memory_gb, dtype=dtype, device=device,
+                           max_step_tokens=max_step_tokens, progress=progress)
+
+    async def __aenter__(self) -> Engine:
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self._loop)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._task_group.cancel_scope.cancel()
+        return await self._task_group.__aexit__(*exc)
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._collect_garbage()
+            t0 = time.perf_counter()
+            plan = self.scheduler.plan()
+            while self.scheduler.dropped:
+                self._notify(self.scheduler.dropped.pop())
+            self.scheduler_seconds += time.perf_counter() - t0
+            if plan is None:
+                stalled = self.scheduler.stalled
+                with anyio.move_on_after(self.stall_timeout if stalled else 0.5) as scope:
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+                if scope.cancelled_caught and stalled is not None and stalled is self.scheduler.stalled:
+                    job = self.scheduler.fail_stalled()
+                    if job is not None:
+                        self._notify(job)
+                continue
+            t1 = time.perf_counter()
+            try:
+                results: Any = await anyio.to_thread.run_sync(self.executor.run, plan)
+            except Exception as exc:  # a model failure fails this step's jobs, not the engine
+                results = RuntimeError(f"model step failed: {exc!r}")
+            t2 = time.perf_counter()
+            self.model_seconds += t2 - t1
+            for job in self.scheduler.complete(plan, results):
+                self._notify(job)
+            self.scheduler_seconds += time.perf_counter() - t2
+
+    def _notify(self, job: Job) -> None:
+        self.executor.forget(job.key)
+        report = job.report
+        self.num_tokens_computed += report.tokens_computed
+        if job.error is None and not job.cancelled:
+            self.num_pages_reused += report.pages_reused
+            self.num_pages_computed += report.pages_computed
+        if job.waiter is not None:
+            job.waiter(job)
+
+    # -------------------------------------------------------------------------- helpers
+
+    def _record(self, handle: int, owner: Any) -> ContextRecord:
+        record = self._records.get(handle)
+        if record is None or record.owner != owner:
+            raise ContextClosed(
+                f"context {handle} is unknown or released; create, fork or open a new one"
+            )
+        return record
+
+    def _new_record(self, cid: Any, owner: Any, last_logits: np.ndarray | None) -> ContextRecord:
+        record = ContextRecord(self._next_handle, cid, owner, last_logits=last_logits)
+        self._next_handle += 1
+        self._records[record.handle] = record
+        return record
+
+    def _state(self, record: ContextRecord) -> P.ContextState:
+        s = self.store.state(record.cid)
+        return P.ContextState(
+            seq_len=s.seq_len, page_size=s.page_size, num_committed_pages=s.num_committed_pages,
+            num_working_pages=s.num_working_pages, num_working_tokens=s.num_working_tokens,
+            next_position=self.store.next_position(record.cid),
+        )
+
+    def _context_reply(self, record: ContextRecord) -> P.ContextReply:
+        return P.ContextReply(ctx=record.handle, state=self._state(record))
+
+    def release_soon(self, handle: int) -> None:
+        """Release a handle from any thread (used when an SDK object is garbage collected)."""
+        self._gc_queue.append(handle)
+
+    def _collect_garbage(self) -> None:
+        while self._gc_queue:
+            handle = self._gc_queue.popleft()
+            record = self._records.get(handle)
+            if record is not None and not _busy(record):
+                self._release_record(record)
+            elif record is not None:
+                self._gc_queue.append(handle)
+                return
+
+    def _release_record(self, record: ContextRecord) -> None:
+        self._records.pop(record.handle, None)
+        self.store.release(record.cid)
+        self._kick()  # pages came back: a stalled job may run now
+
+    def release_owner(self, owner: Any) -> int:
+        """Release every context of one owner (a disconnected client, an exited inferlet)."""
+        records = [r for r in self._records.values() if r.owner == owner]
+        for record in records:
+            if _busy(record):
+                self.release_soon(record.handle)
+            else:
+                self._release_record(record)
+        return len(records)
+
+    def contexts_of(self, owner: Any) -> list[int]:
+        return [h for h, r in self._records.items() if r.owner == owner]
+
+    # ------------------------------------------------------------------------- requests
+
+    async def handle(self, req: Any, *, owner: Any = None, namespace: str = DEFAULT_NAMESPACE,
+                     raise_errors: bool = False) -> Any:
+        """Answer one non-streaming request. See the module docstring."""
+        self._collect_garbage()
+        try:
+            method = self._handlers[type(req)]
+        except KeyError:
+            err: PieError = InvalidArgument(f"unknown request type {type(req).__name__}")
+            if raise_errors:
+                raise err from None
+            return P.ErrorReply(kind=type(err).__name__, message=str(err))
+        try:
+            return await method(self, req, owner, namespace)
+        except PieError as err:
+            if raise_errors:
+                raise
+            return P.ErrorReply(kind=type(err).__name__, message=str(err))
+
+    async def _create(self, req: P.CreateContext, owner: Any, ns: str) -> P.ContextReply:
+        return self._context_reply(self._new_record(self.store.create_context(), owner, None))
+
+    async def _fork(self, req: P.ForkContext, owner: Any, ns: str) -> P.ContextReply:
+        parent = self._record(req.ctx, owner)
+        async with parent.lock:
+            cid = self.store.fork(parent.cid)
+        return self._context_reply(self._new_record(cid, owner, parent.last_logits))
+
+    async def _release(self, req: P.ReleaseContext, owner: Any, ns: str) -> P.Ok:
+        record = self._record(req.ctx, owner)
+        async with record.lock:
+            if self._records.get(record.handle) is record:
+                self._release_record(record)
+        return P.Ok()
+
+    async def _get_state(self, req: P.GetState, owner: Any, ns: str) -> P.StateReply:
+        return P.StateReply(state=self._state(self._record(req.ctx, owner)))
+
+    async def _raw(self, req: Any, owner: Any, ns: str) -> P.StateReply:
+        record = self._record(req.ctx, owner)
+        async with record.lock:
+            ok = True
+            if isinstance(req, P.ReservePages):
+                _check_count("num_pages", req.num_pages)
+                if req.num_pages > self.store.num_pages_total:
+                    raise OutOfPages(f"cannot reserve {req.num_pages} pages: the pool has only "
+                                     f"{self.store.num_pages_total}")
+                ok = self.store.reserve_working_pages(record.cid, req.num_pages)
+            elif isinstance(req, P.CommitPages):
+                self.store.commit_working_pages(record.cid, req.num_pages)
+            elif isinstance(req, P.ReleasePages):
+                self.store.release_working_pages(record.cid, req.num_pages)
+                record.last_logits = None
+            else:
+                self.store.truncate_working_page_tokens(record.cid, req.num_tokens)
+                if req.num_tokens:
+                    record.last_logits = None
+            if not isinstance(req, P.ReservePages):
+                self._kick()
+            return P.StateReply(state=self._state(record), ok=ok)
+
+    async def _save(self, req: P.SaveSnapshot, owner: Any, ns: str) -> P.Ok:
+        record = self._record(req.ctx, owner)
+        async with record.lock:
+            self.store.save(record.cid, req.name, ns)
+            self._snapshot_logits[(ns, req.name)] = record.last_logits
+        return P.Ok()
+
+    async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
+        cid = self.store.open(req.name, ns)
+        logits = self._snapshot_logits.get((ns, req.name))
+        return self._context_reply(self._new_record(cid, owner, logits))
+
+    async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
+        cid = self.store.take(req.name, ns)
+        logits = self._snapshot_logits.pop((ns, req.name), None)
+        return self._context_reply(self._new_record(cid, owner, logits))
+
+    async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:
+        self.store.delete(req.name, ns)
+        self._snapshot_logits.pop((ns, req.name), None)
+        self._kick()
+        return P.Ok()
+
+    async def _list(self, req: P.ListSnapshots, owner: Any, ns: str) -> P.SnapshotList:
+        return P.SnapshotList(names=self.store.list(ns))
+
+    async def _tokenize(self, req: P.Tokenize, owner: Any, ns: str) -> P.TokenIds:
+        return P.TokenIds(token_ids=list(self.tokenizer.encode(req.text)))
+
+    async def _info(self, req: P.GetInfo, owner: Any, ns: str) -> P.EngineInfo:
+        return self.info()
+
+    def info(self) -> P.EngineInfo:
+        return P.EngineInfo(
+            protocol_version=P.PROTOCOL_VERSION, model_name=self.model_name,
+            page_size=self.store.page_size, num_pages=self.store.num_pages_total,
+            vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+            stop_token_ids=self.stop_token_ids, max_step_tokens=self.scheduler.max_step_tokens,
+        )
+
+    async def _stats(self, req: P.GetStats, owner: Any, ns: str) -> P.EngineStats:
+        return self.stats()
+
+    def stats(self) -> P.EngineStats:
+        s = self.store.stats()
+        looked_up = self.num_pages_reused + self.num_pages_computed
+        return P.EngineStats(
+            num_pages_total=s.num_pages_total, num_pages_free=s.num_pages_free,
+            num_pages_used=s.num_pages_working + s.num_pages_committed,
+            num_pages_cached=s.num_pages_cached, num_contexts=len(self._records),
+            num_snapshots=s.num_snapshots, num_steps=self.scheduler.num_steps,
+            num_model_calls=self.executor.num_model_calls,
+            tokens_computed=self.num_tokens_computed, pages_reused=self.num_pages_reused,
+            pages_computed=self.num_pages_computed,
+            hit_rate=self.num_pages_reused / looked_up if looked_up else 0.0,
+            model_seconds=self.model_seconds, scheduler_seconds=self.scheduler_seconds,
+        )
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _validate_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        out = list(tokens)
+        for t in out:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidArgument(
+                    f"{what}: token id {t!r} is not in [0, {self.vocab_size}) for this model"
+                )
+        return out
+
+    def _positions(self, record: ContextRecord, tokens: list[int],
+                   positions: Sequence[int] | None) -> list[int]:
+        seq_len = self.store.state(record.cid).seq_len
+        if seq_len + len(tokens) > self.max_seq_len:
+            raise ContextTooLong(
+                f"{seq_len} tokens in the context + {len(tokens)} new exceed the model's "
+                f"{self.max_seq_len}; truncate, or start a new context"
+            )
+        if positions is None:
+            start = self.store.next_position(record.cid)
+            return list(range(start, start + len(tokens)))
+        out = list(positions)
+        if len(out) != len(tokens):
+            raise InvalidArgument(f"{len(out)} positions for {len(tokens)} tokens; give one each")
+        for p in out:
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.max_seq_len:
+                raise InvalidArgument(f"position {p!r} is not in [0, {self.max_seq_len})")
+        return out
+
+    def _new_job(self, kind: JobKind, record: ContextRecord, tokens: list[int],
+                 positions: list[int], **kw: Any) -> Job:
+        job = Job(kind=kind, handle=record, tokens=tokens, positions=positions,
+                  extras=kw.pop("extras", None) or [0] * len(tokens), key=self._next_job, **kw)
+        self._next_job += 1
+        return job
+
+    async def _run_job(self, job: Job) -> None:
+        """Submit a job and wait for it; cancellation rolls it back."""
+        done = anyio.Event()
+        job.waiter = lambda _job: done.set()
+        self.scheduler.submit(job)
+        self._kick()
+        try:
+            await done.wait()
+        except BaseException:
+            self.cancel(job)
+            raise
+        if job.error is not None:
+            raise job.error
+
+    async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
+        record = self._record(req.ctx, owner)
+        async with record.lock:
+            tokens = self._validate_tokens(req.tokens, "forward")
+            if not tokens:
+                raise InvalidArgument("forward: give at least one input token")
+            positions = self._positions(record, tokens, req.positions)
+            mask, extras = self._mask(record, req.mask, len(tokens))
+            n = len(tokens)
+            for what, idx in ([("sample", s.index) for s in req.sample]
+                              + [("logits", i) for i in req.logits]
+                              + [("distribution", d.index) for d in req.distributions]
+                              + [("logprobs", lp.index) for lp in req.logprobs]):
+                if not isinstance(idx, int) or not 0 <= idx < n:
+                    raise InvalidArgument(f"{what} index {idx!r} is not in [0, {n}) (the pass's tokens)")
+            for d in req.distributions:
+                if not 1 <= d.top_k <= self.vocab_size:
+                    raise InvalidArgument(f"distribution top_k must be in [1, {self.vocab_size}]")
+            for lp in req.logprobs:
+                self._validate_tokens(lp.token_ids, "logprobs")
+            for s in req.sample:
+                _check_sampler(s.sampler)
+            needed = math.ceil((self.store.state(record.cid).seq_len + n) / self.store.page_size)
+            if needed > self.store.num_pages_total:
+                raise OutOfPages(f"this pass needs {needed} pages; the pool has "
+                                 f"{self.store.num_pages_total}")
+            sample = [P.SampleSpec(index=s.index, sampler=_seeded(s.sampler)) for s in req.sample]
+            logits = list(req.logits)
+            if n - 1 not in logits:
+                logits.append(n - 1)  # kept as the context's last logits (see ContextRecord)
+            job = self._new_job(
+                JobKind.FORWARD, record, tokens, positions, extras=extras, mask=mask,
+                commit=req.commit, reuse_prefix=req.reuse_prefix and mask is None
+                and req.positions is None, sample=sample, logits=logits,
+                distributions=list(req.distributions), logprobs=list(req.logprobs),
+            )
+            await self._run_job(job)
+            last = np.frombuffer(job.logits_out[logits.index(n - 1)], dtype="<f4")
+            record.last_logits = last if mask is None else None
+            out_logits = job.logits_out[: len(req.logits)]
+            return P.ForwardReply(
+                state=self._state(record), report=job.report, sampled=job.sampled_out,
+                logits=out_logits, distributions=job.distributions_out,
+                logprobs=job.logprobs_out,
+            )
+
+    def _mask(self, record: ContextRecord, rows: list[list[bool]] | None,
+              n: int) -> tuple[np.ndarray | None, list[int] | None]:
+        if rows is None:
+            return None, None
+        width = self.store.state(record.cid).seq_len + n
+        if len(rows) != n or any(len(r) != width for r in rows):
+            raise InvalidArgument(
+                f"attention_mask needs {n} rows (one per new token) of {width} booleans "
+                f"(every KV entry: the context's {width - n} plus the {n} new ones)"
+            )
+        mask = np.asarray(rows, dtype=bool)
+        # Pages written under a custom mask must never be shared with causal ones: each
+        # token's mask row folds into its page hash's `extra` (0 is reserved for causal).
+        extras = [xxhash.xxh3_64_intdigest(np.packbits(r).tobytes()) | 1 for r in mask]
+        return mask, extras
+
+    async def generate(self, req: P.Generate, *, owner: Any = None,
+                       namespace: str = DEFAULT_NAMESPACE) -> GenerationStream:
+        """Start a generation; iterate the returned stream for its messages.
+
+        The stream yields ``GenerateChunk``s and ends with ``GenerateDone`` or an
+        ``ErrorReply``. Closing it early (``aclose()``, or dropping it) cancels the
+        generation and leaves the context exactly as it was.
+        """
+        self._collect_garbage()
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        try:
+            record = self._record(req.ctx, owner)
+        except PieError as err:
+            send.send_nowait(P.ErrorReply(kind=type(err).__name__, message=str(err)))
+            send.close()
+            return GenerationStream(self, None, receive)
+        await record.lock.acquire()
+        try:
+            job = self._generate_job(record, req)
+        except BaseException as err:
+            record.lock.release()
+            if not isinstance(err, PieError):
+                raise
+            send.send_nowait(P.ErrorReply(kind=type(err).__name__, message=str(err)))
+            send.close()
+            return GenerationStream(self, None, receive)
+
+        def on_chunk(tokens: list[int], text: str) -> None:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                send.send_nowait(P.GenerateChunk(tokens=tokens, text=text))
+
+        def on_done(job: Job) -> None:
+            try:
+                if job.error is not None:
+                    err = job.error
+                    kind = type(err).__name__ if isinstance(err, PieError) else "PieError"
+                    final: Any = P.ErrorReply(kind=kind, message=str(err))
+                elif job.cancelled:
+                    final = None
+                else:
+                    record.last_logits = None
+                    final = P.GenerateDone(
+                        finish_reason=job.finish_reason, tokens=list(job.generated),
+                        pending=job.generated[-1:], state=self._state(record), report=job.report,
+                    )
+                if final is not None:
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        send.send_nowait(final)
+                send.close()
+            finally:
+                record.lock.release()
+
+        job.on_chunk = on_chunk
+        job.waiter = on_done
+        self.scheduler.submit(job)
+        self._kick()
+        return GenerationStream(self, job, receive)
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a job; its context stays exactly as it was before the job."""
+        if job.status is JobStatus.DONE:
+            return
+        if self.scheduler.cancel(job):
+            self._notify(job)
+        self._kick()
+
+    def _generate_job(self, record: ContextRecord, req: P.Generate) -> Job:
+        tokens = self._validate_tokens(req.tokens, "generate")
+        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be a positive int, got {req.max_tokens!r}")
+        _check_sampler(req.sampler)
+        first_logits = None
+        if not tokens:
+            if record.last_logits is None:
+                raise InvalidArgument(
+                    "generate: nothing to continue from; add tokens (e.g. cue()) or flush a "
+                    "prompt first"
+                )
+            first_logits = record.last_logits
+        positions = self._positions(record, tokens, None)
+        seq_len = self.store.state(record.cid).seq_len
+        if seq_len + len(tokens) + req.max_tokens > self.max_seq_len:
+            raise ContextTooLong(
+                f"{seq_len} + {len(tokens)} prompt + max_tokens {req.max_tokens} exceed the "
+                f"model's {self.max_seq_len} tokens; lower max_tokens"
+            )
+        needed = math.ceil((seq_len + len(tokens) + req.max_tokens) / self.store.page_size)
+        if needed > self.store.num_pages_total:
+            raise OutOfPages(
+                f"prompt + max_tokens need {needed} pages; the pool has "
+                f"{self.store.num_pages_total}: lower max_tokens or enlarge the pool"
+            )
+        stops = self.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
+        self._validate_tokens(stops, "stop_token_ids")
+        if any(not isinstance(s, str) for s in req.stop_strings):
+            raise InvalidArgument("stop strings must be str")
+        sampler = _seeded(req.sampler)
+        return self._new_job(
+            JobKind.GENERATE, record, tokens, positions, commit=True, reuse_prefix=True,
+            sampler=sampler, seed=sampler.seed or 0, max_tokens=req.max_tokens,
+            stop_token_ids=frozenset(stops), first_logits=first_logits,
+            stop=StopChecker(self._decode, req.stop_strings),
+        )
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    _handlers: dict[type, Callable[..., Any]] = {
+        P.CreateContext: _create,
+        P.ForkContext: _fork,
+        P.ReleaseContext: _release,
+        P.GetState: _get_state,
+        P.ReservePages: _raw,
+        P.CommitPages: _raw,
+        P.ReleasePages: _raw,
+        P.TruncateTokens: _raw,
+        P.SaveSnapshot: _save,
+        P.OpenSnapshot: _open,
+        P.TakeSnapshot: _take,
+        P.DeleteSnapshot: _delete,
+        P.ListSnapshots: _list,
+        P.Forward: _forward,
+        P.Tokenize: _tokenize,
+        P.GetInfo: _info,
+        P.GetStats: _stats,
+    }
+
+
+def _busy(record: ContextRecord) -> bool:
+    return record.lock.value == 0
+
+
+class GenerationStream:
+    """Messages of one generation: ``async for msg in stream`` (see ``Engine.generate``)."""
+
+    def __init__(self, engine: Engine, job: Job | None, receive: Any) -> None:
+        self._engine = engine
+        self._job = job
+        self._receive = receive
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self._receive.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel the generation if it is still running (idempotent, sync)."""
+        if self._job is not None and self._job.status is not JobStatus.DONE:
+            self._engine.cancel(self._job)
+        self._receive.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        job = self._job
+        if job is not None and job.status is not JobStatus.DONE:
+            job.cancelled = True  # the scheduler drops it at the next step boundary
+
+
+def _check_count(name: str, n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise InvalidArgument(f"{name} must be a non-negative int, got {n!r}")
+
+
+def _check_sampler(s: P.SamplerSpec) -> None:
+    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
+        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}")
+    if s.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
+    if not 0 < s.top_p <= 1:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p < 1:
+        raise InvalidArgument(f"min_p must be in [0, 1), got {s.min_p}")
+
+
+def _seeded(s: P.SamplerSpec) -> P.SamplerSpec:
+    """Give an unseeded sampler a seed now, so a preempted job replays the same tokens."""
+    if s.seed is not None or s.temperature == 0:
+        return s
+    seed = int.from_bytes(np.random.bytes(8), "little") >> 1
+    return P.SamplerSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                         min_p=s.min_p, seed=seed)

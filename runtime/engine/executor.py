@@ -1,0 +1,102 @@
+"""The step executor: one model call plus the per-row outputs, run off the event loop.
+
+Owns: the per-job sampling generators. Runs in the engine's worker thread and touches only
+the plan it is given and the pool tensor (through the runner); all page bookkeeping stays
+with the scheduler on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from runtime.engine.scheduler import RowResult, StepPlan
+from runtime.model.runner import SeqInput
+from runtime.sampling import SamplerParams, logprobs, sample_rows, top_k_distribution
+
+
+class Runner(Protocol):
+    def forward(self, batch: list[SeqInput]) -> torch.Tensor: ...
+
+
+class StepExecutor:
+    """Runs a ``StepPlan`` through a runner and answers every row request."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._generators: dict[int, torch.Generator] = {}
+        self.num_model_calls = 0
+
+    def forget(self, job_key: int) -> None:
+        """Drop a finished job's generator."""
+        self._generators.pop(job_key, None)
+
+    def run(self, plan: StepPlan) -> list[RowResult]:
+        batch = [
+            SeqInput(
+                tokens=c.tokens,
+                positions=c.positions,
+                page_table=c.page_table,
+                num_cached=c.num_cached,
+                logit_indices=c.logit_indices,
+                mask=c.mask,
+            )
+            for c in plan.chunks
+        ]
+        given = [i for i, r in enumerate(plan.rows) if r.given_logits is not None]
+        computed = [i for i, r in enumerate(plan.rows) if r.given_logits is None]
+        logits = None
+        if batch:
+            logits = self.runner.forward(batch).float()  # [num_computed_rows, vocab]
+            self.num_model_calls += 1
+            if logits.shape[0] != len(computed):
+                raise RuntimeError(f"runner returned {logits.shape[0]} rows, expected {len(computed)}")
+        if given:
+            rows = torch.from_numpy(np.stack([plan.rows[i].given_logits for i in given]))
+            if logits is None:
+                logits = rows
+            else:  # put every row back in plan order
+                full = torch.empty((len(plan.rows), logits.shape[1]), dtype=torch.float32)
+                full[computed] = logits
+                full[given] = rows
+                logits = full
+        results = [RowResult() for _ in plan.rows]
+        sample_at: list[int] = []
+        params: list[SamplerParams] = []
+        gens: list[torch.Generator | None] = []
+        for i, req in enumerate(plan.rows):
+            if req.sample is not None:
+                sample_at.append(i)
+                params.append(_params(req.sample))
+                gens.append(self._generator(req.job_key, req.generator_seed, req.sample))
+            if req.raw_logits:
+                results[i].logits = logits[i].numpy().astype("<f4").tobytes()
+            if req.top_k:
+                ids, probs = top_k_distribution(logits[i], req.top_k)
+                results[i].top_ids, results[i].top_probs = list(ids), list(probs)
+            if req.logprob_ids:
+                results[i].logprob_ids = list(req.logprob_ids)
+                results[i].logprobs = list(logprobs(logits[i], req.logprob_ids))
+        if sample_at:
+            tokens = sample_rows(logits[sample_at], params, gens)
+            for i, token in zip(sample_at, tokens, strict=True):
+                results[i].sampled = int(token)
+        return results
+
+    def _generator(self, key: int, seed: int | None, spec: Any) -> torch.Generator | None:
+        if spec.temperature == 0:
+            return None
+        if seed is not None or key not in self._generators:
+            gen = torch.Generator()
+            gen.manual_seed(int(seed if seed is not None else np.random.SeedSequence().entropy) % 2**63)
+            self._generators[key] = gen
+        return self._generators[key]
+
+
+def _params(spec: Any) -> SamplerParams:
+    return SamplerParams(
+        temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
+        seed=spec.seed,
+    )

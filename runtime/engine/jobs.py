@@ -1,0 +1,131 @@
+"""Jobs: one request's progress through the scheduler, as plain data.
+
+A job is a flush/forward (``Forward``) or a generation (``Generate``) on one context. It
+never writes the caller's context directly: on admission the scheduler forks a *shadow*
+(O(1), a copy of at most the working tail) and the job writes only the shadow. When the job
+finishes, the shadow replaces the caller's context in one synchronous swap; when it is
+cancelled, fails or is preempted, the shadow is released and the caller's context is exactly
+as it was. That is how "a failed or cancelled call changes nothing" holds for every request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pie_ctx.errors import PieError
+from pie_ctx.protocol import (
+    Distribution,
+    DistributionSpec,
+    LogprobSpec,
+    PassReport,
+    SamplerSpec,
+    SampleSpec,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from runtime.engine.stops import StopChecker
+
+
+class JobKind(enum.Enum):
+    FORWARD = "forward"
+    GENERATE = "generate"
+
+
+class JobStatus(enum.Enum):
+    WAITING = "waiting"  # queued for admission (no shadow yet)
+    ACTIVE = "active"  # admitted: has a shadow, scheduled step by step
+    DONE = "done"  # finished, failed or cancelled; `error` tells which
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request on one context. Fields after ``status`` are owned by the scheduler."""
+
+    kind: JobKind
+    handle: Any  # the engine's ContextRecord (its `.cid` is the caller's store context)
+    tokens: list[int]
+    positions: list[int]
+    extras: list[int]
+    mask: np.ndarray | None = None  # bool [len(tokens), base_seq_len + len(tokens)]
+    commit: bool = True
+    reuse_prefix: bool = False
+    # forward probes (indices into `tokens`)
+    sample: list[SampleSpec] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)
+    distributions: list[DistributionSpec] = field(default_factory=list)
+    logprobs: list[LogprobSpec] = field(default_factory=list)
+    # generation
+    sampler: SamplerSpec | None = None
+    seed: int = 0
+    max_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: StopChecker | None = None
+    first_logits: np.ndarray | None = None  # float32 [vocab]: sample the first token from it
+    waiter: Any = None  # engine-side notification (an event or a stream)
+    on_chunk: Callable[[list[int], str], None] | None = None
+
+    key: int = 0  # unique per engine; names the job's sampling generator
+    status: JobStatus = JobStatus.WAITING
+    shadow: Any = None  # store ContextId of the shadow while ACTIVE
+    base_working_pages: int = 0
+    admitted_order: int = 0
+    num_written: int = 0  # prompt tokens written to the shadow (attached + computed)
+    generated: list[int] = field(default_factory=list)
+    num_emitted: int = 0  # generated tokens already streamed (survives preemption)
+    finish_reason: str = ""
+    report: PassReport = field(default_factory=PassReport)
+    sampled_out: list[int] = field(default_factory=list)
+    logits_out: list[bytes] = field(default_factory=list)
+    distributions_out: list[Distribution] = field(default_factory=list)
+    logprobs_out: list[list[float]] = field(default_factory=list)
+    probe_rows: dict[int, Any] = field(default_factory=dict)  # token index -> RowResult
+    error: BaseException | None = None
+    cancelled: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.tokens) - self.num_written
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.kind is JobKind.GENERATE and self.prompt_remaining == 0 and bool(self.generated)
+
+    @property
+    def needs_seed_row(self) -> bool:
+        """A generation with no prompt samples its first token from cached logits."""
+        return self.kind is JobKind.GENERATE and not self.tokens and not self.generated
+
+    def probe_indices(self) -> set[int]:
+        """Indices into ``tokens`` whose logits this job needs."""
+        wanted = {s.index for s in self.sample}
+        wanted.update(self.logits)
+        wanted.update(d.index for d in self.distributions)
+        wanted.update(lp.index for lp in self.logprobs)
+        if self.kind is JobKind.GENERATE and self.tokens:
+            wanted.add(len(self.tokens) - 1)
+        return wanted
+
+    def reset_progress(self) -> None:
+        """Forget everything written to the (released) shadow; keep what was streamed."""
+        self.shadow = None
+        self.status = JobStatus.WAITING
+        self.num_written = 0
+        self.generated = []
+        self.report = PassReport()
+        self.sampled_out = []
+        self.logits_out = []
+        self.distributions_out = []
+        self.logprobs_out = []
+        self.probe_rows = {}
+        if self.stop is not None:
+            self.stop.reset()
+
+    def fail(self, error: PieError | BaseException) -> None:
+        self.error = error
+        self.status = JobStatus.DONE

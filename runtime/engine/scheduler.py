@@ -1,0 +1,451 @@
+"""The scheduler: which tokens of which jobs go into the next model call.
+
+Owns: the job queues and every mutation of context state at run time (through the page
+store). Plain Python over plain data: it never touches tensors, so tests drive it with a
+fake executor.
+
+A step is ``plan() -> StepPlan`` (sync), the model call (off the event loop, by the engine),
+then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md):
+
+1. Admission, FIFO: a waiting job gets a shadow fork of its context (and attaches any
+   cached prefix pages); a job that cannot get its pages waits, and everyone behind it too,
+   so a large request is never starved by a stream of small ones.
+2. Every decoding job contributes one token per step: a 10,000-token generation gets the
+   same one token per step as everyone else.
+3. Prefill chunks fill the remaining token budget, round-robin from a rotating start, so
+   long prompts are chunked and cannot starve decodes or each other.
+4. Pages are reserved per chunk. If nothing can run because the pool is full, the most
+   recently admitted job is preempted: its shadow is released (its committed pages stay
+   cached, so re-admission mostly re-attaches them) and it goes back to the queue front.
+   A job that cannot run even alone fails with ``OutOfPages``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pie_ctx.errors import OutOfPages
+from pie_ctx.protocol import Distribution
+from runtime.engine.jobs import Job, JobKind, JobStatus
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One job's part of a step: what the model runner needs, as plain data."""
+
+    tokens: list[int]
+    positions: list[int]
+    page_table: list[int]
+    num_cached: int
+    logit_indices: list[int]  # indices into `tokens`
+    mask: Any = None  # np.ndarray bool [len(tokens), num_cached + len(tokens)] or None
+
+
+@dataclass(slots=True)
+class RowRequest:
+    """What to compute from one logits row (all optional)."""
+
+    sample: Any = None  # SamplerSpec
+    generator_seed: int | None = None  # seed for a fresh generator (None: job's own)
+    job_key: int = 0  # identifies the job's persistent generator
+    raw_logits: bool = False
+    top_k: int = 0  # distribution size (0 = none)
+    logprob_ids: list[int] | None = None
+    given_logits: Any = None  # np.ndarray [vocab]: a row computed earlier (no model row)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[SeqChunk] = field(default_factory=list)
+    rows: list[RowRequest] = field(default_factory=list)
+    # (job, chunk start in job.tokens or -1 for a decode step, chunk length, row offsets)
+    entries: list[tuple[Job, int, int, list[tuple[int, int]]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+@dataclass(slots=True)
+class RowResult:
+    sampled: int | None = None
+    logits: bytes | None = None
+    top_ids: list[int] | None = None
+    top_probs: list[float] | None = None
+    logprob_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+
+class Scheduler:
+    """Continuous batching over every job of every context, within a token budget."""
+
+    def __init__(self, store: Any, *, max_step_tokens: int = 1024) -> None:
+        if max_step_tokens < 1:
+            raise ValueError("max_step_tokens must be >= 1")
+        self.store = store
+        self.page_size: int = store.page_size
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Job] = deque()
+        self.active: list[Job] = []
+        self._rr = 0  # round-robin cursor over active prefills
+        self._admitted = 0
+        self.in_flight: set[Job] = set()
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.stalled: Job | None = None
+        self._held: set[Job] = set()
+        self.dropped: list[Job] = []  # cancelled jobs plan() dropped; the engine drains it
+
+    # ----------------------------------------------------------------- queue management
+
+    def submit(self, job: Job) -> None:
+        job.status = JobStatus.WAITING
+        self.waiting.append(job)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def cancel(self, job: Job) -> bool:
+        """Drop a job, rolling back its shadow.
+
+        Returns:
+            True if it was dropped now; False if it is part of the step being computed (then
+            ``complete`` drops it and returns it among the finished jobs).
+        """
+        job.cancelled = True
+        if job in self.in_flight:
+            return False
+        self._drop(job)
+        return True
+
+    def _drop(self, job: Job) -> None:
+        if job.status is JobStatus.WAITING and job in self.waiting:
+            self.waiting.remove(job)
+        if job in self.active:
+            self.active.remove(job)
+        self._release_shadow(job)
+        job.status = JobStatus.DONE
+
+    def _release_shadow(self, job: Job) -> None:
+        if job.shadow is not None:
+            self.store.release(job.shadow)
+            job.shadow = None
+
+    # ------------------------------------------------------------------------ admission
+
+    def _admit(self) -> None:
+        """Admit waiting jobs in FIFO order while their whole prompt fits in the pool."""
+        while self.waiting:
+            job = self.waiting[0]
+            if job in self._held:
+                return  # preempted during this plan(): let the others run first
+            try:
+                shadow = self.store.fork(job.handle.cid)
+            except OutOfPages:
+                shadow = None
+            if shadow is not None:
+                job.shadow = shadow
+                job.base_working_pages = self.store.state(shadow).num_working_pages
+                if job.reuse_prefix:
+                    self._attach_prefix(job)
+                # The whole prompt's pages up front: a prompt never stalls half-written.
+                extra = 1 if job.kind is JobKind.GENERATE else 0
+                if self._ensure_room(job, job.prompt_remaining + extra):
+                    self.waiting.popleft()
+                    job.status = JobStatus.ACTIVE
+                    self._admitted += 1
+                    job.admitted_order = self._admitted
+                    self.active.append(job)
+                    continue
+                self.store.release(job.shadow)
+                job.reset_progress()
+            if not self.active:
+                self.stalled = job  # only a release elsewhere can help it
+            return
+
+    def _attach_prefix(self, job: Job) -> None:
+        state = self.store.state(job.shadow)
+        if state.num_working_tokens != 0:
+            return
+        # Leave at least one token to compute when its logits are needed.
+        usable = len(job.tokens) - (1 if job.probe_indices() else 0)
+        if usable < self.page_size:
+            return
+        num = self.store.attach_prefix(job.shadow, job.tokens[:usable], job.positions[:usable], 0)
+        job.num_written = num * self.page_size
+        job.report.pages_reused += num
+        job.report.tokens_written += job.num_written
+
+    # ------------------------------------------------------------------------- planning
+
+    def plan(self) -> StepPlan | None:
+        """Choose the next step's chunks; None when nothing can run now.
+
+        When None is returned while jobs exist, ``stalled`` names the job that waits for
+        pages only a release elsewhere can free; the engine fails it with ``fail_stalled``
+        if nothing changes for a while.
+        """
+        self._held = set()
+        self.stalled = None
+        for job in [j for j in (*self.waiting, *self.active) if j.cancelled]:
+            self._drop(job)  # flagged from outside the event loop (a collected stream)
+            self.dropped.append(job)
+        while True:
+            self._admit()
+            if not self.active:
+                return None
+            plan = self._compose()
+            if plan.entries:
+                self.num_steps += 1
+                self.in_flight = {entry[0] for entry in plan.entries}
+                return plan
+            if len(self.active) == 1:
+                self.stalled = self.active[0]
+                return None
+            # The pool is full of running jobs' pages: preempt the most recently admitted.
+            # Its committed pages stay cached, so re-admission mostly re-attaches them.
+            victim = max(self.active, key=lambda j: j.admitted_order)
+            self.active.remove(victim)
+            self._release_shadow(victim)
+            victim.reset_progress()
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            self._held.add(victim)
+
+    def fail_stalled(self) -> Job | None:
+        """Fail the stalled job (called when pages did not come back in time)."""
+        job = self.stalled
+        if job is None or job.status is JobStatus.DONE:
+            return None
+        self.stalled = None
+        if job in self.waiting:
+            self.waiting.remove(job)
+        if job in self.active:
+            self.active.remove(job)
+        self._release_shadow(job)
+        job.reset_progress()
+        job.fail(OutOfPages(self._oom_message(job)))
+        return job
+
+    def _compose(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        for job in self.active:
+            if job.needs_seed_row:
+                plan.rows.append(RowRequest(sample=job.sampler, job_key=job.key,
+                                            generator_seed=job.seed,
+                                            given_logits=job.first_logits))
+                plan.entries.append((job, -2, 0, [(-1, len(plan.rows) - 1)]))
+        decoding = [j for j in self.active if j.is_decoding]
+        prefilling = [j for j in self.active if j.prompt_remaining > 0]
+        for job in decoding:
+            if budget < 1:
+                break
+            if self._add_decode(plan, job):
+                budget -= 1
+        if prefilling:
+            start = self._rr % len(prefilling)
+            order = prefilling[start:] + prefilling[:start]
+            self._rr += 1
+            for job in order:
+                if budget < 1:
+                    break
+                budget -= self._add_prefill(plan, job, budget, alone=not plan.chunks)
+        return plan
+
+    def _ensure_room(self, job: Job, num_tokens: int) -> bool:
+        state = self.store.state(job.shadow)
+        capacity = state.num_working_pages * self.page_size - state.num_working_tokens
+        need = num_tokens - capacity
+        if need <= 0:
+            return True
+        return bool(self.store.reserve_working_pages(job.shadow, math.ceil(need / self.page_size)))
+
+    def _add_prefill(self, plan: StepPlan, job: Job, budget: int, *, alone: bool) -> int:
+        remaining = job.prompt_remaining
+        if job.mask is not None:
+            # A custom mask may let a token see later tokens of the same pass: never split.
+            if remaining > budget and not alone:
+                return 0
+            length = remaining
+        else:
+            length = min(remaining, budget)
+        if not self._ensure_room(job, length):
+            return 0
+        start = job.num_written
+        probes = sorted(i - start for i in job.probe_indices() if start <= i < start + length)
+        mask = None
+        state = self.store.state(job.shadow)
+        if job.mask is not None:
+            mask = job.mask[start : start + length, : state.seq_len + length]
+        self._append(plan, job, start, job.tokens[start : start + length],
+                     job.positions[start : start + length], probes, mask)
+        return length
+
+    def _add_decode(self, plan: StepPlan, job: Job) -> bool:
+        if not self._ensure_room(job, 1):
+            return False
+        token = job.generated[-1]
+        position = self.store.next_position(job.shadow)
+        self._append(plan, job, -1, [token], [position], [0], None)
+        return True
+
+    def _append(self, plan: StepPlan, job: Job, start: int, tokens: list[int],
+                positions: list[int], probes: list[int], mask: Any) -> None:
+        num_cached = self.store.state(job.shadow).seq_len
+        extras = [0] * len(tokens) if start < 0 else job.extras[start : start + len(tokens)]
+        self.store.write_tokens(job.shadow, tokens, positions, extras)
+        chunk = SeqChunk(tokens, positions, list(self.store.page_table(job.shadow)),
+                         num_cached, probes, mask)
+        rows: list[tuple[int, int]] = []
+        for local in probes:
+            rows.append((start + local if start >= 0 else -1, len(plan.rows)))
+            plan.rows.append(self._row_request(job, start + local if start >= 0 else -1))
+        plan.chunks.append(chunk)
+        plan.entries.append((job, start, len(tokens), rows))
+
+    def _row_request(self, job: Job, index: int) -> RowRequest:
+        req = RowRequest(job_key=job.key)
+        if job.kind is JobKind.GENERATE and (index == -1 or index == len(job.tokens) - 1):
+            req.sample = job.sampler
+            req.generator_seed = job.seed if not job.generated else None
+            return req
+        for s in job.sample:
+            if s.index == index:
+                req.sample = s.sampler
+        req.raw_logits = index in job.logits
+        for d in job.distributions:
+            if d.index == index:
+                req.top_k = max(req.top_k, d.top_k)
+        for lp in job.logprobs:
+            if lp.index == index:
+                req.logprob_ids = (req.logprob_ids or []) + list(lp.token_ids)
+        return req
+
+    # ----------------------------------------------------------------------- completion
+
+    def complete(self, plan: StepPlan, results: list[RowResult] | BaseException) -> list[Job]:
+        """Apply a step's results; return the jobs that finished (done, failed or cancelled)."""
+        finished: list[Job] = []
+        self.in_flight = set()
+        for job, start, length, rows in plan.entries:
+            if job.status is not JobStatus.ACTIVE:
+                continue  # preempted meanwhile (cannot happen) or already done
+            if isinstance(results, BaseException):
+                self.active.remove(job)
+                self._release_shadow(job)
+                job.fail(results)
+                finished.append(job)
+                continue
+            if job.cancelled:
+                self._drop(job)
+                finished.append(job)
+                continue
+            job.report.tokens_computed += length
+            if start >= 0 and length:
+                job.num_written += length
+                job.report.tokens_written += length
+                self._collect_probes(job, rows, results)
+            if job.kind is JobKind.GENERATE and rows and job.prompt_remaining == 0:
+                self._on_sampled(job, results[rows[-1][1]].sampled)
+            if job.commit and (job.kind is JobKind.GENERATE or job.prompt_remaining == 0):
+                self._commit(job)
+            if self._is_finished(job):
+                self._finish_ok(job)
+                finished.append(job)
+        return finished
+
+    def _collect_probes(self, job: Job, rows: list[tuple[int, int]],
+                        results: list[RowResult]) -> None:
+        if job.kind is JobKind.FORWARD:
+            for index, row in rows:
+                job.probe_rows[index] = results[row]
+
+    def _on_sampled(self, job: Job, token: int | None) -> None:
+        if token is None:
+            raise RuntimeError("a generation row came back without a sampled token")
+        job.generated.append(token)
+        n = len(job.generated)
+        if token in job.stop_token_ids:
+            job.finish_reason = "stop_token"
+            text = job.stop.finish() if job.stop is not None else ""
+            self._emit(job, n, [token], text)
+            return
+        text = job.stop.feed(token, final=n >= job.max_tokens) if job.stop is not None else ""
+        if job.stop is not None and job.stop.stopped:
+            job.finish_reason = "stop_string"
+        elif n >= job.max_tokens:
+            job.finish_reason = "length"
+        self._emit(job, n, [token], text)
+
+    def _emit(self, job: Job, n: int, tokens: list[int], text: str) -> None:
+        # After a preemption the job replays deterministically; never stream a token twice.
+        if n <= job.num_emitted:
+            return
+        job.num_emitted = n
+        if job.on_chunk is not None:
+            job.on_chunk(tokens, text)
+
+    def _commit(self, job: Job) -> None:
+        before = self.store.state(job.shadow).num_committed_pages
+        self.store.commit_full_pages(job.shadow)
+        after = self.store.state(job.shadow).num_committed_pages
+        job.report.pages_computed += after - before
+
+    def _is_finished(self, job: Job) -> bool:
+        if job.kind is JobKind.FORWARD:
+            return job.prompt_remaining == 0
+        return bool(job.finish_reason)
+
+    def _finish_ok(self, job: Job) -> None:
+        """Swap the shadow in for the caller's context: the job's one visible effect."""
+        self.active.remove(job)
+        shadow = job.shadow
+        state = self.store.state(shadow)
+        used = math.ceil(state.num_working_tokens / self.page_size)
+        spare = state.num_working_pages - max(used, job.base_working_pages)
+        if spare > 0:
+            self.store.release_working_pages(shadow, spare)
+        if job.kind is JobKind.FORWARD:
+            _fill_forward_outputs(job)
+        old = job.handle.cid
+        job.handle.cid = shadow
+        job.shadow = None
+        self.store.release(old)
+        job.status = JobStatus.DONE
+
+    def _oom_message(self, job: Job) -> str:
+        total = self.store.num_pages_total
+        return (
+            f"the KV pool ({total} pages of {self.page_size} tokens) cannot hold this request "
+            f"next to the contexts and snapshots that are alive: release contexts or snapshots "
+            f"you no longer need, lower max_tokens, or start the engine with more pages"
+        )
+
+
+def _fill_forward_outputs(job: Job) -> None:
+    """Answer a forward's probes in the order they were requested."""
+    rows: dict[int, RowResult] = job.probe_rows
+    for spec in job.sample:
+        job.sampled_out.append(_need(rows, spec.index).sampled)
+    for index in job.logits:
+        job.logits_out.append(_need(rows, index).logits)
+    for d in job.distributions:
+        r = _need(rows, d.index)
+        job.distributions_out.append(
+            Distribution(token_ids=r.top_ids[: d.top_k], probs=r.top_probs[: d.top_k])
+        )
+    for lp in job.logprobs:
+        r = _need(rows, lp.index)
+        by_id = dict(zip(r.logprob_ids, r.logprobs, strict=True))
+        job.logprobs_out.append([by_id[t] for t in lp.token_ids])
+
+
+def _need(rows: dict[int, RowResult], index: int) -> RowResult:
+    if index not in rows:
+        raise RuntimeError(f"probe row for token index {index} was never computed")
+    return rows[index]
