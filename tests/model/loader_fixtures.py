@@ -17,7 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.model.loader.gguf_file import permute_qk
-from runtime.model.loader.gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer, byte_to_unicode
+from runtime.model.loader.gguf_tokenizer import (
+    GGUFTokenizerSpec,
+    build_gguf_tokenizer,
+    byte_to_unicode,
+)
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 96, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS

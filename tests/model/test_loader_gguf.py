@@ -72,7 +72,7 @@ def test_gguf_tensors_equal_reference_after_unpermute(tmp_path: Path) -> None:
     model = GGUFModel(write_tiny_gguf(tmp_path / "tiny.gguf", hf))
     got = dict(model.iter_tensors())
     assert set(got) == set(hf)
-    for name, ref in hf.items():
+    for name in hf:
         np.testing.assert_array_equal(got[name], _expected(hf, name), err_msg=name)
     # The quantized K really went through Q8_0 (not stored as f32 by accident).
     assert not np.array_equal(got["model.layers.0.self_attn.k_proj.weight"],
