@@ -214,20 +214,25 @@ class PageTrie:
         while len(evicted) < n and lru:
             _, node = lru.popitem(last=False)
             del self.by_hash[node.page_hash]
-            self._drop_node(node)
+            self._unlink(node)
             evicted.append(node.page_id)
             parent = node.parent
             if parent is not None and parent.num_children == 0 and parent.pins == 0:
                 lru[parent.page_id] = parent
                 lru.move_to_end(parent.page_id, last=False)
         self.num_evictions += len(evicted)
+        self.pool.free(evicted)  # handed out again in eviction order
         return evicted
 
-    def _drop_node(self, node: Node) -> None:
-        """Unlink an unpinned, childless node and free its page."""
+    def _unlink(self, node: Node) -> None:
+        """Detach an unpinned, childless node from its parent (its page is not freed)."""
         self.num_nodes -= 1
         if node.parent is not None:
             node.parent.num_children -= 1
+
+    def _drop_node(self, node: Node) -> None:
+        """Unlink an unpinned, childless node and free its page."""
+        self._unlink(node)
         self.pool.free([node.page_id])
 
     def cached_page_ids(self) -> list[PageId]:
