@@ -148,8 +148,13 @@ def load_model(
     config_dict = read_config(folder)
     config = ModelConfig.from_hf_config(config_dict)
     weights = load_weights(folder, dt, dev)
-    if "model.embed_tokens.weight" not in weights:
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None:
         raise ModelError(f"model {folder} has no model.embed_tokens.weight; is it a causal LM?")
+    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise ModelError(f"model {folder}: embedding shape {tuple(embed.shape)} does not match "
+                         f"config.json (vocab_size={config.vocab_size}, "
+                         f"hidden_size={config.hidden_size}); the folder mixes two checkpoints")
     tokenizer = load_tokenizer(folder, config_dict)
     return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
                        tokenizer=tokenizer, path=folder)

