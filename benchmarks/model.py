@@ -1,0 +1,166 @@
+"""Our ModelRunner vs HF transformers on the default model, side by side in one process.
+
+Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]``.
+Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
+greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
+decode roofline fraction). Both sides run fp32 on CPU with the same torch thread count,
+greedy, batch 1. The HF side loads the same GGUF through transformers when it can
+(an independent dequantization), else the converted folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.model.loader import default_gguf_path, load_model  # noqa: E402
+from runtime.model.runner import ModelRunner, SeqInput  # noqa: E402
+
+
+def mem_bandwidth_gbs(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Best-of-n large copy: (bytes read + bytes written) / seconds, in GB/s."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * num_bytes / best / 1e9
+
+
+class Ours:
+    """Greedy single-stream driver over our runner with a private pool."""
+
+    def __init__(self, loaded, max_tokens: int, page_size: int = 16) -> None:  # noqa: ANN001
+        c = loaded.config
+        num_pages = max_tokens // page_size + 2
+        pool = torch.zeros(num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim)
+        self.runner = ModelRunner(c, loaded.weights, pool, page_size)
+        self.pages = list(range(num_pages))
+
+    def prefill(self, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+        rows = list(range(len(tokens))) if all_logits else [len(tokens) - 1]
+        return self.runner.forward([SeqInput(tokens, list(range(len(tokens))), self.pages, 0, rows)])
+
+    def generate(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        """Greedy n tokens; returns (tokens, prefill seconds, decode seconds for n-1 steps)."""
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt)
+        t1 = time.perf_counter()
+        out = [int(logits[0].argmax())]
+        pos = len(prompt)
+        for _ in range(n - 1):
+            logits = self.runner.forward([SeqInput([out[-1]], [pos], self.pages, pos, [0])])
+            out.append(int(logits[0].argmax()))
+            pos += 1
+        return out, t1 - t0, time.perf_counter() - t1
+
+
+class HF:
+    """The same loop with transformers and its DynamicCache."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        gguf = Path(default_gguf_path())
+        try:  # transformers' own GGUF dequantization needs `accelerate`
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            self.source = "gguf"
+        except (ValueError, ImportError, OSError) as e:
+            print(f"HF cannot load the GGUF ({e}); using the converted folder", file=sys.stderr)
+            self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            self.source = "converted folder"
+        self.model.eval()
+
+    @torch.inference_mode()
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([tokens])).logits[0].float()
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        t0 = time.perf_counter()
+        res = self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        t1 = time.perf_counter()
+        past = res.past_key_values
+        out = [int(res.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            res = self.model(torch.tensor([[out[-1]]]), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+        return out, t1 - t0, time.perf_counter() - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    loaded = load_model(device="cpu", dtype=torch.float32)
+    tok = loaded.tokenizer
+    ours = Ours(loaded, args.prompt_len + args.new_tokens + 64)
+    hf = HF(loaded.path)
+
+    chat = tok.render_chat([{"role": "system", "content": "You are a helpful assistant."},
+                            {"role": "user", "content": "Explain paged attention in two sentences."}],
+                           add_generation_prompt=True)
+    chat_ids = tok.encode(chat) if isinstance(chat, str) else list(chat)
+    diff = (ours.prefill(chat_ids, all_logits=True) - hf.logits(chat_ids)).abs().max().item()
+    g_ours, _, _ = ours.generate(chat_ids, 64)
+    g_hf, _, _ = hf.generate(chat_ids, 64)
+    identical = sum(1 for _ in zip(g_ours, g_hf)) if g_ours == g_hf else next(
+        i for i, (a, b) in enumerate(zip(g_ours, g_hf)) if a != b)
+
+    text = "The quick brown fox jumps over the lazy dog. " * 200
+    prompt = tok.encode(text)[: args.prompt_len]
+    rows: dict[str, list[float]] = {k: [] for k in ("pf", "dec", "hf_pf", "hf_dec")}
+    for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
+        _, pf, dec = ours.generate(prompt, args.new_tokens)
+        rows["pf"].append(len(prompt) / pf)
+        rows["dec"].append((args.new_tokens - 1) / dec)
+        _, pf, dec = hf.generate(prompt, args.new_tokens)
+        rows["hf_pf"].append(len(prompt) / pf)
+        rows["hf_dec"].append((args.new_tokens - 1) / dec)
+    best = {k: max(v) for k, v in rows.items()}
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    bw = mem_bandwidth_gbs()
+    wbytes = ours.runner.weight_bytes
+    roofline = bw * 1e9 / wbytes
+
+    print(f"model {loaded.name} fp32 cpu, threads={torch.get_num_threads()}, HF from {hf.source}")
+    print(f"{'':24}{'ours':>10}{'hf':>10}{'ratio':>8}")
+    for label, a, b in (("prefill tok/s (best)", best["pf"], best["hf_pf"]),
+                        ("decode tok/s (best)", best["dec"], best["hf_dec"]),
+                        ("prefill tok/s (median)", med["pf"], med["hf_pf"]),
+                        ("decode tok/s (median)", med["dec"], med["hf_dec"])):
+        print(f"{label:24}{a:10.1f}{b:10.1f}{a / b:8.2f}")
+    print(f"max abs logit diff {diff:.3g}; greedy identical {identical}/64; "
+          f"weights {wbytes / 1e6:.0f} MB; bandwidth {bw:.1f} GB/s; roofline {roofline:.1f} tok/s; "
+          f"decode at {best['dec'] / roofline:.0%} of roofline")
+    print(json.dumps({
+        "max_abs_logit_diff": diff, "greedy_tokens_identical": identical,
+        "prefill_tok_s": round(best["pf"], 2), "hf_prefill_tok_s": round(best["hf_pf"], 2),
+        "decode_tok_s": round(best["dec"], 2), "hf_decode_tok_s": round(best["hf_dec"], 2),
+        "prefill_ratio": round(best["pf"] / best["hf_pf"], 3),
+        "decode_ratio": round(best["dec"] / best["hf_dec"], 3),
+        "weight_bytes": wbytes, "mem_bandwidth_gbs": round(bw, 2),
+        "decode_roofline_tok_s": round(roofline, 2),
+        "decode_roofline_fraction": round(best["dec"] / roofline, 3),
+        "threads": torch.get_num_threads(), "prompt_len": len(prompt),
+        "new_tokens": args.new_tokens,
+    }))
+
+
+if __name__ == "__main__":
+    main()
