@@ -1,0 +1,87 @@
+"""Chat turns to tokens, one turn at a time, through the model's chat template.
+
+Owns: a context's conversation as the template sees it. Chat templates render whole
+conversations, so a new turn's tokens are the difference between the rendering with it and
+the rendering without it. When the text already in the context is a prefix of the new
+rendering (the usual case, including after generation) the difference is exact and the
+context holds exactly what ``apply_chat_template`` would produce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pie_ctx.errors import InvalidArgument
+
+__all__ = ["Conversation"]
+
+
+class Conversation:
+    """Messages so far and the template text their tokens correspond to."""
+
+    __slots__ = ("messages", "text", "synced", "cued")
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.text = ""  # template text whose tokens are in the context (KV + pending)
+        self.synced = True  # False after truncation: `text` no longer matches the tokens
+        self.cued = False  # a generation prompt was added and no answer recorded yet
+
+    def copy(self) -> Conversation:
+        other = Conversation()
+        other.messages = [dict(m) for m in self.messages]
+        other.text, other.synced, other.cued = self.text, self.synced, self.cued
+        return other
+
+    def add(self, tokenizer: Any, role: str | None, content: str | None,
+            generation_prompt: bool = False) -> list[int]:
+        """Append a message (or just the generation prompt) and return its new tokens."""
+        if role is not None and not isinstance(content, str):
+            raise InvalidArgument(f"{role}() takes a str, got {type(content).__name__}")
+        if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "chat_template"):
+            raise InvalidArgument("this model has no chat template; use append(tokens or text)")
+        new_messages = self.messages + ([{"role": role, "content": content}] if role else [])
+        if self.cued and role is not None:
+            raise InvalidArgument(
+                "a generation prompt (cue) is pending: generate() first, or assistant(text) to "
+                "write the answer yourself"
+            )
+        rendered = tokenizer.render_chat(new_messages, add_generation_prompt=generation_prompt)
+        delta = self._delta(tokenizer, rendered)
+        self.messages = new_messages
+        self.text = rendered
+        self.synced = True
+        self.cued = generation_prompt
+        return tokenizer.encode(delta) if delta else []
+
+    def add_assistant(self, tokenizer: Any, content: str) -> list[int]:
+        """Write the assistant turn yourself (after a cue, or as a whole turn)."""
+        if self.cued:
+            self.cued = False
+            # The cue already rendered the turn's header: render the turn and diff.
+            self.messages = self.messages + [{"role": "assistant", "content": content}]
+            rendered = tokenizer.render_chat(self.messages, add_generation_prompt=False)
+            delta = self._delta(tokenizer, rendered)
+            self.text = rendered
+            return tokenizer.encode(delta) if delta else []
+        return self.add(tokenizer, "assistant", content)
+
+    def record_generation(self, text_with_specials: str, answer: str) -> None:
+        """Generated tokens went into the context: extend the text, remember the answer."""
+        self.text += text_with_specials
+        if self.cued:
+            self.messages = self.messages + [{"role": "assistant", "content": answer}]
+            self.cued = False
+
+    def _delta(self, tokenizer: Any, rendered: str) -> str:
+        if self.synced and rendered.startswith(self.text):
+            return rendered[len(self.text):]
+        # The context's text diverged (truncation, or a template that rewrites past turns):
+        # take the difference against the template's own rendering of the past turns.
+        previous = tokenizer.render_chat(self.messages, add_generation_prompt=self.cued) if self.messages else ""
+        if rendered.startswith(previous):
+            return rendered[len(previous):]
+        raise InvalidArgument(
+            "the chat template renders earlier turns differently once this turn is added; "
+            "build the prompt with append() instead"
+        )

@@ -1,0 +1,174 @@
+"""``Forward``: one explicit forward pass with chosen inputs, positions, mask and outputs.
+
+Owns: the description of one pass until ``execute()`` sends it. Pending tokens of the
+context are flushed first, so the pass sees everything filled before it.
+
+Mask convention: ``attention_mask(rows)`` takes one row per input token; row ``i`` has one
+boolean per KV entry the token could see: the ``seq_len`` entries already in the context
+followed by this pass's inputs, ``True`` = attend. A causal pass of 2 tokens on a context
+of 3 is::
+
+    [[T, T, T, T, F],
+     [T, T, T, T, T]]
+
+and an "attention sink" pass that lets the new token see only entry 0 and itself is
+``[[T, F, F, T]]``. Without a mask a pass is causal. Pages written under a custom mask
+are never shared with pages written causally (the mask is part of their page hash).
+
+Usage::
+
+    out = await (ctx.forward()
+                 .input([t1, t2, t3])
+                 .sample([2], Sampler.greedy())
+                 .logprobs(2, [42, 7])
+                 .defer_commit()
+                 .execute())
+    out.tokens, out.logprobs[0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pie_ctx import protocol as P
+from pie_ctx.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pie_ctx.context import Context
+
+__all__ = ["Forward", "ForwardOutput"]
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """Results of a pass, each list in the order it was requested."""
+
+    tokens: list[int] = field(default_factory=list)  # one per sample() index
+    logits: list[np.ndarray] = field(default_factory=list)  # float32 [vocab] per index
+    distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    report: P.PassReport | None = None
+    state: P.ContextState | None = None
+
+
+class Forward:
+    """Builder of one pass; every method returns the builder."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._tokens: list[int] | None = None
+        self._positions: list[int] | None = None
+        self._mask: list[list[bool]] | None = None
+        self._sample: list[P.SampleSpec] = []
+        self._logits: list[int] = []
+        self._dists: list[P.DistributionSpec] = []
+        self._logprobs: list[P.LogprobSpec] = []
+        self._commit = True
+        self._done = False
+
+    def input(self, tokens: Sequence[int]) -> Forward:
+        """Input tokens at consecutive positions from the context's ``next_position``."""
+        return self._set_input(tokens, None)
+
+    def input_at(self, tokens: Sequence[int], positions: Sequence[int]) -> Forward:
+        """Input tokens at explicit positions (one per token; any order, repeats allowed)."""
+        pos = list(positions)
+        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in pos):
+            raise InvalidArgument("positions must be non-negative ints")
+        return self._set_input(tokens, pos)
+
+    def _set_input(self, tokens: Sequence[int], positions: list[int] | None) -> Forward:
+        if self._tokens is not None:
+            raise InvalidArgument("a pass has one input; build another pass for more tokens")
+        from pie_ctx.context import _token_list
+
+        toks = _token_list(tokens, self._ctx._rt.info.vocab_size, "input")
+        if not toks:
+            raise InvalidArgument("input needs at least one token")
+        if positions is not None and len(positions) != len(toks):
+            raise InvalidArgument(f"{len(positions)} positions for {len(toks)} tokens")
+        self._tokens, self._positions = toks, positions
+        return self
+
+    def attention_mask(self, rows: Sequence[Sequence[bool]]) -> Forward:
+        """Custom mask, one row per input token (see the module docstring)."""
+        self._mask = [[bool(x) for x in row] for row in rows]
+        return self
+
+    def sample(self, indices: Sequence[int], sampler: P.SamplerSpec) -> Forward:
+        """Sample a token after each of these input indices."""
+        self._sample.extend(P.SampleSpec(index=_index(i), sampler=sampler) for i in indices)
+        return self
+
+    def logits(self, indices: Sequence[int]) -> Forward:
+        """Return the raw logits after each of these input indices."""
+        self._logits.extend(_index(i) for i in indices)
+        return self
+
+    def distribution(self, index: int, top_k: int = 20) -> Forward:
+        """Return the ``top_k`` most likely next tokens and their probabilities."""
+        self._dists.append(P.DistributionSpec(index=_index(index), top_k=top_k))
+        return self
+
+    def logprobs(self, index: int, token_ids: Sequence[int]) -> Forward:
+        """Return the log-probabilities of ``token_ids`` as the token after ``index``."""
+        self._logprobs.append(P.LogprobSpec(index=_index(index), token_ids=list(token_ids)))
+        return self
+
+    def defer_commit(self) -> Forward:
+        """Keep the written tokens in working pages (so they can be truncated losslessly)."""
+        self._commit = False
+        return self
+
+    async def execute(self) -> ForwardOutput:
+        """Flush pending tokens, run the pass, and return its outputs.
+
+        Raises:
+            InvalidArgument: no input, an index out of range, a mask of the wrong shape.
+            OutOfPages / ContextTooLong: the pass cannot fit.
+        """
+        if self._done:
+            raise InvalidArgument("this pass already ran; build a new one with ctx.forward()")
+        if self._tokens is None:
+            raise InvalidArgument("call input() or input_at() before execute()")
+        self._done = True
+        ctx = self._ctx
+        if ctx._pending:
+            await ctx.flush()
+
+        async def body() -> ForwardOutput:
+            reply = await ctx._request(P.Forward, {
+                "tokens": self._tokens, "positions": self._positions, "mask": self._mask,
+                "commit": self._commit, "sample": self._sample, "logits": self._logits,
+                "distributions": self._dists, "logprobs": self._logprobs,
+            })
+            ctx._state = reply.state
+            ctx._chat.synced = False  # the KV now holds tokens the conversation does not
+            return ForwardOutput(
+                tokens=list(reply.sampled),
+                logits=[_floats(b) for b in reply.logits],
+                distributions=[(d.token_ids, d.probs) for d in reply.distributions],
+                logprobs=list(reply.logprobs), report=reply.report, state=reply.state,
+            )
+
+        try:
+            return await ctx._chain.run(body)
+        except BaseException:
+            self._done = False  # a failed pass changed nothing and may be retried
+            raise
+
+
+def _index(i: Any) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+        raise InvalidArgument(f"indices are non-negative ints into the pass's input, got {i!r}")
+    return i
+
+
+def _floats(raw: bytes) -> np.ndarray:
+    import numpy as np
+
+    return np.frombuffer(raw, dtype="<f4")

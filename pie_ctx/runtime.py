@@ -1,0 +1,115 @@
+"""``Runtime``: what an inferlet receives as ``rt``.
+
+Owns: one transport (one owner on the engine side) and a task group for the context
+operations the SDK starts without awaiting (``fork()``, ``Context(rt)``, ``save()``).
+Closing the runtime releases every context its inferlet left open; snapshots stay.
+
+Usage::
+
+    async with Runtime.local() as rt:            # boots the default model in-process
+        ctx = Context(rt).user("Hi").cue()
+        print(await ctx.generate(Sampler.greedy(), max_tokens=32).text())
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+from pie_ctx import protocol as P
+from pie_ctx.transport import LocalTransport, Transport
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """A connection to an engine, in this process or behind ``pie-ctx serve``."""
+
+    def __init__(self, transport: Transport, task_group: Any) -> None:
+        self.transport = transport
+        self._tg = task_group
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    @asynccontextmanager
+    async def local(cls, model: str | None = None, *, page_size: int = 16,
+                    num_pages: int | None = None, engine: Any = None,
+                    **engine_kw: Any) -> AsyncIterator[Runtime]:
+        """Boot an engine in this process (or use ``engine``, already running) for one owner.
+
+        Args:
+            model: model reference (None = the default SmolLM2-135M-Instruct).
+            page_size: tokens per page.
+            num_pages: pool size (default: what ``kv_memory_gb`` holds).
+            engine: an existing, running engine to share (then ``model`` etc. are ignored).
+        """
+        if engine is not None:
+            async with cls._over(LocalTransport(engine)) as rt:
+                yield rt
+            return
+        from runtime.engine.engine import Engine  # torch is imported only here
+
+        booted = Engine.boot(model, page_size=page_size, num_pages=num_pages, **engine_kw)
+        async with booted, cls._over(LocalTransport(booted)) as rt:
+            yield rt
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, address: str, *, token: str | None = None,
+                      namespace: str | None = None) -> AsyncIterator[Runtime]:
+        """Connect to ``pie-ctx serve`` at ``address`` (see docs/server.md)."""
+        from pie_ctx.socket_transport import SocketTransport
+
+        transport = await SocketTransport.connect(address, token=token, namespace=namespace)
+        async with cls._over(transport) as rt:
+            yield rt
+
+    @classmethod
+    @asynccontextmanager
+    async def _over(cls, transport: Transport) -> AsyncIterator[Runtime]:
+        try:
+            async with anyio.create_task_group() as tg:
+                rt = cls(transport, tg)
+                try:
+                    yield rt
+                finally:
+                    # Background context operations finish first, then everything left open
+                    # is released by the owner close below.
+                    pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                await transport.aclose()
+
+    # ----------------------------------------------------------------------- queries
+
+    @property
+    def info(self) -> P.EngineInfo:
+        return self.transport.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.transport.tokenizer
+
+    @property
+    def page_size(self) -> int:
+        return self.transport.info.page_size
+
+    @property
+    def model_name(self) -> str:
+        return self.transport.info.model_name
+
+    async def snapshots(self) -> list[str]:
+        """Names of the saved snapshots this runtime can see."""
+        return (await self.transport.request(P.ListSnapshots())).names
+
+    async def stats(self) -> P.EngineStats:
+        """Engine-wide counters: pages free/used/cached, hit rate, tokens, time."""
+        return await self.transport.request(P.GetStats())
+
+    def spawn(self, fn: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``fn()`` in the background, inside this runtime's lifetime."""
+        self._tg.start_soon(fn)

@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.sdk.harness import tiny_model_folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("sdk"))

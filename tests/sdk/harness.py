@@ -1,0 +1,41 @@
+"""A tiny random model behind a real engine, for SDK tests.
+
+The model is a 2-layer Llama with hidden size 64 and a byte-level BPE tokenizer with a
+ChatML template (see tests/model/loader_fixtures.py), loaded through the real HF-folder
+loader, so SDK tests exercise the whole stack in well under a second per test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from pie_ctx import Runtime
+from runtime.engine.engine import Engine
+
+_FOLDER: Path | None = None
+
+
+def tiny_model_folder(tmp_root: Path) -> Path:
+    global _FOLDER
+    if _FOLDER is None or not _FOLDER.exists():
+        from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
+
+        _FOLDER = write_tiny_hf_folder(tmp_root / "tiny-llama", hf_reference_weights(seed=3))
+    return _FOLDER
+
+
+@asynccontextmanager
+async def tiny_engine(folder: Path, *, page_size: int = 4, num_pages: int = 512,
+                      **kw) -> AsyncIterator[Engine]:
+    engine = Engine.boot(str(folder), page_size=page_size, num_pages=num_pages,
+                         progress=False, **kw)
+    async with engine:
+        yield engine
+
+
+@asynccontextmanager
+async def tiny_runtime(folder: Path, **kw) -> AsyncIterator[Runtime]:
+    async with tiny_engine(folder, **kw) as engine, Runtime.local(engine=engine) as rt:
+        yield rt
