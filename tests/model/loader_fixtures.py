@@ -95,8 +95,13 @@ def gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
-                    meta_overrides: dict[str, Any] | None = None) -> Path:
-    """Write ``hf`` as a llama.cpp-style GGUF (Q/K permuted for llama; some tensors Q8_0)."""
+                    meta_overrides: dict[str, Any] | None = None,
+                    extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write ``hf`` as a llama.cpp-style GGUF (Q/K permuted for llama; some tensors Q8_0).
+
+    ``meta_overrides`` maps keys to ``(value, GGUFValueType)``; ``extra_tensors`` are written
+    under their llama.cpp names as given (e.g. ``rope_freqs.weight``).
+    """
     spec = tiny_spec()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.context_length", 256)
@@ -130,6 +135,8 @@ def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
             w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gname, np.ascontiguousarray(array))
+    for gname, array in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -170,3 +170,40 @@ def test_gguf_writer_quantized_tensor_is_q8(tmp_path: Path) -> None:
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_k.weight"] == gguf.GGMLQuantizationType.Q8_0
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
+
+
+def _llama3_freq_factors(factor: float) -> np.ndarray:
+    """llama.cpp's rope_freqs for our tiny config, derived from transformers' llama3 rope."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, rope_theta=50000.0,
+        max_position_embeddings=16384,
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    plain = 1.0 / 50000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    return (plain / inv_freq.double()).numpy().astype(np.float32)
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
+    freqs = _llama3_freq_factors(32.0)
+    # All three regimes occur: unscaled (1), smoothed (between), fully scaled (factor).
+    assert freqs.min() < 1.001 and ((freqs > 1.01) & (freqs < 31.9)).any() and freqs.max() > 31.9
+    path = write_tiny_gguf(tmp_path / "l3.gguf", hf_reference_weights(),
+                           extra_tensors={"rope_freqs.weight": freqs})
+    model = GGUFModel(path)
+    assert model.config["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    assert "rope_freqs" not in " ".join(name for name, _ in model.iter_tensors())
+
+
+def test_unexplained_rope_freqs_is_refused(tmp_path: Path) -> None:
+    freqs = _llama3_freq_factors(8.0)
+    freqs[1] *= 1.5
+    path = write_tiny_gguf(tmp_path / "odd.gguf", hf_reference_weights(),
+                           extra_tensors={"rope_freqs.weight": freqs})
+    with pytest.raises(ModelError, match="rope_freqs"):
+        GGUFModel(path)

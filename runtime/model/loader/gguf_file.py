@@ -151,7 +151,8 @@ def gguf_config_dict(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -
     return cfg
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+def _rope_scaling(meta: dict[str, Any], arch: str,
+                  shapes: dict[str, tuple[int, ...]]) -> dict[str, Any] | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor:
@@ -163,7 +164,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, shapes: dict[str, tuple[int, 
     return None
 
 
-def llama3_rope_scaling(freq_factors: np.ndarray, rope_theta: float, head_dim: int) -> dict:
+def llama3_rope_scaling(freq_factors: np.ndarray, rope_theta: float,
+                        head_dim: int) -> dict[str, Any]:
     """Recover HF's llama3 rope-scaling parameters from llama.cpp's ``rope_freqs`` tensor.
 
     llama.cpp stores the per-frequency divisor; Llama 3.x checkpoints all use
@@ -174,7 +176,8 @@ def llama3_rope_scaling(freq_factors: np.ndarray, rope_theta: float, head_dim: i
         ModelError: the tensor is not explained by those parameters.
     """
     factors = np.asarray(freq_factors, dtype=np.float64)
-    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+    # Stored as float32: round the factor back to the short decimal it was written from.
+    params = {"rope_type": "llama3", "factor": float(f"{factors.max():.6g}"), "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     inv_freq = rope_theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq

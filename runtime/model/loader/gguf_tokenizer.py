@@ -13,7 +13,6 @@ become added tokens matched whole in the text, with their original ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -213,7 +212,3 @@ def _split_merge(merge: str) -> tuple[str, str]:
         raise ModelError(f"malformed GGUF merge {merge!r} (expected 'left right')")
     return left, right
 
-
-def token_ids(tok: Tokenizer, texts: Sequence[str]) -> list[int | None]:
-    """Ids of ``texts`` in ``tok`` (None for absent ones); a small helper for callers."""
-    return [tok.token_to_id(t) for t in texts]

@@ -110,22 +110,26 @@ def load_weights(
 
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
+        hint = ("delete it and re-download (for the default model: "
+                "`pie-ctx models pull --force`)")
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name in weights:
-                        raise ModelError(f"tensor {name} appears in two shards ({path})")
-                    t = f.get_tensor(name)
-                    if t.is_floating_point():
-                        t = t.to(device=device, dtype=dtype)
-                    else:
-                        t = t.to(device=device)
-                    weights[name] = t
-                    if progress is not None:
-                        progress(1)
+            f = safe_open(str(path), framework="pt", device="cpu")
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise ModelError(f"weight file {path} is corrupt or truncated ({e}); delete it and "
-                             "re-download (for the default model: `pie-ctx models pull --force`)") from None
+            raise ModelError(f"weight file {path} is corrupt or truncated ({e}); {hint}") from None
+        with f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in weights:
+                    raise ModelError(f"tensor {name} appears in two shards ({path})")
+                try:
+                    t = f.get_tensor(name)
+                except (SafetensorError, OSError, RuntimeError) as e:
+                    raise ModelError(f"weight file {path} is corrupt: tensor {name} is "
+                                     f"unreadable ({e}); {hint}") from None
+                # Casting may raise (e.g. out of device memory): not a file problem.
+                weights[name] = (t.to(device=device, dtype=dtype) if t.is_floating_point()
+                                 else t.to(device))
+                if progress is not None:
+                    progress(1)
     return weights
 
 
