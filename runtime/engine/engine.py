@@ -568,11 +568,11 @@ class Engine:
             JobKind.GENERATE, record, tokens, positions, commit=True, reuse_prefix=True,
             sampler=sampler, seed=sampler.seed or 0, max_tokens=req.max_tokens,
             stop_token_ids=frozenset(stops), first_logits=first_logits,
-            stop=StopChecker(self._decode, req.stop_strings),
+            stop=StopChecker(self._new_decoder, req.stop_strings),
         )
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def _new_decoder(self) -> Any:
+        return self.tokenizer.incremental_decoder(skip_special_tokens=True)
 
     _handlers: dict[type, Callable[..., Any]] = {
         P.CreateContext: _create,

@@ -1,36 +1,42 @@
 """Streaming text and stop strings for one generation.
 
-Owns the incremental detokenization of a job's generated tokens. Text is released to the
-caller only when it can no longer become part of a stop string and does not end inside a
-multi-byte character, so streamed text never leaks past a stop string and never splits a
-character.
+Owns: the text of one job's generated tokens. Incremental detokenization is the
+tokenizer's (``IncrementalDecoder``: never splits a character); this module adds stop
+strings on top: text is released only once it can no longer become part of a stop
+string, so streamed text never leaks past a stop string.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-Decode = Callable[[Sequence[int]], str]
+
+class Decoder(Protocol):
+    def feed(self, ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class StopChecker:
-    """Turns generated token ids into text deltas and finds stop strings.
+    """Turns generated token ids into released text deltas and finds stop strings.
 
-    Decoding works on a sliding window of tokens (``_prefix``..end) so each step costs
-    O(window), not O(generated); the window restarts whenever text was released.
+    Args:
+        new_decoder: makes a fresh incremental decoder (called again on ``reset``).
+        stop_strings: strings that end the generation; the match and what follows are
+            never released.
     """
 
-    __slots__ = ("_decode", "_stops", "_tokens", "_prefix", "_read", "_pending", "text", "stopped")
+    __slots__ = ("_new_decoder", "_decoder", "_stops", "_pending", "text", "stopped")
 
-    def __init__(self, decode: Decode, stop_strings: Sequence[str]) -> None:
-        self._decode = decode
+    def __init__(self, new_decoder: Callable[[], Decoder], stop_strings: Sequence[str]) -> None:
+        self._new_decoder = new_decoder
         self._stops = [s for s in stop_strings if s]
         self.reset()
 
     def reset(self) -> None:
-        self._tokens: list[int] = []
-        self._prefix = 0  # window start: tokens before it are fully released as text
-        self._read = 0  # tokens up to here have been turned into `text + _pending`
+        """Forget everything (the job is replayed from its start after a preemption)."""
+        self._decoder = self._new_decoder()
         self._pending = ""  # decoded text not yet released (may start a stop string)
         self.text = ""  # released text
         self.stopped = False
@@ -39,43 +45,32 @@ class StopChecker:
         """Add one token; return the newly released text (possibly empty).
 
         Args:
-            token_id: the sampled token (already excluded by the caller if it is a stop token).
+            token_id: the sampled token (stop *tokens* are handled by the caller).
             final: no more tokens will come: release everything that is not a stop string.
         """
-        self._tokens.append(token_id)
-        before = self._decode(self._tokens[self._prefix : self._read])
-        window = self._decode(self._tokens[self._prefix :])
-        if window.endswith("\ufffd") and not final:
-            return self._release(final=False)  # a character is still incomplete
-        if len(window) >= len(before) and window.startswith(before):
-            self._pending += window[len(before) :]
-        else:  # the tokenizer re-segmented the window (rare); trust the longer decode
-            self._pending += window[len(before) :] if len(window) > len(before) else ""
-        self._read = len(self._tokens)
+        self._pending += self._decoder.feed([token_id])
+        if final:
+            self._pending += self._decoder.flush()
         return self._release(final=final)
 
     def finish(self) -> str:
-        """No more tokens: release what is held back (unless it is a complete stop string)."""
+        """No more tokens: release what is held back (unless it contains a stop string)."""
+        self._pending += self._decoder.flush()
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:
         pending = self._pending
-        for stop in self._stops:
-            at = pending.find(stop)
-            if at >= 0:
-                self.stopped = True
-                self._pending = ""
-                out = pending[:at]
-                self.text += out
-                return out
+        hits = [at for at in (pending.find(s) for s in self._stops) if at >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            out = pending[: min(hits)]
+            self.text += out
+            return out
         keep = 0 if final else self._holdback(pending)
         out = pending[: len(pending) - keep]
         self._pending = pending[len(pending) - keep :]
         self.text += out
-        if out and not self._pending:
-            # Everything read is released: restart the window, keeping one token of left
-            # context (SentencePiece drops a word's leading space at a window's start).
-            self._prefix = max(self._read - 1, 0)
         return out
 
     def _holdback(self, text: str) -> int:

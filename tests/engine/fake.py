@@ -60,6 +60,9 @@ class FakeTokenizer:
         return "".join("" if (i == STOP and skip_special_tokens) else chr(ord("a") + i % 26)
                        if i < 52 else chr(ord("0") + i % 10) for i in ids)
 
+    def incremental_decoder(self, skip_special_tokens: bool = False):
+        return _Decoder(self, skip_special_tokens)
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) - ord("a") for c in text]
 
@@ -68,3 +71,14 @@ def make_engine(num_pages: int = 64, page_size: int = 4, **kw) -> Engine:
     store = PageStore(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=2)
     runner = FakeRunner(store.pool.kv, page_size)
     return Engine(store, runner, FakeTokenizer(), vocab_size=VOCAB, max_seq_len=4096, **kw)
+
+
+class _Decoder:
+    def __init__(self, tok: FakeTokenizer, skip: bool) -> None:
+        self.tok, self.skip = tok, skip
+
+    def feed(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def flush(self) -> str:
+        return ""
