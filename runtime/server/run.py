@@ -1,0 +1,140 @@
+"""Run a server on an address: open the listener, settle the token, stop on signals.
+
+Owns: the listening socket (and the Unix socket file, removed on exit). ``run_server`` is
+what ``pie-ctx serve`` runs; tests use ``runtime.server.testing.serve_in_background``,
+which shares :func:`open_listener` and :func:`settle_token`.
+
+Invariants: a TCP listener never runs without a token; a Unix socket file is created
+0600 inside a 0700 folder, and an address where a live server already listens is refused
+rather than stolen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+
+from pie_ctx.errors import InvalidArgument
+from runtime.server.endpoint import (
+    Address,
+    default_token_file,
+    new_token,
+    read_token_file,
+    write_token_file,
+)
+from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES
+from runtime.server.server import Server
+
+__all__ = ["open_listener", "settle_token", "run_server"]
+
+
+async def open_listener(address: Address) -> tuple[anyio.abc.Listener[Any], Address]:
+    """Listen on ``address``; return the listener and the bound address (real TCP port).
+
+    Raises:
+        InvalidArgument: another server already listens on the Unix socket path, or the
+            path exists and is not a socket.
+        OSError: the address cannot be bound.
+    """
+    if address.kind == "tcp":
+        listener = await anyio.create_tcp_listener(local_host=address.host,
+                                                   local_port=address.port)
+        port = listener.extra(SocketAttribute.local_port)
+        return listener, Address("tcp", host=address.host, port=port)
+    path = address.path
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise InvalidArgument(f"{path} exists and is not a socket; pick another --socket")
+        try:
+            stream = await anyio.connect_unix(path)
+        except OSError:
+            pass  # a stale socket file from a server that died: safe to replace
+        else:
+            await stream.aclose()
+            raise InvalidArgument(f"a server is already listening on {path}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    listener = await anyio.create_unix_listener(path, mode=0o600)
+    return listener, Address("unix", path=path)
+
+
+def settle_token(address: Address, token: str | None,
+                 token_file: str | None) -> tuple[str | None, str | None]:
+    """Decide the token a server requires, writing a token file when one is generated.
+
+    A given ``token`` wins (and is written to ``token_file`` if one is named). Otherwise an
+    existing ``token_file`` is read. Otherwise, for TCP (or when ``token_file`` is named), a
+    fresh token is generated and written 0600 to ``token_file`` (default: the runtime
+    folder's ``tcp.token``). A Unix socket with neither needs no token.
+
+    Returns:
+        ``(token, token_file)``; both None for an open Unix socket.
+
+    Raises:
+        InvalidArgument: the token file is unreadable or readable by other users.
+    """
+    if token is not None:
+        if token_file is not None:
+            write_token_file(token_file, token)
+        return token, token_file
+    if token_file is not None and os.path.exists(token_file):
+        return read_token_file(token_file), token_file
+    if address.kind == "tcp" or token_file is not None:
+        path = token_file or default_token_file()
+        token = new_token()
+        write_token_file(path, token)
+        return token, path
+    return None, None
+
+
+async def run_server(engine: Any, address: Address, *, token: str | None = None,
+                     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                     ready: Callable[[Address], None] | None = None,
+                     handle_signals: bool = True) -> None:
+    """Run ``engine`` behind a server on ``address`` until SIGINT/SIGTERM (or cancellation).
+
+    On a signal the server stops accepting, cancels every running request (each client's
+    contexts are released), stops the engine and returns normally.
+
+    Args:
+        engine: an engine that is not running yet (this enters ``async with engine``).
+        address: where to listen.
+        token: required from every client if given; mandatory for TCP.
+        max_frame_bytes: largest frame accepted from a client.
+        ready: called with the bound address once clients can connect.
+        handle_signals: install SIGINT/SIGTERM handlers (main thread only).
+
+    Raises:
+        InvalidArgument: TCP without a token, or the address is taken.
+    """
+    if address.kind == "tcp" and not token:
+        raise InvalidArgument("a TCP server requires a token (see settle_token)")
+    server = Server(engine, tokens=[token] if token else [], require_token=address.kind == "tcp",
+                    max_frame_bytes=max_frame_bytes)
+    async with engine:
+        listener, bound = await open_listener(address)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.serve, listener)
+                if handle_signals:
+                    tg.start_soon(_stop_on_signal, tg.cancel_scope)
+                if ready is not None:
+                    ready(bound)
+        finally:
+            if bound.kind == "unix":
+                with contextlib.suppress(OSError):
+                    os.unlink(bound.path)
+
+
+async def _stop_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
