@@ -26,65 +26,18 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from operator import index
 
 import torch
 
 from pie_ctx.errors import ContextClosed, InvalidArgument, OutOfPages
 from runtime.kv.context import ContextState, chain_nodes
-from runtime.kv.hashing import MAX_EXTRA, MAX_TOKEN
 from runtime.kv.pool import PagePool
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, SnapshotRegistry
-from runtime.kv.trie import Node, PageTrie
+from runtime.kv.trie import PageTrie
 from runtime.kv.types import ContextCounters, ContextId, PageId, StoreStats
+from runtime.kv.validation import Extra, count_arg, page_inputs
 
 __all__ = ["PageStore"]
-
-Extra = int | Sequence[int]
-
-
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}")
-    try:
-        n = index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}") from None
-    if n < 0:
-        raise InvalidArgument(f"{what} must be >= 0, got {n}")
-    return n
-
-
-def _int_list(values: Sequence[int], what: str, limit: int) -> list[int]:
-    try:
-        out = [index(v) for v in values]
-    except TypeError:
-        raise InvalidArgument(f"{what} must be a sequence of ints") from None
-    for v in out:
-        if v < 0 or v > limit:
-            raise InvalidArgument(f"{what} must be in [0, {limit}], got {v}")
-    return out
-
-
-def _inputs(
-    tokens: Sequence[int], positions: Sequence[int], extra: Extra
-) -> tuple[list[int], list[int], list[int]]:
-    """Validate a (tokens, positions, extra) triple; return three equal-length lists."""
-    toks = _int_list(tokens, "tokens", MAX_TOKEN)
-    poss = _int_list(positions, "positions", MAX_TOKEN)
-    if len(toks) != len(poss):
-        raise InvalidArgument(f"got {len(toks)} tokens but {len(poss)} positions; pass one each")
-    if isinstance(extra, bool):
-        raise InvalidArgument("extra must be an int or a sequence of ints, not a bool")
-    if isinstance(extra, int):
-        if extra < 0 or extra > MAX_EXTRA:
-            raise InvalidArgument(f"extra must be in [0, 2**64), got {extra}")
-        extras = [extra] * len(toks)
-    else:
-        extras = _int_list(extra, "extra", MAX_EXTRA)
-        if len(extras) != len(toks):
-            raise InvalidArgument(f"got {len(toks)} tokens but {len(extras)} extras")
-    return toks, poss, extras
 
 
 class PageStore:
@@ -263,7 +216,7 @@ class PageStore:
             ContextClosed: unknown context. InvalidArgument: ``n`` is not an int >= 0.
         """
         state = self._ctx(cid)
-        n = _count(n, "reserve_working_pages: n")
+        n = count_arg(n, "reserve_working_pages: n")
         pages = self._allocate(n)
         if pages is None:
             return False
@@ -280,7 +233,7 @@ class PageStore:
             InvalidArgument: ``n`` is negative or exceeds the working page count.
         """
         state = self._ctx(cid)
-        n = _count(n, "release_working_pages: n")
+        n = count_arg(n, "release_working_pages: n")
         if n > len(state.working):
             raise InvalidArgument(
                 f"release_working_pages: asked for {n} pages but the context has "
@@ -304,7 +257,7 @@ class PageStore:
             InvalidArgument: ``n`` exceeds the working tokens (committed pages are immutable).
         """
         state = self._ctx(cid)
-        n = _count(n, "truncate_working_page_tokens: n")
+        n = count_arg(n, "truncate_working_page_tokens: n")
         if n > len(state.tokens):
             raise InvalidArgument(
                 f"truncate: asked to drop {n} tokens but only {len(state.tokens)} are in "
@@ -332,7 +285,7 @@ class PageStore:
             InvalidArgument: malformed inputs, or not enough reserved room (reserve first).
         """
         state = self._ctx(cid)
-        toks, poss, extras = _inputs(tokens, positions, extra)
+        toks, poss, extras = page_inputs(tokens, positions, extra)
         start = len(state.tokens)
         room = len(state.working) * self.page_size - start
         if len(toks) > room:
@@ -358,7 +311,7 @@ class PageStore:
                 (nothing is committed then).
         """
         state = self._ctx(cid)
-        k = _count(k, "commit_working_pages: k")
+        k = count_arg(k, "commit_working_pages: k")
         if k > len(state.working):
             raise InvalidArgument(
                 f"commit_working_pages: k={k} but the context has {len(state.working)} working pages"
@@ -373,18 +326,10 @@ class PageStore:
     def _commit(self, state: ContextState, k: int) -> None:
         if k == 0:
             return
-        ps, trie, tip = self.page_size, self.trie, state.tip
-        new_ids: list[PageId] = []
-        duplicates: list[PageId] = []
-        for i in range(k):
-            lo, hi = i * ps, (i + 1) * ps
-            page_id = state.working[i]
-            tip, deduped = trie.advance(
-                tip, page_id, state.tokens[lo:hi], state.positions[lo:hi], state.extras[lo:hi]
-            )
-            new_ids.append(tip.page_id)
-            if deduped:
-                duplicates.append(page_id)
+        ps = self.page_size
+        tip, new_ids, duplicates = self.trie.advance_pages(
+            state.tip, state.working[:k], state.tokens, state.positions, state.extras, ps
+        )
         state.tip = tip
         state.extend_committed_ids(new_ids)
         del state.working[:k], state.tokens[: k * ps], state.positions[: k * ps]
@@ -409,19 +354,6 @@ class PageStore:
 
     # -- prefix reuse ------------------------------------------------------------------
 
-    def _match(
-        self, state: ContextState, toks: list[int], poss: list[int], extras: list[int]
-    ) -> list[Node]:
-        ps, node, hits = self.page_size, state.tip, []
-        for i in range(len(toks) // ps):
-            lo, hi = i * ps, (i + 1) * ps
-            found = self.trie.lookup(node, toks[lo:hi], poss[lo:hi], extras[lo:hi])
-            if found is None:
-                break
-            hits.append(found)
-            node = found
-        return hits
-
     def match_prefix(
         self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
     ) -> int:
@@ -430,10 +362,10 @@ class PageStore:
         Read-only: touches neither counts nor LRU order. Errors as ``attach_prefix``.
         """
         state = self._ctx(cid)
-        toks, poss, extras = _inputs(tokens, positions, extra)
+        toks, poss, extras = page_inputs(tokens, positions, extra)
         if state.tokens:
             raise InvalidArgument("match_prefix: the context has working tokens; commit them first")
-        return len(self._match(state, toks, poss, extras))
+        return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
 
     def attach_prefix(
         self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
@@ -455,12 +387,12 @@ class PageStore:
             InvalidArgument: malformed inputs, or the context has working tokens.
         """
         state = self._ctx(cid)
-        toks, poss, extras = _inputs(tokens, positions, extra)
+        toks, poss, extras = page_inputs(tokens, positions, extra)
         if state.tokens:
             raise InvalidArgument(
                 "attach_prefix: the context has working tokens; commit or truncate them first"
             )
-        hits = self._match(state, toks, poss, extras)
+        hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         if hits:
             self.trie.add_holder(hits[-1])
             if state.tip is not None:

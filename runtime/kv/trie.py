@@ -162,6 +162,58 @@ class PageTrie:
             self.drop_holder(tip)
         return node, False
 
+    def advance_pages(
+        self,
+        tip: Node | None,
+        page_ids: Sequence[PageId],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        extras: Sequence[int],
+        page_size: int,
+    ) -> tuple[Node | None, list[PageId], list[PageId]]:
+        """Commit ``len(page_ids)`` consecutive full pages after ``tip`` (see ``advance``).
+
+        Page ``i`` holds ``tokens[i * page_size:(i + 1) * page_size]`` (same for positions
+        and extras).
+
+        Returns:
+            ``(new_tip, committed_ids, duplicates)``: the chain's new page ids, and the
+            working pages that were deduplicated, which the caller must free.
+        """
+        new_ids: list[PageId] = []
+        duplicates: list[PageId] = []
+        for i, page_id in enumerate(page_ids):
+            lo, hi = i * page_size, (i + 1) * page_size
+            tip, deduped = self.advance(
+                tip, page_id, tokens[lo:hi], positions[lo:hi], extras[lo:hi]
+            )
+            new_ids.append(tip.page_id)
+            if deduped:
+                duplicates.append(page_id)
+        return tip, new_ids, duplicates
+
+    def match_pages(
+        self,
+        tip: Node | None,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        extras: Sequence[int],
+        page_size: int,
+    ) -> list[Node]:
+        """Verified nodes continuing ``tip`` for the leading full pages of these tokens.
+
+        Stops at the first miss; read-only (pins and LRU order unchanged).
+        """
+        node, hits = tip, []
+        for i in range(len(tokens) // page_size):
+            lo, hi = i * page_size, (i + 1) * page_size
+            found = self.lookup(node, tokens[lo:hi], positions[lo:hi], extras[lo:hi])
+            if found is None:
+                break
+            hits.append(found)
+            node = found
+        return hits
+
     # -- holders and pins --------------------------------------------------------------
 
     def add_holder(self, node: Node) -> None:

@@ -297,7 +297,7 @@ class PageStoreMachine(RuleBasedStateMachine):
 
 
 PageStoreMachine.TestCase.settings = settings(
-    max_examples=10_000 if SLOW else 250,
+    max_examples=10_000 if SLOW else 300,
     stateful_step_count=50 if SLOW else 40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
