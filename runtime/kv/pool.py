@@ -106,6 +106,8 @@ class PagePool:
         free = self._free
         if n > len(free):
             return None
+        if n == 1:  # the decode-step common case: skip the slice
+            return [free.pop()]
         if n == 0:
             return []
         ids = free[-n:]
@@ -123,9 +125,13 @@ class PagePool:
             RuntimeError: more pages would be free than exist (a double free).
         """
         free = self._free
-        if len(free) + len(page_ids) > self.num_pages:
+        num = len(page_ids)
+        if len(free) + num > self.num_pages:
             raise RuntimeError("PagePool.free: more pages freed than allocated (double free)")
-        free.extend(reversed(page_ids))
+        if num == 1:
+            free.append(page_ids[0])
+        else:
+            free.extend(reversed(page_ids))
 
     def free_ids(self) -> list[PageId]:
         """The free list in hand-out order (next allocated first); a copy, for tests."""
