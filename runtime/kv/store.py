@@ -108,7 +108,10 @@ class PageStore:
         return self.pool.allocate(n)
 
     def _ctx(self, cid: ContextId) -> ContextState:
-        state = self._contexts.get(cid)
+        try:
+            state = self._contexts.get(cid)
+        except TypeError:  # unhashable: certainly not an id we issued
+            raise InvalidArgument(f"context id must be an int, got {cid!r}") from None
         if state is None:
             raise ContextClosed(
                 f"context {cid!r} is unknown or released; create, fork or open a new one"

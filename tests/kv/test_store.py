@@ -344,6 +344,7 @@ def test_write_tokens_validation() -> None:
     ]
     for call in bad_calls:
         assert_unchanged(store, call, InvalidArgument)
+    assert_unchanged(store, lambda: store.state([1]), InvalidArgument)  # type: ignore[arg-type]
     store.write_tokens(cid, [1], [0])
     assert_unchanged(store, lambda: store.attach_prefix(cid, P1, [0, 1, 2, 3]), InvalidArgument)
     assert_unchanged(store, lambda: store.match_prefix(cid, P1, [0, 1, 2, 3]), InvalidArgument)
