@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 from pie_ctx import errors
+from pie_ctx.concurrency import gather
 from pie_ctx.context import Context
 from pie_ctx.forward import Forward, ForwardOutput
 from pie_ctx.generator import Delta, Generator
@@ -36,5 +37,6 @@ __all__ = [
     "Sampler",
     "SamplerSpec",
     "errors",
+    "gather",
 ]
 __version__ = "0.1.0"

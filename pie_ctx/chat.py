@@ -9,6 +9,7 @@ context holds exactly what ``apply_chat_template`` would produce.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pie_ctx.errors import InvalidArgument
@@ -32,6 +33,22 @@ class Conversation:
         other.messages = [dict(m) for m in self.messages]
         other.text, other.synced, other.cued = self.text, self.synced, self.cued
         return other
+
+    def to_meta(self) -> str:
+        """The conversation as JSON, stored with a snapshot so ``open`` can continue it."""
+        return json.dumps({"messages": self.messages, "text": self.text,
+                           "synced": self.synced, "cued": self.cued})
+
+    @classmethod
+    def from_meta(cls, meta: str) -> Conversation:
+        conv = cls()
+        if meta:
+            data = json.loads(meta)
+            conv.messages = list(data.get("messages", []))
+            conv.text = str(data.get("text", ""))
+            conv.synced = bool(data.get("synced", True))
+            conv.cued = bool(data.get("cued", False))
+        return conv
 
     def add(self, tokenizer: Any, role: str | None, content: str | None,
             generation_prompt: bool = False) -> list[int]:

@@ -103,6 +103,7 @@ class Context:
     def _from_reply(cls, rt: Runtime, reply: P.ContextReply) -> Context:
         ctx = cls(rt, _created=True)
         ctx._adopt(reply)
+        ctx._chat = Conversation.from_meta(reply.meta)
         return ctx
 
     # --------------------------------------------------------------------- counters
@@ -194,15 +195,17 @@ class Context:
         Full pages whose contents the runtime already holds (from any context) are attached
         instead of computed; the report says how many pages were reused vs computed.
         """
-        async def body() -> P.PassReport:
-            if not self._pending:
-                return P.PassReport()
-            tokens = list(self._pending)
-            reply = await self._request(P.Forward, {"tokens": tokens, "reuse_prefix": True})
-            del self._pending[: len(tokens)]
-            self._state = reply.state
-            return reply.report
-        return await self._chain.run(body)
+        return await self._chain.run(self._write_pending)
+
+    async def _write_pending(self) -> P.PassReport:
+        """Flush's body (runs inside the chain)."""
+        if not self._pending:
+            return P.PassReport()
+        tokens = list(self._pending)
+        reply = await self._request(P.Forward, {"tokens": tokens, "reuse_prefix": True})
+        del self._pending[: len(tokens)]
+        self._state = reply.state
+        return reply.report
 
     def generate(self, sampler: P.SamplerSpec | None = None, *, max_tokens: int = 256,
                  stop: Sequence[int | str] = (), ignore_eos: bool = False) -> Generator:
@@ -273,14 +276,20 @@ class Context:
         await self._chain.run(body)
 
     def save(self, name: str) -> Op:
-        """Save this context (KV and pending-free state) as the snapshot ``name``.
+        """Flush pending tokens, then save this context as the snapshot ``name``.
 
-        Queued in order like ``fork()``; ``await`` the result to see errors
-        (``SnapshotExists``). Pending tokens are not part of a snapshot: flush first.
+        The snapshot holds references to the context's pages (nothing is copied but the
+        working tail) and its conversation, and outlives the inferlet. Queued in order like
+        ``fork()``; ``await`` the result to see errors (``SnapshotExists``).
         """
         self._check_open()
         name = _name(name)
-        return self._spawn(lambda: self._request(P.SaveSnapshot, {"name": name}))
+
+        async def body() -> None:
+            await self._write_pending()
+            await self._request(P.SaveSnapshot, {"name": name, "meta": self._chat.to_meta()})
+
+        return self._spawn(body)
 
     async def release(self) -> None:
         """Free this context's pages (shared pages stay with their other holders).

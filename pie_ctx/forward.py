@@ -137,10 +137,9 @@ class Forward:
             raise InvalidArgument("call input() or input_at() before execute()")
         self._done = True
         ctx = self._ctx
-        if ctx._pending:
-            await ctx.flush()
 
         async def body() -> ForwardOutput:
+            await ctx._write_pending()
             reply = await ctx._request(P.Forward, {
                 "tokens": self._tokens, "positions": self._positions, "mask": self._mask,
                 "commit": self._commit, "sample": self._sample, "logits": self._logits,

@@ -35,6 +35,7 @@ class Delta:
 
     tokens: list[int]
     text: str
+    logprobs: list[float]
 
 
 class Generator:
@@ -53,6 +54,7 @@ class Generator:
         self._finished = False
         self._prompt: list[int] = []
         self.tokens_out: list[int] = []
+        self.logprobs: list[float] = []  # the model's log-probability of each token
         self.text_out = ""
         self.finish_reason: str | None = None
         self.report: P.PassReport | None = None
@@ -77,8 +79,9 @@ class Generator:
             raise
         if isinstance(msg, P.GenerateChunk):
             self.tokens_out.extend(msg.tokens)
+            self.logprobs.extend(msg.logprobs)
             self.text_out += msg.text
-            return Delta(tokens=list(msg.tokens), text=msg.text)
+            return Delta(tokens=list(msg.tokens), text=msg.text, logprobs=list(msg.logprobs))
         if isinstance(msg, P.GenerateDone):
             self._done(msg)
             raise StopAsyncIteration

@@ -97,6 +97,7 @@ class TruncateTokens(_Request):
 class SaveSnapshot(_Request):
     ctx: int
     name: str
+    meta: str = ""  # opaque to the engine; the SDK keeps the conversation here
 
 
 class OpenSnapshot(_Request):
@@ -215,6 +216,7 @@ class Ok(_Reply):
 class ContextReply(_Reply):
     ctx: int
     state: ContextState
+    meta: str = ""  # a snapshot's meta, when opened from one
 
 
 class StateReply(_Reply):
@@ -243,6 +245,7 @@ class ForwardReply(_Reply):
 class GenerateChunk(_Reply):
     tokens: list[int]
     text: str
+    logprobs: list[float] = []  # the model's log-probability of each token (temperature 1)
 
 
 class GenerateDone(_Reply):

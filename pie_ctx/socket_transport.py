@@ -32,7 +32,7 @@ from pie_ctx.errors import PieError, ProtocolError, error_from_name
 from pie_ctx.transport import raise_if_error
 from runtime.server import wire
 from runtime.server.endpoint import parse_address
-from runtime.server.framing import FrameReader, FramingError, FrameWriter
+from runtime.server.framing import FrameReader, FrameWriter, FramingError
 
 __all__ = ["SocketTransport", "SocketGenerateStream"]
 

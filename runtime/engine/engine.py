@@ -103,7 +103,8 @@ class Engine:
         self._wake = anyio.Event()
         self._gc_queue: deque[int] = deque()  # handles whose SDK object was collected
         self._task_group: Any = None
-        self._snapshot_logits: dict[tuple[str, str], np.ndarray | None] = {}
+        # Per snapshot: the last logits (see ContextRecord) and the SDK's opaque meta.
+        self._snapshot_extra: dict[tuple[str, str], tuple[np.ndarray | None, str]] = {}
         self.model_seconds = 0.0
         self.scheduler_seconds = 0.0
         self.num_tokens_computed = 0
@@ -199,8 +200,8 @@ class Engine:
             next_position=self.store.next_position(record.cid),
         )
 
-    def _context_reply(self, record: ContextRecord) -> P.ContextReply:
-        return P.ContextReply(ctx=record.handle, state=self._state(record))
+    def _context_reply(self, record: ContextRecord, meta: str = "") -> P.ContextReply:
+        return P.ContextReply(ctx=record.handle, state=self._state(record), meta=meta)
 
     def release_soon(self, handle: int) -> None:
         """Release a handle from any thread (used when an SDK object is garbage collected)."""
@@ -300,22 +301,22 @@ class Engine:
         record = self._record(req.ctx, owner)
         async with record.lock:
             self.store.save(record.cid, req.name, ns)
-            self._snapshot_logits[(ns, req.name)] = record.last_logits
+            self._snapshot_extra[(ns, req.name)] = (record.last_logits, req.meta)
         return P.Ok()
 
     async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
         cid = self.store.open(req.name, ns)
-        logits = self._snapshot_logits.get((ns, req.name))
-        return self._context_reply(self._new_record(cid, owner, logits))
+        logits, meta = self._snapshot_extra.get((ns, req.name), (None, ""))
+        return self._context_reply(self._new_record(cid, owner, logits), meta)
 
     async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
         cid = self.store.take(req.name, ns)
-        logits = self._snapshot_logits.pop((ns, req.name), None)
-        return self._context_reply(self._new_record(cid, owner, logits))
+        logits, meta = self._snapshot_extra.pop((ns, req.name), (None, ""))
+        return self._context_reply(self._new_record(cid, owner, logits), meta)
 
     async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:
         self.store.delete(req.name, ns)
-        self._snapshot_logits.pop((ns, req.name), None)
+        self._snapshot_extra.pop((ns, req.name), None)
         self._kick()
         return P.Ok()
 
@@ -494,9 +495,9 @@ class Engine:
             send.close()
             return GenerationStream(self, None, receive)
 
-        def on_chunk(tokens: list[int], text: str) -> None:
+        def on_chunk(tokens: list[int], text: str, logprob: float) -> None:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                send.send_nowait(P.GenerateChunk(tokens=tokens, text=text))
+                send.send_nowait(P.GenerateChunk(tokens=tokens, text=text, logprobs=[logprob]))
 
         def on_done(job: Job) -> None:
             try:

@@ -80,9 +80,12 @@ class StepExecutor:
                 results[i].logprob_ids = list(req.logprob_ids)
                 results[i].logprobs = list(logprobs(logits[i], req.logprob_ids))
         if sample_at:
-            tokens = sample_rows(logits[sample_at], params, gens)
-            for i, token in zip(sample_at, tokens, strict=True):
+            rows = logits[sample_at]
+            tokens = sample_rows(rows, params, gens)
+            picked = torch.log_softmax(rows, dim=-1)[torch.arange(len(tokens)), tokens]
+            for i, token, lp in zip(sample_at, tokens, picked.tolist(), strict=True):
                 results[i].sampled = int(token)
+                results[i].sampled_logprob = float(lp)
         return results
 
     def _generator(self, key: int, seed: int | None, spec: Any) -> torch.Generator | None:

@@ -67,7 +67,7 @@ class Job:
     stop: StopChecker | None = None
     first_logits: np.ndarray | None = None  # float32 [vocab]: sample the first token from it
     waiter: Any = None  # engine-side notification (an event or a stream)
-    on_chunk: Callable[[list[int], str], None] | None = None
+    on_chunk: Callable[[list[int], str, float], None] | None = None
 
     key: int = 0  # unique per engine; names the job's sampling generator
     status: JobStatus = JobStatus.WAITING

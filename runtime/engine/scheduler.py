@@ -72,6 +72,7 @@ class StepPlan:
 @dataclass(slots=True)
 class RowResult:
     sampled: int | None = None
+    sampled_logprob: float = 0.0
     logits: bytes | None = None
     top_ids: list[int] | None = None
     top_probs: list[float] | None = None
@@ -351,7 +352,8 @@ class Scheduler:
                 job.report.tokens_written += length
                 self._collect_probes(job, rows, results)
             if job.kind is JobKind.GENERATE and rows and job.prompt_remaining == 0:
-                self._on_sampled(job, results[rows[-1][1]].sampled)
+                row = results[rows[-1][1]]
+                self._on_sampled(job, row.sampled, row.sampled_logprob)
             if job.commit and (job.kind is JobKind.GENERATE or job.prompt_remaining == 0):
                 self._commit(job)
             if self._is_finished(job):
@@ -365,7 +367,7 @@ class Scheduler:
             for index, row in rows:
                 job.probe_rows[index] = results[row]
 
-    def _on_sampled(self, job: Job, token: int | None) -> None:
+    def _on_sampled(self, job: Job, token: int | None, logprob: float) -> None:
         if token is None:
             raise RuntimeError("a generation row came back without a sampled token")
         job.generated.append(token)
@@ -373,22 +375,22 @@ class Scheduler:
         if token in job.stop_token_ids:
             job.finish_reason = "stop_token"
             text = job.stop.finish() if job.stop is not None else ""
-            self._emit(job, n, [token], text)
+            self._emit(job, n, [token], text, logprob)
             return
         text = job.stop.feed(token, final=n >= job.max_tokens) if job.stop is not None else ""
         if job.stop is not None and job.stop.stopped:
             job.finish_reason = "stop_string"
         elif n >= job.max_tokens:
             job.finish_reason = "length"
-        self._emit(job, n, [token], text)
+        self._emit(job, n, [token], text, logprob)
 
-    def _emit(self, job: Job, n: int, tokens: list[int], text: str) -> None:
+    def _emit(self, job: Job, n: int, tokens: list[int], text: str, logprob: float) -> None:
         # After a preemption the job replays deterministically; never stream a token twice.
         if n <= job.num_emitted:
             return
         job.num_emitted = n
         if job.on_chunk is not None:
-            job.on_chunk(tokens, text)
+            job.on_chunk(tokens, text, logprob)
 
     def _commit(self, job: Job) -> None:
         before = self.store.state(job.shadow).num_committed_pages

@@ -7,6 +7,7 @@ loader, so SDK tests exercise the whole stack in well under a second per test.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +23,12 @@ def tiny_model_folder(tmp_root: Path) -> Path:
     if _FOLDER is None or not _FOLDER.exists():
         from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
 
-        _FOLDER = write_tiny_hf_folder(tmp_root / "tiny-llama", hf_reference_weights(seed=3))
+        folder = write_tiny_hf_folder(tmp_root / "tiny-llama", hf_reference_weights(seed=3))
+        # Byte-level tokens make prompts long: give the tiny model room for them.
+        config = json.loads((folder / "config.json").read_text())
+        config["max_position_embeddings"] = 4096
+        (folder / "config.json").write_text(json.dumps(config))
+        _FOLDER = folder
     return _FOLDER
 
 

@@ -1,0 +1,164 @@
+"""The ``pie-ctx`` command: run inferlets, manage cached models, serve an engine.
+
+    pie-ctx run FILE.py [--model M] [--page-size N] [--connect ADDR] [-v] [-- INFERLET ARGS]
+    pie-ctx models [list] | pie-ctx models pull [NAME]
+    pie-ctx serve ... | pie-ctx stats [ADDRESS]       (see docs/server.md)
+
+An inferlet is a Python file defining ``async def main(rt, args)`` and optionally
+``add_arguments(parser)`` for its own options (parsed from what follows ``--``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pie_ctx.errors import InvalidArgument, PieError
+
+__all__ = ["main", "load_inferlet", "inferlet_args"]
+
+
+def load_inferlet(path: str | Path) -> ModuleType:
+    """Import an inferlet file as a module.
+
+    Raises:
+        InvalidArgument: the file is missing or has no ``async def main(rt, args)``.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidArgument(f"inferlet {file} does not exist")
+    spec = importlib.util.spec_from_file_location(f"inferlet_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise InvalidArgument(f"{file} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "main", None)):
+        raise InvalidArgument(f"{file} has no `async def main(rt, args)`")
+    return module
+
+
+def inferlet_args(module: ModuleType, argv: list[str], prog: str) -> argparse.Namespace:
+    """Parse an inferlet's own arguments with its ``add_arguments(parser)``, if any."""
+    parser = argparse.ArgumentParser(prog=prog, description=(module.__doc__ or "").strip() or None)
+    if callable(getattr(module, "add_arguments", None)):
+        module.add_arguments(parser)
+    else:
+        parser.add_argument("argv", nargs="*", help="arguments for the inferlet")
+    return parser.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie-ctx", description="Run and serve inferlets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an inferlet file",
+                         description="Run an inferlet (arguments after `--` go to it).")
+    run.add_argument("file", help="the inferlet: a .py file with async def main(rt, args)")
+    run.add_argument("--model", default=None,
+                     help="model: default, a short name, an HF folder or a .gguf file")
+    run.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    run.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    run.add_argument("--connect", default=None,
+                     help="run against a server (unix:PATH, tcp:HOST:PORT or a socket path)")
+    run.add_argument("--token-file", default=None, help="token file for a TCP server")
+    run.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
+                     help="async library to run the inferlet under")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="print a one-line engine summary at the end")
+    run.set_defaults(func=_run)
+
+    models = sub.add_parser("models", help="list or fetch cached models")
+    msub = models.add_subparsers(dest="models_command")
+    msub.add_parser("list", help="list cached models (the default)")
+    pull = msub.add_parser("pull", help="fetch and convert a model ahead of time")
+    pull.add_argument("name", nargs="?", default="default", help="model (default: the default)")
+    models.set_defaults(func=_models)
+
+    try:
+        from runtime.server.cli import register
+    except ImportError:  # pragma: no cover - the server package ships with the SDK
+        pass
+    else:
+        register(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    import anyio
+
+    from pie_ctx.runtime import Runtime
+
+    module = load_inferlet(args.file)
+    iargs = inferlet_args(module, rest, prog=f"pie-ctx run {args.file} --")
+
+    async def go() -> Any:
+        if args.connect:
+            token = None
+            if args.token_file:
+                token = Path(args.token_file).read_text().strip()
+            manager = Runtime.connect(args.connect, token=token)
+        else:
+            manager = Runtime.local(args.model, page_size=args.page_size,
+                                    num_pages=args.num_pages)
+        async with manager as rt:
+            t0 = time.perf_counter()
+            result = await module.main(rt, iargs)
+            if args.verbose:
+                s = await rt.stats()
+                print(f"pie-ctx: {rt.model_name}: {time.perf_counter() - t0:.2f}s, "
+                      f"{s.tokens_computed} tokens computed in {s.num_model_calls} model calls, "
+                      f"pages reused {s.pages_reused} / computed {s.pages_computed} "
+                      f"(hit rate {s.hit_rate:.0%}), model time {s.model_seconds:.2f}s",
+                      file=sys.stderr)
+        return result
+
+    result = anyio.run(go, backend=args.backend)
+    if result is not None:
+        print(result)
+    return 0
+
+
+def _models(args: argparse.Namespace, rest: list[str]) -> int:
+    from runtime.model.loader import list_cached_models, resolve_model
+
+    if args.models_command == "pull":
+        name, folder = resolve_model(None if args.name == "default" else args.name)
+        print(f"{name}: {folder}")
+        return 0
+    cached = list_cached_models()
+    if not cached:
+        print("no cached models; `pie-ctx models pull` fetches the default one")
+    for m in cached:
+        print(f"{m.name}\t{m.size_bytes / 2**20:.0f} MiB\t{m.path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pie-ctx`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1 :]
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="pie-ctx: %(message)s")
+    try:
+        if args.func in (_run, _models):
+            return args.func(args, rest)
+        return args.func(args)
+    except PieError as err:
+        print(f"pie-ctx: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
