@@ -36,7 +36,7 @@ async def main(rt, args):
         beams = new_beams
         if all(toks[-1] in stops for _, _, toks, _ in beams):
             break
-    for ctx, score, toks, _ in beams:
+    for _ctx, score, toks, _ in beams:
         print(f"{score:8.3f}  {rt.tokenizer.decode(toks, skip_special_tokens=True)!r}")
     await gather(*(ctx.release() for ctx, _, _, _ in beams))
     return rt.tokenizer.decode(beams[0][2], skip_special_tokens=True)
