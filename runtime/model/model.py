@@ -94,17 +94,20 @@ class Transformer:
         for i, lw in enumerate(self.layers):
             hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
             qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2KVH) * D]
-            q = qkv[:, : self._q_dim].view(t, h, d)  # [T, H, D]
             kv = qkv[:, self._q_dim:].view(t, 2, kvh, d)  # [T, 2, KVH, D] (k then v)
-            k = kv[:, 0]  # [T, KVH, D]
             if lw.q_norm is not None and lw.k_norm is not None:
-                q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
-            q = apply_rotary(q, cos, sin)  # [T, H, D]
-            kv[:, 0] = apply_rotary(k, cos, sin)  # rotate keys in place inside qkv
+                q = apply_rotary(rms_norm(qkv[:, : self._q_dim].view(t, h, d), lw.q_norm,
+                                          c.rms_norm_eps), cos, sin)  # [T, H, D]
+                kv[:, 0] = apply_rotary(rms_norm(kv[:, 0], lw.k_norm, c.rms_norm_eps), cos, sin)
+            else:
+                # q and k heads are adjacent in qkv: rotate them in one go
+                qk = apply_rotary(qkv[:, : self._q_dim + self._kv_dim].view(t, h + kvh, d),
+                                  cos, sin)  # [T, H + KVH, D]
+                q = qk[:, :h]  # [T, H, D]
+                kv[:, 0] = qk[:, h:]  # rotated keys back into the qkv buffer
             attn = attend(i, q, kv)  # [T, H * D]
-            x = x + F.linear(attn, lw.o_proj, lw.o_bias)  # [T, hidden]
-            x = x + swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw)
+            x.add_(F.linear(attn, lw.o_proj, lw.o_bias))  # [T, hidden]
+            x.add_(swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw))
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]

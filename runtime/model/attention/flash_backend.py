@@ -130,6 +130,7 @@ class FlashAttention:
                 meta.backend_state = (st, torch_state)
         write_kv(pool_kv, layer, kv, meta)
         t, h, d = q.shape
+        q = q.contiguous()  # the runner may pass a strided view of its fused qkv output
         if self.paged:
             k = pool_kv[:, layer, 0]  # [P, S, KVH, D]
             v = pool_kv[:, layer, 1]  # [P, S, KVH, D]

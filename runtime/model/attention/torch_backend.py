@@ -6,8 +6,7 @@ as tensors, the padded page table of every sequence (keys are gathered a whole p
 time, then cut to ``Lmax``), the flat index of every real query in the padded layout, and
 one bool mask ``[B, 1, Qmax, Lmax]`` covering causality, custom masks
 and padding. Each layer then runs a fixed handful of ops and no Python per sequence:
-write new K/V, one page gather of K and V (plus one re-layout copy), one
-``scaled_dot_product_attention``.
+write new K/V, one page gather each of K and V, one ``scaled_dot_product_attention``.
 
 Common cases skip the mask entirely: a single decoding sequence (all keys visible), a
 batch of decodes with equal context lengths, and a single fresh causal prefill
@@ -100,14 +99,14 @@ class TorchAttention:
         kvh = kv.shape[2]
         b, max_q, max_kv = st.batch, st.max_q, st.max_kv
 
-        # Whole pages: each page's K and V of one layer is one contiguous [2, S, KVH, D] block,
-        # so a page-granular index_select copies at memcpy speed (a per-token advanced index
-        # was ~20x slower on CPU).
+        # Whole pages: one page's K (or V) of one layer is a contiguous [S, KVH, D] block, so a
+        # page-granular index_select copies at memcpy speed straight into the [B, L, KVH, D]
+        # layout SDPA wants (a per-token advanced index was ~20x slower on CPU).
         mp, s = st.max_pages, meta.page_size
-        pages = pool_kv[:, layer].index_select(0, st.page_index)  # [B*mp, 2, S, KVH, D]
-        seq = pages.view(b, mp, 2, s, kvh, d).transpose(1, 2).reshape(b, 2, mp * s, kvh, d)
-        k = seq[:, 0, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
-        v = seq[:, 1, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
+        k = pool_kv[:, layer, 0].index_select(0, st.page_index)  # [B*mp, S, KVH, D]
+        v = pool_kv[:, layer, 1].index_select(0, st.page_index)  # [B*mp, S, KVH, D]
+        k = k.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
+        v = v.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
 
         if st.q_index is None:
             qb = q.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
