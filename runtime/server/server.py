@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from pie_ctx import errors
 from pie_ctx import protocol as P
 from pie_ctx.errors import AuthError, PieError, ProtocolError
 from runtime.server import wire
@@ -63,7 +64,7 @@ class Connection:
         await self.writer.send(wire.encode(wire.Response(id=rid, reply=reply)))
 
     async def send_error(self, rid: int, err: PieError) -> None:
-        await self.send(rid, P.ErrorReply(kind=type(err).__name__, message=str(err)))
+        await self.send(rid, error_reply(err))
 
     def __repr__(self) -> str:
         return f"Connection({self.peer}, namespace={self.namespace!r})"
@@ -167,8 +168,7 @@ class Server:
                 log.info("refused %s: %s", peer, err)
                 with anyio.move_on_after(1), _suppress_gone():
                     await writer.send(wire.encode(wire.Response(
-                        id=wire.CONNECTION_ID, reply=P.ErrorReply(kind=type(err).__name__,
-                                                                  message=str(err)))))
+                        id=wire.CONNECTION_ID, reply=error_reply(err))))
                 return
             except (TimeoutError, *_GONE):
                 return
@@ -262,6 +262,13 @@ class Server:
                     kind="PieError", message=f"internal server error: {type(err).__name__}: {err}"))
         finally:
             conn.running.pop(rid, None)
+
+
+def error_reply(err: PieError) -> P.ErrorReply:
+    """An ``ErrorReply`` whose kind is the nearest class clients know (``pie_ctx.errors``)."""
+    kind = next((c.__name__ for c in type(err).__mro__ if c.__name__ in errors.__all__),
+                "PieError")
+    return P.ErrorReply(kind=kind, message=str(err))
 
 
 class _suppress_gone:
