@@ -195,10 +195,12 @@ class Context:
         Full pages whose contents the runtime already holds (from any context) are attached
         instead of computed; the report says how many pages were reused vs computed.
         """
+        self._check_open()
         return await self._chain.run(self._write_pending)
 
     async def _write_pending(self) -> P.PassReport:
         """Flush's body (runs inside the chain)."""
+        self._check_open()
         if not self._pending:
             return P.PassReport()
         tokens = list(self._pending)
@@ -260,6 +262,7 @@ class Context:
         Raises:
             InvalidArgument: ``n`` reaches into committed pages (nothing is changed).
         """
+        self._check_open()
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise InvalidArgument(f"truncate needs a non-negative int, got {n!r}")
 

@@ -45,3 +45,18 @@ async def tiny_engine(folder: Path, *, page_size: int = 4, num_pages: int = 512,
 async def tiny_runtime(folder: Path, **kw) -> AsyncIterator[Runtime]:
     async with tiny_engine(folder, **kw) as engine, Runtime.local(engine=engine) as rt:
         yield rt
+
+
+@asynccontextmanager
+async def sdk_runtime(folder: Path, transport: str = "local", **kw):
+    """Yield ``(rt, engine)`` with the SDK talking to the engine in-process or over a socket."""
+    async with tiny_engine(folder, **kw) as engine:
+        if transport == "local":
+            async with Runtime.local(engine=engine) as rt:
+                yield rt, engine
+            return
+        from runtime.server.testing import serve_in_background
+
+        async with serve_in_background(engine, run_engine=False) as srv, \
+                Runtime.connect(srv.address, token=srv.token) as rt:
+            yield rt, engine
