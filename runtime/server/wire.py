@@ -110,6 +110,10 @@ class Response(msgspec.Struct, tag=True, kw_only=True):
 ClientMessage = Hello | Call | Cancel | Bye
 ServerMessage = Welcome | Response
 
+# msgspec raises DecodeError for most bad input, but a str with invalid UTF-8 surfaces as
+# UnicodeDecodeError (a ValueError) and absurd nesting as RecursionError.
+_BAD_INPUT = (msgspec.DecodeError, ValueError, RecursionError)
+
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
@@ -129,7 +133,7 @@ def decode_client(payload: bytes) -> Hello | Call | Cancel | Bye:
     """
     try:
         return _client_decoder.decode(payload)
-    except msgspec.DecodeError as err:
+    except _BAD_INPUT as err:
         raise ProtocolError(f"malformed message: {err}") from None
 
 
@@ -141,7 +145,7 @@ def decode_server(payload: bytes) -> Welcome | Response:
     """
     try:
         return _server_decoder.decode(payload)
-    except msgspec.DecodeError as err:
+    except _BAD_INPUT as err:
         raise ProtocolError(f"malformed message from the server: {err}") from None
 
 
@@ -154,7 +158,7 @@ def decode_request(raw: msgspec.Raw) -> Any:
     """
     try:
         return _request_decoder.decode(raw)
-    except msgspec.DecodeError as err:
+    except _BAD_INPUT as err:
         raise ProtocolError(f"malformed request: {err}") from None
 
 
@@ -162,7 +166,7 @@ def guess_id(payload: bytes) -> int:
     """Best-effort request id of a message that failed to decode (``CONNECTION_ID`` if none)."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except _BAD_INPUT:
         return CONNECTION_ID
     if isinstance(obj, dict):
         rid = obj.get("id")
