@@ -120,8 +120,8 @@ def main() -> None:
     diff = (ours.prefill(chat_ids, all_logits=True) - hf.logits(chat_ids)).abs().max().item()
     g_ours, _, _ = ours.generate(chat_ids, 64)
     g_hf, _, _ = hf.generate(chat_ids, 64)
-    identical = sum(1 for _ in zip(g_ours, g_hf)) if g_ours == g_hf else next(
-        i for i, (a, b) in enumerate(zip(g_ours, g_hf)) if a != b)
+    identical = next((i for i, (a, b) in enumerate(zip(g_ours, g_hf, strict=True)) if a != b),
+                     len(g_ours))  # length of the identical leading run
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]

@@ -51,10 +51,10 @@ def test_flash_matches_torch_on_mixed_batches(page_size: int) -> None:
     for runner in (flash, ref):
         free = free_list(runner, seed=1)
         seqs = [PagedSeq(runner, free) for _ in prompts]
-        steps = [runner.forward([s.step(p[: len(p) // 2 or 1]) for s, p in zip(seqs, prompts)])]
-        for s, p in zip(seqs, prompts):
+        steps = [runner.forward([s.step(p[: len(p) // 2 or 1]) for s, p in zip(seqs, prompts, strict=True)])]
+        for s, p in zip(seqs, prompts, strict=True):
             s.advance(len(p) // 2 or 1)
-        batch = [s.step(p[len(p) // 2 or 1:] or [5]) for s, p in zip(seqs, prompts)]
+        batch = [s.step(p[len(p) // 2 or 1:] or [5]) for s, p in zip(seqs, prompts, strict=True)]
         steps.append(runner.forward(batch))
         outs.append(torch.cat(steps).float())
     assert (outs[0] - outs[1]).abs().max().item() < 5e-2 * outs[1].abs().max().item()

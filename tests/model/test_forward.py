@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, PagedSeq, config_of, free_list, make_hf_model, make_runner, random_tokens
+from tiny_models import (
+    ARCHS,
+    PagedSeq,
+    config_of,
+    free_list,
+    make_hf_model,
+    make_runner,
+    random_tokens,
+)
 
 from pie_ctx.errors import ModelError
 from runtime.model.config import ModelConfig

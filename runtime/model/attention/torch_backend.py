@@ -49,7 +49,7 @@ class TorchAttention:
         """Precompute gather indices, query layout and mask for this forward."""
         device = meta.write_pages.device
         q_lens, kv_lens, cached = meta.query_lens, meta.kv_lens, meta.num_cached
-        b, max_q, max_kv, s = len(q_lens), max(q_lens), max(kv_lens), meta.page_size
+        b, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
 
         max_pages = max(len(pt) for pt in meta.page_tables)
         # Pad with page 0: padded keys are always masked out (or belong to dropped rows).
