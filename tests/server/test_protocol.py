@@ -226,3 +226,52 @@ async def test_errors_raise_typed_exceptions_over_the_socket():
         await t.aclose()
         with pytest.raises(ProtocolError, match="closed"):
             await t.request(P.GetInfo())
+
+# ------------------------------------------------------------------ multiplexing, trio
+
+
+async def _many_on_one_connection(address: str) -> tuple[list[list[int]], list[list[int]]]:
+    t = await connect(address)
+    base = (await t.request(P.CreateContext())).ctx
+    await t.request(P.Forward(ctx=base, tokens=list(range(1, 9))))
+
+    async def one(i: int) -> list[int]:
+        fork = (await t.request(P.ForkContext(ctx=base))).ctx
+        sampler = P.SamplerSpec(temperature=0.9, seed=i)
+        tokens, done = await collect(await t.generate(P.Generate(
+            ctx=fork, tokens=[i % 60], sampler=sampler, max_tokens=10, stop_token_ids=[])))
+        assert isinstance(done, P.GenerateDone)
+        await t.request(P.ReleaseContext(ctx=fork))
+        return tokens
+
+    sequential = [await one(i) for i in range(20)]
+    concurrent: list[list[int]] = [[] for _ in range(20)]
+
+    async def store(i: int) -> None:
+        concurrent[i] = await one(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(20):
+            tg.start_soon(store, i)
+            tg.start_soon(t.request, P.GetStats())  # unrelated replies interleave
+    await t.aclose()
+    return sequential, concurrent
+
+
+async def test_concurrent_requests_on_one_connection_match_sequential():
+    engine = fake_engine(num_pages=512)
+    async with serve_in_background(engine) as srv:
+        sequential, concurrent = await _many_on_one_connection(srv.address)
+        await wait_settled(engine)
+    assert concurrent == sequential
+
+
+def test_server_and_client_run_under_trio():
+    async def main() -> None:
+        engine = fake_engine(num_pages=512)
+        async with serve_in_background(engine) as srv:
+            sequential, concurrent = await _many_on_one_connection(srv.address)
+            assert concurrent == sequential
+            await wait_settled(engine)
+
+    anyio.run(main, backend="trio")
