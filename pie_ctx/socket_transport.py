@@ -28,7 +28,7 @@ import anyio
 import msgspec
 
 from pie_ctx import protocol as P
-from pie_ctx.errors import PieError, ProtocolError, error_from_name
+from pie_ctx.errors import InvalidArgument, PieError, ProtocolError, error_from_name
 from pie_ctx.transport import raise_if_error
 from runtime.server import wire
 from runtime.server.endpoint import parse_address
@@ -210,10 +210,15 @@ class SocketTransport:
                 ctx = self._release_queue.popleft()  # the reply is dropped (no inbox)
                 await self._send(wire.Call(id=self._new_id(), request=msgspec.Raw(
                     wire.encode(P.ReleaseContext(ctx=ctx)))))
+        body = wire.encode(req)
+        if len(body) + 64 > self._welcome.max_frame_bytes:  # 64: room for the envelope
+            raise InvalidArgument(
+                f"{type(req).__name__} encodes to {len(body)} bytes, over the server's frame "
+                f"limit of {self._welcome.max_frame_bytes}; split it into smaller requests")
         rid = self._new_id()
         self._inboxes[rid] = collections.deque()
         try:
-            await self._send(wire.Call(id=rid, request=msgspec.Raw(wire.encode(req))))
+            await self._send(wire.Call(id=rid, request=msgspec.Raw(body)))
         except BaseException:
             self._inboxes.pop(rid, None)
             raise

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from pie_ctx import protocol as P
-from pie_ctx.errors import ContextClosed, ProtocolError, SnapshotNotFound
+from pie_ctx.errors import ContextClosed, InvalidArgument, ProtocolError, SnapshotNotFound
 from pie_ctx.transport import LocalTransport
 from runtime.server import wire
 from runtime.server.framing import FrameReader, FramingError, encode_frame
@@ -211,6 +211,9 @@ async def test_oversize_frame_closes_only_that_connection():
         r = await raw.receive()
         assert r.id == 0 and "exceeds the limit of 1024" in r.reply.message
         assert await raw.receive() is None
+        assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
+        with pytest.raises(InvalidArgument, match="frame limit of 1024"):  # refused client-side
+            await other.request(P.Tokenize(text="a" * 2000))
         assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
         await other.aclose()
         await wait_settled(engine)
