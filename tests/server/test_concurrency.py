@@ -34,7 +34,7 @@ async def _client_script(t, i: int, abort_after: int | None = None) -> list[int]
         assert isinstance(final, P.GenerateDone), final
         return tokens
     seen = 0
-    async for msg in stream:
+    async for _msg in stream:
         seen += 1
         if seen >= abort_after:
             await anyio.aclose_forcefully(t._stream)  # a crash: no Bye, no Cancel

@@ -10,7 +10,6 @@ everyone has left, no page is used and the page store's invariants hold.
 from __future__ import annotations
 
 import collections
-import os
 import socket
 
 import anyio.from_thread
@@ -118,8 +117,6 @@ def live_server():
             portal.call(wait_settled, engine)
             assert portal.call(engine.stats).num_pages_used == 0
     # The fuzzing reached the engine's real work, not only the decoders.
-    if os.environ.get("FUZZ_DEBUG"):
-        print(SEEN)
     assert SEEN["ForwardReply"] and SEEN["ErrorReply"], SEEN
 
 
@@ -127,7 +124,6 @@ def _check_reply(payload: bytes) -> wire.Response:
     msg = wire.decode_server(payload)  # the server only ever sends well-formed messages
     assert isinstance(msg, wire.Response)
     SEEN[type(msg.reply).__name__ if msg.id != 0 else "connection-error"] += 1
-    if isinstance(msg.reply, P.ErrorReply) and os.environ.get("FUZZ_DEBUG"): print(msg.id, msg.reply.message[:150])
     if isinstance(msg.reply, P.ErrorReply):
         assert "internal server error" not in msg.reply.message, msg.reply.message
     return msg
