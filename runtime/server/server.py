@@ -35,7 +35,7 @@ from pie_ctx import errors
 from pie_ctx import protocol as P
 from pie_ctx.errors import AuthError, PieError, ProtocolError
 from runtime.server import wire
-from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES, FrameReader, FramingError, FrameWriter
+from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES, FrameReader, FrameWriter, FramingError
 
 __all__ = ["Server", "namespace_for_token", "DEFAULT_NAMESPACE"]
 
