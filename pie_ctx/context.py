@@ -115,18 +115,22 @@ class Context:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return self._state.page_size
 
     @property
     def num_committed_pages(self) -> int:
+        """Full, immutable pages (shared with every context that has the same prefix)."""
         return self._state.num_committed_pages
 
     @property
     def num_working_pages(self) -> int:
+        """Private, mutable pages: the partly written tail and pages reserved ahead."""
         return self._state.num_working_pages
 
     @property
     def num_working_tokens(self) -> int:
+        """Tokens written in working pages."""
         return self._state.num_working_tokens
 
     @property
@@ -141,6 +145,7 @@ class Context:
 
     @property
     def is_released(self) -> bool:
+        """True after ``release()``: every further use raises ``ContextClosed``."""
         return self._released
 
     async def refresh(self) -> P.ContextState:

@@ -27,6 +27,8 @@ __all__ = ["RawContext"]
 
 
 class RawContext:
+    """Raw page operations on one context (see the module docstring for exact semantics)."""
+
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
 
@@ -60,20 +62,25 @@ class RawContext:
 
     @property
     def seq_len(self) -> int:
+        """Tokens in the KV cache."""
         return self._ctx.seq_len
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return self._ctx.page_size
 
     @property
     def num_committed_pages(self) -> int:
+        """Committed (full, immutable, shareable) pages."""
         return self._ctx.num_committed_pages
 
     @property
     def num_working_pages(self) -> int:
+        """Working (private, mutable) pages."""
         return self._ctx.num_working_pages
 
     @property
     def num_working_tokens(self) -> int:
+        """Tokens written in working pages."""
         return self._ctx.num_working_tokens

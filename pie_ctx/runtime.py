@@ -88,18 +88,22 @@ class Runtime:
 
     @property
     def info(self) -> P.EngineInfo:
+        """Model name, page size, vocabulary size, limits and stop tokens of the engine."""
         return self.transport.info
 
     @property
     def tokenizer(self) -> Any:
+        """The model's tokenizer (``encode``, ``decode``, ``render_chat``...)."""
         return self.transport.tokenizer
 
     @property
     def page_size(self) -> int:
+        """Tokens per KV page (fixed for the engine's life)."""
         return self.transport.info.page_size
 
     @property
     def model_name(self) -> str:
+        """The loaded model's name."""
         return self.transport.info.model_name
 
     async def snapshots(self) -> list[str]:

@@ -1,0 +1,23 @@
+"""The README's inferlet runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.sdk.harness import tiny_runtime
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+async def test_readme_inferlet_runs(tiny_folder):
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    assert len(code.splitlines()) <= 25
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    async with tiny_runtime(tiny_folder) as rt:
+        best = await namespace["main"](rt, None)
+        assert isinstance(best, str)
+        again = await namespace["again"](rt)
+        assert isinstance(again, str)
+        assert await rt.snapshots() == ["cat-prompt"]

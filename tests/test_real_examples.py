@@ -1,0 +1,28 @@
+"""The first three examples on the real default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pie_ctx import Runtime
+from pie_ctx.cli import inferlet_args, load_inferlet
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+pytestmark = pytest.mark.real_model
+
+
+async def test_first_three_examples_on_the_default_model(capsys):
+    async with Runtime.local(None, num_pages=2048) as rt:
+        for name, argv in (("hello.py", ["What is the capital of France?", "--max-tokens", "16"]),
+                           ("best_of_n.py", ["-n", "3", "--max-tokens", "12"]),
+                           ("prefix_snapshot.py", ["--max-tokens", "12"])):
+            module = load_inferlet(EXAMPLES / name)
+            await module.main(rt, inferlet_args(module, argv, prog=name))
+        out = capsys.readouterr().out
+        assert "Paris" in out
+        assert out.count("pages shared from the snapshot") == 3
+        stats = await rt.stats()
+        assert stats.num_contexts == 0 and stats.num_snapshots == 1
