@@ -318,6 +318,8 @@ class Scheduler:
         for s in job.sample:
             if s.index == index:
                 req.sample = s.sampler
+                # Seeded per row (seed + index), so every sampled row is reproducible.
+                req.generator_seed = None if s.sampler.seed is None else s.sampler.seed + index
         req.raw_logits = index in job.logits
         for d in job.distributions:
             if d.index == index:
