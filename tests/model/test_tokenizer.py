@@ -7,8 +7,8 @@ import pytest
 from loader_fixtures import CHAT_TEMPLATE, tiny_spec
 
 from pie_ctx.errors import InvalidArgument, ModelError
+from pie_ctx.tokenizer import IncrementalDecoder, Tokenizer
 from runtime.model.loader.gguf_tokenizer import build_gguf_tokenizer
-from runtime.model.loader.tokenizer import IncrementalDecoder, Tokenizer
 
 
 def make_tokenizer(template: str | None = CHAT_TEMPLATE, pre: str = "smollm",

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from pie_ctx.errors import InvalidArgument, ModelError
+from pie_ctx.tokenizer import IncrementalDecoder, Tokenizer
 
 from ..config import ModelConfig
 from . import cache
 from .convert import ensure_converted, gguf_cache_name
 from .default import DEFAULT_NAME, default_gguf_path, ensure_default
 from .hf import load_tokenizer, load_weights, read_config
-from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
     "LoadedModel", "CachedModel", "load_model", "resolve_model", "list_cached_models",

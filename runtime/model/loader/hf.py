@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from pie_ctx.errors import ModelError
-
-from .tokenizer import Tokenizer
+from pie_ctx.tokenizer import Tokenizer
 
 __all__ = ["read_json", "read_config", "weight_files", "load_weights", "load_tokenizer"]
 
