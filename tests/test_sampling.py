@@ -106,3 +106,21 @@ def test_logprobs_and_top_k_distribution() -> None:
         logprobs(row, [4])
     with pytest.raises(InvalidArgument):
         top_k_distribution(row, 0)
+
+
+def test_candidate_prefilter_draws_exactly_what_a_full_sort_draws(monkeypatch):
+    import runtime.sampling as sampling
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5000) * torch.tensor([1.0, 3.0, 12.0, 12.0, 3.0, 12.0])[:, None]
+    settings = [SamplerParams(temperature=0.8, top_p=0.95), SamplerParams(temperature=1.0, min_p=0.05),
+                SamplerParams(temperature=1.0, top_k=50), SamplerParams(temperature=0.7, top_p=0.5),
+                SamplerParams(temperature=1.0), SamplerParams(temperature=1.3, top_k=3000, top_p=0.9)]
+    for params in ([s] * 6 for s in settings):
+        draws = {}
+        for candidates in (256, 10**9):
+            monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+            draws[candidates] = [
+                sample_rows(logits, params, [torch.Generator().manual_seed(t * 6 + i) for i in range(6)])
+                for t in range(20)]
+        assert draws[256] == draws[10**9], params[0]

@@ -19,30 +19,27 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import numpy as np
-import xxhash
 
 from pie_ctx import protocol as P
 from pie_ctx.errors import (
     ContextClosed,
-    ContextTooLong,
     InvalidArgument,
     OutOfPages,
     PieError,
 )
 from runtime.engine.executor import StepExecutor
-from runtime.engine.jobs import Job, JobKind, JobStatus
+from runtime.engine.jobs import Job
+from runtime.engine.passes import PassesMixin
 from runtime.engine.scheduler import Scheduler
-from runtime.engine.stops import StopChecker
+from runtime.engine.validate import check_count
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 
 __all__ = ["Engine", "ContextRecord"]
@@ -62,7 +59,7 @@ class ContextRecord:
     last_logits: np.ndarray | None = None
 
 
-class Engine:
+class Engine(PassesMixin):
     """Continuous-batching engine over one model and one page store.
 
     Args:
@@ -232,9 +229,6 @@ class Engine:
                 self._release_record(record)
         return len(records)
 
-    def contexts_of(self, owner: Any) -> list[int]:
-        return [h for h, r in self._records.items() if r.owner == owner]
-
     # ------------------------------------------------------------------------- requests
 
     async def handle(self, req: Any, *, owner: Any = None, namespace: str = DEFAULT_NAMESPACE,
@@ -279,7 +273,7 @@ class Engine:
         async with record.lock:
             ok = True
             if isinstance(req, P.ReservePages):
-                _check_count("num_pages", req.num_pages)
+                check_count("num_pages", req.num_pages)
                 if req.num_pages > self.store.num_pages_total:
                     raise OutOfPages(f"cannot reserve {req.num_pages} pages: the pool has only "
                                      f"{self.store.num_pages_total}")
@@ -355,226 +349,6 @@ class Engine:
             model_seconds=self.model_seconds, scheduler_seconds=self.scheduler_seconds,
         )
 
-    # ------------------------------------------------------------------ forward passes
-
-    def _validate_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        out = list(tokens)
-        for t in out:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidArgument(
-                    f"{what}: token id {t!r} is not in [0, {self.vocab_size}) for this model"
-                )
-        return out
-
-    def _positions(self, record: ContextRecord, tokens: list[int],
-                   positions: Sequence[int] | None) -> list[int]:
-        seq_len = self.store.state(record.cid).seq_len
-        if seq_len + len(tokens) > self.max_seq_len:
-            raise ContextTooLong(
-                f"{seq_len} tokens in the context + {len(tokens)} new exceed the model's "
-                f"{self.max_seq_len}; truncate, or start a new context"
-            )
-        if positions is None:
-            start = self.store.next_position(record.cid)
-            return list(range(start, start + len(tokens)))
-        out = list(positions)
-        if len(out) != len(tokens):
-            raise InvalidArgument(f"{len(out)} positions for {len(tokens)} tokens; give one each")
-        for p in out:
-            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.max_seq_len:
-                raise InvalidArgument(f"position {p!r} is not in [0, {self.max_seq_len})")
-        return out
-
-    def _new_job(self, kind: JobKind, record: ContextRecord, tokens: list[int],
-                 positions: list[int], **kw: Any) -> Job:
-        job = Job(kind=kind, handle=record, tokens=tokens, positions=positions,
-                  extras=kw.pop("extras", None) or [0] * len(tokens), key=self._next_job, **kw)
-        self._next_job += 1
-        return job
-
-    async def _run_job(self, job: Job) -> None:
-        """Submit a job and wait for it; cancellation rolls it back."""
-        done = anyio.Event()
-        job.waiter = lambda _job: done.set()
-        self.scheduler.submit(job)
-        self._kick()
-        try:
-            await done.wait()
-        except BaseException:
-            self.cancel(job)
-            raise
-        if job.error is not None:
-            raise job.error
-
-    async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
-        record = self._record(req.ctx, owner)
-        async with record.lock:
-            tokens = self._validate_tokens(req.tokens, "forward")
-            if not tokens:
-                raise InvalidArgument("forward: give at least one input token")
-            positions = self._positions(record, tokens, req.positions)
-            mask, extras = self._mask(record, req.mask, len(tokens))
-            n = len(tokens)
-            for what, idx in ([("sample", s.index) for s in req.sample]
-                              + [("logits", i) for i in req.logits]
-                              + [("distribution", d.index) for d in req.distributions]
-                              + [("logprobs", lp.index) for lp in req.logprobs]):
-                if not isinstance(idx, int) or not 0 <= idx < n:
-                    raise InvalidArgument(f"{what} index {idx!r} is not in [0, {n}) (the pass's tokens)")
-            for d in req.distributions:
-                if not 1 <= d.top_k <= self.vocab_size:
-                    raise InvalidArgument(f"distribution top_k must be in [1, {self.vocab_size}]")
-            for lp in req.logprobs:
-                self._validate_tokens(lp.token_ids, "logprobs")
-            for s in req.sample:
-                _check_sampler(s.sampler)
-            needed = math.ceil((self.store.state(record.cid).seq_len + n) / self.store.page_size)
-            if needed > self.store.num_pages_total:
-                raise OutOfPages(f"this pass needs {needed} pages; the pool has "
-                                 f"{self.store.num_pages_total}")
-            sample = [P.SampleSpec(index=s.index, sampler=_seeded(s.sampler)) for s in req.sample]
-            logits = list(req.logits)
-            if n - 1 not in logits:
-                logits.append(n - 1)  # kept as the context's last logits (see ContextRecord)
-            job = self._new_job(
-                JobKind.FORWARD, record, tokens, positions, extras=extras, mask=mask,
-                commit=req.commit, reuse_prefix=req.reuse_prefix and mask is None
-                and req.positions is None, sample=sample, logits=logits,
-                distributions=list(req.distributions), logprobs=list(req.logprobs),
-            )
-            await self._run_job(job)
-            last = np.frombuffer(job.logits_out[logits.index(n - 1)], dtype="<f4")
-            record.last_logits = last if mask is None else None
-            out_logits = job.logits_out[: len(req.logits)]
-            return P.ForwardReply(
-                state=self._state(record), report=job.report, sampled=job.sampled_out,
-                logits=out_logits, distributions=job.distributions_out,
-                logprobs=job.logprobs_out,
-            )
-
-    def _mask(self, record: ContextRecord, rows: list[list[bool]] | None,
-              n: int) -> tuple[np.ndarray | None, list[int] | None]:
-        if rows is None:
-            return None, None
-        width = self.store.state(record.cid).seq_len + n
-        if len(rows) != n or any(len(r) != width for r in rows):
-            raise InvalidArgument(
-                f"attention_mask needs {n} rows (one per new token) of {width} booleans "
-                f"(every KV entry: the context's {width - n} plus the {n} new ones)"
-            )
-        mask = np.asarray(rows, dtype=bool)
-        # Pages written under a custom mask must never be shared with causal ones: each
-        # token's mask row folds into its page hash's `extra` (0 is reserved for causal).
-        extras = [xxhash.xxh3_64_intdigest(np.packbits(r).tobytes()) | 1 for r in mask]
-        return mask, extras
-
-    async def generate(self, req: P.Generate, *, owner: Any = None,
-                       namespace: str = DEFAULT_NAMESPACE) -> GenerationStream:
-        """Start a generation; iterate the returned stream for its messages.
-
-        The stream yields ``GenerateChunk``s and ends with ``GenerateDone`` or an
-        ``ErrorReply``. Closing it early (``aclose()``, or dropping it) cancels the
-        generation and leaves the context exactly as it was.
-        """
-        self._collect_garbage()
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        try:
-            record = self._record(req.ctx, owner)
-        except PieError as err:
-            send.send_nowait(P.ErrorReply(kind=type(err).__name__, message=str(err)))
-            send.close()
-            return GenerationStream(self, None, receive)
-        await record.lock.acquire()
-        try:
-            job = self._generate_job(record, req)
-        except BaseException as err:
-            record.lock.release()
-            if not isinstance(err, PieError):
-                raise
-            send.send_nowait(P.ErrorReply(kind=type(err).__name__, message=str(err)))
-            send.close()
-            return GenerationStream(self, None, receive)
-
-        def on_chunk(tokens: list[int], text: str, logprob: float) -> None:
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                send.send_nowait(P.GenerateChunk(tokens=tokens, text=text, logprobs=[logprob]))
-
-        def on_done(job: Job) -> None:
-            try:
-                if job.error is not None:
-                    err = job.error
-                    kind = type(err).__name__ if isinstance(err, PieError) else "PieError"
-                    final: Any = P.ErrorReply(kind=kind, message=str(err))
-                elif job.cancelled:
-                    final = None
-                else:
-                    record.last_logits = None
-                    final = P.GenerateDone(
-                        finish_reason=job.finish_reason, tokens=list(job.generated),
-                        pending=job.generated[-1:], state=self._state(record), report=job.report,
-                    )
-                if final is not None:
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        send.send_nowait(final)
-                send.close()
-            finally:
-                record.lock.release()
-
-        job.on_chunk = on_chunk
-        job.waiter = on_done
-        self.scheduler.submit(job)
-        self._kick()
-        return GenerationStream(self, job, receive)
-
-    def cancel(self, job: Job) -> None:
-        """Cancel a job; its context stays exactly as it was before the job."""
-        if job.status is JobStatus.DONE:
-            return
-        if self.scheduler.cancel(job):
-            self._notify(job)
-        self._kick()
-
-    def _generate_job(self, record: ContextRecord, req: P.Generate) -> Job:
-        tokens = self._validate_tokens(req.tokens, "generate")
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be a positive int, got {req.max_tokens!r}")
-        _check_sampler(req.sampler)
-        first_logits = None
-        if not tokens:
-            if record.last_logits is None:
-                raise InvalidArgument(
-                    "generate: nothing to continue from; add tokens (e.g. cue()) or flush a "
-                    "prompt first"
-                )
-            first_logits = record.last_logits
-        positions = self._positions(record, tokens, None)
-        seq_len = self.store.state(record.cid).seq_len
-        if seq_len + len(tokens) + req.max_tokens > self.max_seq_len:
-            raise ContextTooLong(
-                f"{seq_len} + {len(tokens)} prompt + max_tokens {req.max_tokens} exceed the "
-                f"model's {self.max_seq_len} tokens; lower max_tokens"
-            )
-        needed = math.ceil((seq_len + len(tokens) + req.max_tokens) / self.store.page_size)
-        if needed > self.store.num_pages_total:
-            raise OutOfPages(
-                f"prompt + max_tokens need {needed} pages; the pool has "
-                f"{self.store.num_pages_total}: lower max_tokens or enlarge the pool"
-            )
-        stops = self.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
-        self._validate_tokens(stops, "stop_token_ids")
-        if any(not isinstance(s, str) for s in req.stop_strings):
-            raise InvalidArgument("stop strings must be str")
-        sampler = _seeded(req.sampler)
-        return self._new_job(
-            JobKind.GENERATE, record, tokens, positions, commit=True, reuse_prefix=True,
-            sampler=sampler, seed=sampler.seed or 0, max_tokens=req.max_tokens,
-            stop_token_ids=frozenset(stops), first_logits=first_logits,
-            stop=StopChecker(self._new_decoder, req.stop_strings),
-        )
-
-    def _new_decoder(self) -> Any:
-        return self.tokenizer.incremental_decoder(skip_special_tokens=True)
-
     _handlers: dict[type, Callable[..., Any]] = {
         P.CreateContext: _create,
         P.ForkContext: _fork,
@@ -589,7 +363,7 @@ class Engine:
         P.TakeSnapshot: _take,
         P.DeleteSnapshot: _delete,
         P.ListSnapshots: _list,
-        P.Forward: _forward,
+        P.Forward: PassesMixin._forward,
         P.Tokenize: _tokenize,
         P.GetInfo: _info,
         P.GetStats: _stats,
@@ -598,69 +372,3 @@ class Engine:
 
 def _busy(record: ContextRecord) -> bool:
     return record.lock.value == 0
-
-
-class GenerationStream:
-    """Messages of one generation: ``async for msg in stream`` (see ``Engine.generate``)."""
-
-    def __init__(self, engine: Engine, job: Job | None, receive: Any) -> None:
-        self._engine = engine
-        self._job = job
-        self._receive = receive
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            return await self._receive.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """Cancel the generation if it is still running (idempotent, sync)."""
-        if self._job is not None and self._job.status is not JobStatus.DONE:
-            self._engine.cancel(self._job)
-        self._receive.close()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> GenerationStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        job = self._job
-        if job is not None and job.status is not JobStatus.DONE:
-            job.cancelled = True  # the scheduler drops it at the next step boundary
-
-
-def _check_count(name: str, n: Any) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise InvalidArgument(f"{name} must be a non-negative int, got {n!r}")
-
-
-def _check_sampler(s: P.SamplerSpec) -> None:
-    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    if not 0 < s.top_p <= 1:
-        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
-    if not 0 <= s.min_p < 1:
-        raise InvalidArgument(f"min_p must be in [0, 1), got {s.min_p}")
-
-
-def _seeded(s: P.SamplerSpec) -> P.SamplerSpec:
-    """Give an unseeded sampler a seed now, so a preempted job replays the same tokens."""
-    if s.seed is not None or s.temperature == 0:
-        return s
-    seed = int.from_bytes(np.random.bytes(8), "little") >> 1
-    return P.SamplerSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                         min_p=s.min_p, seed=seed)

@@ -7,17 +7,18 @@ fake executor.
 A step is ``plan() -> StepPlan`` (sync), the model call (off the event loop, by the engine),
 then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md):
 
-1. Admission, FIFO: a waiting job gets a shadow fork of its context (and attaches any
-   cached prefix pages); a job that cannot get its pages waits, and everyone behind it too,
-   so a large request is never starved by a stream of small ones.
+1. Admission, FIFO: a waiting job gets a shadow fork of its context, attaches any cached
+   prefix pages and reserves pages for the rest of its prompt; a job that cannot get them
+   waits, and everyone behind it too, so a large request is never starved by small ones.
 2. Every decoding job contributes one token per step: a 10,000-token generation gets the
    same one token per step as everyone else.
 3. Prefill chunks fill the remaining token budget, round-robin from a rotating start, so
    long prompts are chunked and cannot starve decodes or each other.
-4. Pages are reserved per chunk. If nothing can run because the pool is full, the most
-   recently admitted job is preempted: its shadow is released (its committed pages stay
-   cached, so re-admission mostly re-attaches them) and it goes back to the queue front.
-   A job that cannot run even alone fails with ``OutOfPages``.
+4. Decode growth reserves a page when a generation needs one. If nothing can run because
+   the pool is full, the most recently admitted job is preempted: its shadow is released
+   (its committed pages stay cached, so re-admission mostly re-attaches them) and it goes
+   back to the queue front. A lone job that cannot run is ``stalled``; the engine fails it
+   with ``OutOfPages`` if no release frees pages in time.
 """
 
 from __future__ import annotations
@@ -64,10 +65,6 @@ class StepPlan:
     # (job, chunk start in job.tokens or -1 for a decode step, chunk length, row offsets)
     entries: list[tuple[Job, int, int, list[tuple[int, int]]]] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks)
-
 
 @dataclass(slots=True)
 class RowResult:
@@ -105,9 +102,6 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         job.status = JobStatus.WAITING
         self.waiting.append(job)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
 
     def cancel(self, job: Job) -> bool:
         """Drop a job, rolling back its shadow.

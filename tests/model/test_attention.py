@@ -187,3 +187,34 @@ def test_invalid_batch_raises_and_writes_nothing(hf_model: torch.nn.Module, bad:
     with pytest.raises(InvalidArgument):
         runner.forward([ok, seq])
     assert runner.pool_kv.abs().sum().item() == 0.0
+
+
+def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Module) -> None:
+    """Forks decoding together read their shared pages once (cascade attention); each still
+    gets the dense reference's logits, with or without other sequences in the batch."""
+    runner = _runner(hf_model, 16)
+    free = free_list(runner, seed=8)
+    prompt = random_tokens(37, seed=21)  # 2 full shared pages + a 5-token tail
+    parent = PagedSeq(runner, free)
+    parent.run(prompt[:32])
+    forks = [PagedSeq(runner, free, pages=list(parent.pages), num_cached=32) for _ in range(3)]
+    tails = [prompt[32:] + random_tokens(2, seed=30 + i) for i in range(3)]
+    for fork, tail in zip(forks, tails, strict=True):
+        fork.run(tail[:-1])
+    other = PagedSeq(runner, free)
+    other_prompt = random_tokens(9, seed=40)
+    other.run(other_prompt[:-1])
+    batch = [f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)] + [other.step(other_prompt[-1:])]
+    meta_groups = []
+    orig = runner.backend.prepare
+
+    def spy(meta, pool):
+        orig(meta, pool)
+        meta_groups.append(meta.backend_state)
+    runner.backend.prepare = spy
+    out = runner.forward(batch)
+    from runtime.model.attention.cascade import CascadeGroup
+    assert any(isinstance(g, CascadeGroup) for g in meta_groups[0])
+    for i, tail in enumerate(tails):
+        _close(out[i:i + 1], dense_forward(runner.model, prompt[:32] + tail)[-1:])
+    _close(out[3:4], dense_forward(runner.model, other_prompt)[-1:])

@@ -1,12 +1,14 @@
 """Torch attention backend (CPU and CUDA): ragged batches over the paged pool.
 
-Owner: the model runner (stateless across forwards). Strategy: ``prepare`` lays the batch
-out once as a padded ``[B, Qmax]`` queries x ``[B, Lmax]`` keys problem and precomputes,
-as tensors, the padded page table of every sequence (keys are gathered a whole page at a
-time, then cut to ``Lmax``), the flat index of every real query in the padded layout, and
-one bool mask ``[B, 1, Qmax, Lmax]`` covering causality, custom masks
-and padding. Each layer then runs a fixed handful of ops and no Python per sequence:
-write new K/V, one page gather each of K and V, one ``scaled_dot_product_attention``.
+Owner: the model runner (stateless across forwards). Strategy: ``prepare`` splits the
+batch into groups (all plain decodes together; each prefill chunk or custom-masked pass on
+its own, so a long chunk never pads many one-token decodes to its length), and lays each
+group out once as a padded ``[B, Qmax]`` queries x ``[B, Lmax]`` keys problem: the padded
+page table of every sequence (keys are gathered a whole page at a time, then cut to
+``Lmax``), the flat index of every real query in the padded layout, and one bool mask
+``[B, 1, Qmax, Lmax]`` covering causality, custom masks and padding. Each layer then runs
+a fixed handful of ops per group and no Python per sequence: write new K/V, one page
+gather each of K and V, one ``scaled_dot_product_attention``.
 
 Common cases skip the mask entirely: a single decoding sequence (all keys visible), a
 batch of decodes with equal context lengths, and a single fresh causal prefill
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.attention import AttentionMetadata, write_kv
+from runtime.model.attention.cascade import CascadeGroup, shared_prefix_clusters
 
 __all__ = ["TorchAttention"]
 
@@ -29,61 +32,108 @@ _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2,
 
 
 @dataclass(slots=True)
-class _State:
+class _Group:
+    """Sequences attended together in one SDPA call per layer."""
+
+    rows: slice | torch.Tensor | None  # their token rows in the flat [T] batch; None = all
     batch: int
     max_q: int
     max_kv: int
     max_pages: int
     page_index: torch.Tensor  # [B * max_pages] int64 page ids, padded with page 0
-    q_index: torch.Tensor | None  # [T] flat row in the padded [B * Qmax] layout; None = dense
+    q_index: torch.Tensor | None  # [Tg] flat row in the padded [B * Qmax] layout; None = dense
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend
     is_causal: bool
 
 
 class TorchAttention:
-    """``AttentionBackend`` built on ``F.scaled_dot_product_attention``."""
+    """``AttentionBackend`` built on ``F.scaled_dot_product_attention``.
+
+    A batch is split into groups so padding never multiplies work: decodes that share
+    leading pages (forks) form cascade groups that read the shared pages once; the other
+    plain decodes (one query each) form one group; every other sequence (a prefill chunk,
+    a custom mask) is its own group. A batch that is a single group runs exactly one SDPA
+    per layer.
+    """
 
     name = "torch"
 
+    def __init__(self, *, cascade: bool = True) -> None:
+        """Args:
+            cascade: attend a shared prefix once for all decodes that share it
+                (``runtime.model.attention.cascade``).
+        """
+        self.cascade = cascade
+
     def prepare(self, meta: AttentionMetadata, pool_kv: torch.Tensor) -> None:
-        """Precompute gather indices, query layout and mask for this forward."""
+        """Precompute gather indices, query layouts and masks for this forward."""
+        q_lens = meta.query_lens
+        plain = [m is None for m in meta.masks]
+        decodes = [i for i, n in enumerate(q_lens) if n == 1 and plain[i]]
+        others = [i for i in range(len(q_lens)) if not (q_lens[i] == 1 and plain[i])]
+        clusters, decodes = shared_prefix_clusters(meta, decodes) if self.cascade else ([], decodes)
+        if not clusters and (not others or (not decodes and len(others) == 1)):
+            meta.backend_state = [self._group(meta, list(range(len(q_lens))), None)]
+            return
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
         device = meta.write_pages.device
-        q_lens, kv_lens, cached = meta.query_lens, meta.kv_lens, meta.num_cached
-        b, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
 
-        max_pages = max(len(pt) for pt in meta.page_tables)
+        def rows_of(seqs: list[int]) -> torch.Tensor:
+            return torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)
+
+        groups: list[_Group | CascadeGroup] = [
+            CascadeGroup.build(meta, seqs, shared, rows_of(seqs)) for seqs, shared in clusters]
+        if decodes:
+            groups.append(self._group(meta, decodes, rows_of(decodes)))
+        for i in others:
+            groups.append(self._group(meta, [i], slice(starts[i], starts[i + 1])))
+        meta.backend_state = groups
+
+    def _group(self, meta: AttentionMetadata, seqs: list[int],
+               rows: slice | torch.Tensor | None) -> _Group:
+        device = meta.write_pages.device
+        q_lens = [meta.query_lens[i] for i in seqs]
+        kv_lens = [meta.kv_lens[i] for i in seqs]
+        cached = [meta.num_cached[i] for i in seqs]
+        masks = [meta.masks[i] for i in seqs]
+        tables = [meta.page_tables[i] for i in seqs]
+        b, max_q, max_kv = len(seqs), max(q_lens), max(kv_lens)
+
+        max_pages = max(len(pt) for pt in tables)
         # Pad with page 0: padded keys are always masked out (or belong to dropped rows).
-        table = torch.tensor([pt + [0] * (max_pages - len(pt)) for pt in meta.page_tables],
+        table = torch.tensor([pt + [0] * (max_pages - len(pt)) for pt in tables],
                              dtype=torch.int64, device=device)  # [B, max_pages]
-        kv_idx = torch.arange(max_kv, device=device)  # [Lmax]
-
         q_index = None
         if any(n != max_q for n in q_lens):
-            rows = [i * max_q + j for i, n in enumerate(q_lens) for j in range(n)]
-            q_index = torch.tensor(rows, dtype=torch.int64, device=device)  # [T]
+            flat = [i * max_q + j for i, n in enumerate(q_lens) for j in range(n)]
+            q_index = torch.tensor(flat, dtype=torch.int64, device=device)  # [Tg]
 
+        custom = any(m is not None for m in masks)
         mask, is_causal = None, False
-        if not meta.has_custom_masks and max_q == 1:
+        if not custom and max_q == 1:
             if any(n != max_kv for n in kv_lens):
                 lens = torch.tensor(kv_lens, device=device)
+                kv_idx = torch.arange(max_kv, device=device)  # [Lmax]
                 mask = (kv_idx[None, :] < lens[:, None]).view(b, 1, 1, max_kv)
-        elif not meta.has_custom_masks and b == 1 and cached[0] == 0:
+        elif not custom and b == 1 and cached[0] == 0:
             is_causal = True
         else:
-            mask = self._general_mask(meta, max_q, max_kv, device)
-        meta.backend_state = _State(b, max_q, max_kv, max_pages, table.view(-1), q_index,
-                                    mask, is_causal)
+            mask = self._general_mask(cached, masks, max_q, max_kv, device)
+        return _Group(rows, b, max_q, max_kv, max_pages, table.view(-1), q_index, mask,
+                      is_causal)
 
     @staticmethod
-    def _general_mask(meta: AttentionMetadata, max_q: int, max_kv: int,
-                      device: torch.device) -> torch.Tensor:
+    def _general_mask(cached_lens: list[int], masks: list[torch.Tensor | None], max_q: int,
+                      max_kv: int, device: torch.device) -> torch.Tensor:
         """Causal-in-KV-order mask for every sequence, overridden by custom masks."""
-        b = meta.num_seqs
-        cached = torch.tensor(meta.num_cached, device=device)  # [B]
+        b = len(cached_lens)
+        cached = torch.tensor(cached_lens, device=device)  # [B]
         limit = cached[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Qmax]
         cols = torch.arange(max_kv, device=device)  # [Lmax]
         mask = cols[None, None, :] <= limit[:, :, None]  # [B, Qmax, Lmax]
-        for i, custom in enumerate(meta.masks):
+        for i, custom in enumerate(masks):
             if custom is not None:
                 q_len, kv_len = custom.shape
                 mask[i, :q_len, :kv_len] = custom.to(device)
@@ -92,27 +142,46 @@ class TorchAttention:
 
     def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, pool_kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Write K/V, gather the batch's keys and values, attend. See the Protocol."""
-        st: _State = meta.backend_state
+        """Write K/V, gather each group's keys and values, attend. See the Protocol."""
+        groups: list[_Group | CascadeGroup] = meta.backend_state
         write_kv(pool_kv, layer, kv, meta)
+        ps = meta.page_size
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._attend(groups[0], layer, q, pool_kv, ps)
         t, h, d = q.shape
-        kvh = kv.shape[2]
-        b, max_q, max_kv = st.batch, st.max_q, st.max_kv
+        out = q.new_empty(t, h * d)  # [T, H*D]
+        for g in groups:
+            if isinstance(g.rows, slice):
+                out[g.rows] = self._attend(g, layer, q[g.rows], pool_kv, ps)
+                continue
+            qg = q.index_select(0, g.rows)  # [Tg, H, D]
+            if isinstance(g, CascadeGroup):
+                out.index_copy_(0, g.rows, g.attend(layer, qg, pool_kv, ps))
+            else:
+                out.index_copy_(0, g.rows, self._attend(g, layer, qg, pool_kv, ps))
+        return out
+
+    @staticmethod
+    def _attend(g: _Group, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
+                s: int) -> torch.Tensor:
+        """One group's attention: [Tg, H, D] queries -> [Tg, H*D]."""
+        t, h, d = q.shape
+        kvh = pool_kv.shape[4]
+        b, max_q, max_kv, mp = g.batch, g.max_q, g.max_kv, g.max_pages
 
         # Whole pages: one page's K (or V) of one layer is a contiguous [S, KVH, D] block, so a
         # page-granular index_select copies at memcpy speed straight into the [B, L, KVH, D]
         # layout SDPA wants (a per-token advanced index was ~20x slower on CPU).
-        mp, s = st.max_pages, meta.page_size
-        k = pool_kv[:, layer, 0].index_select(0, st.page_index)  # [B*mp, S, KVH, D]
-        v = pool_kv[:, layer, 1].index_select(0, st.page_index)  # [B*mp, S, KVH, D]
+        k = pool_kv[:, layer, 0].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
+        v = pool_kv[:, layer, 1].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
         k = k.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
         v = v.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
 
-        if st.q_index is None:
-            qb = q.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
+        if g.q_index is None:
+            qb = q.reshape(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
         else:
             padded = q.new_zeros(b * max_q, h, d)
-            padded.index_copy_(0, st.q_index, q)
+            padded.index_copy_(0, g.q_index, q)
             qb = padded.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
 
         if h != kvh and not _HAS_ENABLE_GQA:
@@ -120,9 +189,9 @@ class TorchAttention:
             v = v.repeat_interleave(h // kvh, dim=1)
         extra = {"enable_gqa": True} if (h != kvh and _HAS_ENABLE_GQA) else {}
         out = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=st.mask, is_causal=st.is_causal, **extra
+            qb, k, v, attn_mask=g.mask, is_causal=g.is_causal, **extra
         )  # [B, H, Qmax, D]
         out = out.transpose(1, 2).reshape(b * max_q, h * d)  # [B*Qmax, H*D]
-        if st.q_index is not None:
-            out = out.index_select(0, st.q_index)  # [T, H*D]
+        if g.q_index is not None:
+            out = out.index_select(0, g.q_index)  # [Tg, H*D]
         return out

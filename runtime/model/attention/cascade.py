@@ -1,0 +1,148 @@
+"""Cascade attention for decodes that share a prefix (forks, best-of-N, beams).
+
+Owner: the torch backend, which builds one :class:`CascadeGroup` per cluster of decoding
+sequences whose page tables start with the same committed pages. Decoding N forks of a long
+prompt otherwise reads the prompt's K/V N times per layer; here the shared pages are read
+once and attended by all N queries in one matmul, each fork's own tail is attended
+separately, and the two halves are merged exactly through their log-sum-exp:
+
+    out = out_shared * exp(lse_shared - lse) + out_tail * exp(lse_tail - lse),
+    lse = logaddexp(lse_shared, lse_tail)
+
+Shared pages are committed (full, immutable) and precede every sequence's tail, so with
+causal decoding every query sees all of them: no mask is needed on the shared half.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from runtime.model.attention import AttentionMetadata
+
+__all__ = ["CascadeGroup", "shared_prefix_clusters"]
+
+
+def shared_prefix_clusters(meta: AttentionMetadata, decodes: list[int],
+                           min_pages: int = 1) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Split decoding sequences into clusters sharing leading pages, and the rest.
+
+    Args:
+        meta: the forward's metadata.
+        decodes: indices of single-token, causal sequences.
+        min_pages: smallest shared prefix worth a cascade.
+
+    Returns:
+        ``([(sequences, num_shared_pages), ...], remaining sequences)``.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i in decodes:
+        table = meta.page_tables[i]
+        if table:
+            by_first.setdefault(table[0], []).append(i)
+    clusters: list[tuple[list[int], int]] = []
+    rest = [i for i in decodes if not meta.page_tables[i]]
+    for seqs in by_first.values():
+        if len(seqs) < 2:
+            rest.extend(seqs)
+            continue
+        first = meta.page_tables[seqs[0]]
+        shared = len(first)
+        for i in seqs[1:]:
+            table = meta.page_tables[i]
+            n = 0
+            limit = min(shared, len(table))
+            while n < limit and table[n] == first[n]:
+                n += 1
+            shared = n
+        # Only full pages strictly before every sequence's newest token can be shared.
+        full = min(meta.num_cached[i] // meta.page_size for i in seqs)
+        shared = min(shared, full)
+        if shared >= min_pages:
+            clusters.append((seqs, shared))
+        else:
+            rest.extend(seqs)
+    return clusters, sorted(rest)
+
+
+@dataclass(slots=True)
+class CascadeGroup:
+    """One cluster: its token rows, the shared pages and each sequence's tail pages."""
+
+    rows: torch.Tensor  # [n] rows of the cluster's tokens in the flat batch
+    shared_pages: torch.Tensor  # [ns] page ids read once for the whole cluster
+    tail_pages: torch.Tensor  # [n * mt] page ids of each tail, padded with page 0
+    tail_len: int  # longest tail, in KV entries
+    tail_mask: torch.Tensor | None  # [n, 1, 1, tail_len] bool, True = real entry
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, seqs: list[int], shared: int,
+              rows: torch.Tensor) -> CascadeGroup:
+        device = meta.write_pages.device
+        ps = meta.page_size
+        tails = [meta.page_tables[i][shared:] for i in seqs]
+        lens = [meta.kv_lens[i] - shared * ps for i in seqs]
+        mt = max(len(t) for t in tails)
+        tail_pages = torch.tensor([t + [0] * (mt - len(t)) for t in tails], dtype=torch.int64,
+                                  device=device).view(-1)
+        tail_len = max(lens)
+        mask = None
+        if any(n != tail_len for n in lens):
+            cols = torch.arange(tail_len, device=device)
+            mask = (cols[None, :] < torch.tensor(lens, device=device)[:, None]).view(
+                len(seqs), 1, 1, tail_len)
+        shared_pages = torch.tensor(meta.page_tables[seqs[0]][:shared], dtype=torch.int64,
+                                    device=device)
+        return cls(rows, shared_pages, tail_pages, tail_len, mask)
+
+    def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+        """Attention of the cluster's queries ``[n, H, D]`` -> ``[n, H * D]``."""
+        n, h, d = q.shape
+        kvh = pool_kv.shape[4]
+        g = h // kvh
+        scale = 1.0 / math.sqrt(d)
+        layer_k, layer_v = pool_kv[:, layer, 0], pool_kv[:, layer, 1]  # [P, S, KVH, D]
+
+        # Shared half: every query of the cluster against the shared pages, read once.
+        ks = layer_k.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
+        vs = layer_v.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
+        # ks, vs: [KVH, Ls, D]; query head j uses kv head j // g
+        qs = q.view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)  # [KVH, nG, D]
+        s1 = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale)  # [KVH, nG, Ls]
+        o1, lse1 = _softmax_attend(s1, vs)  # [KVH, nG, D], [KVH, nG]
+        o1 = o1.view(kvh, n, g, d).transpose(0, 1)  # [n, KVH, G, D]
+        lse1 = lse1.view(kvh, n, g).transpose(0, 1)  # [n, KVH, G]
+
+        # Tail half: each sequence against its own pages.
+        mt_tokens = self.tail_pages.numel() // n * page_size
+        kt = layer_k.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
+        vt = layer_v.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
+        qt = q.view(n, kvh, g, d)  # [n, KVH, G, D]
+        s2 = torch.matmul(qt, kt.permute(0, 2, 3, 1)).mul_(scale)  # [n, KVH, G, Lt]
+        if self.tail_mask is not None:
+            s2.masked_fill_(~self.tail_mask, float("-inf"))
+        o2, lse2 = _softmax_attend(s2, vt.transpose(1, 2))  # [n, KVH, G, D], [n, KVH, G]
+
+        lse = torch.logaddexp(lse1, lse2)  # [n, KVH, G]
+        out = o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
+        return out.reshape(n, h * d)  # [n, H*D], head j = kv_head * G + g
+
+
+def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(scores) @ v`` and the rows' log-sum-exp, in one pass over ``scores``.
+
+    Args:
+        scores: Tensor[..., Q, K] (overwritten).
+        v: Tensor[..., K, D].
+
+    Returns:
+        (Tensor[..., Q, D], Tensor[..., Q]).
+    """
+    peak = scores.amax(dim=-1, keepdim=True)  # [..., Q, 1]; finite: every row sees a key
+    weights = scores.sub_(peak).exp_()  # [..., Q, K]
+    total = weights.sum(dim=-1, keepdim=True)  # [..., Q, 1]
+    out = torch.matmul(weights, v).div_(total)  # [..., Q, D]
+    return out, (peak + total.log()).squeeze(-1)
