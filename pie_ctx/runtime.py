@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from pie_ctx import protocol as P
+from pie_ctx.concurrency import single_exception
 from pie_ctx.transport import LocalTransport, Transport
 
 __all__ = ["Runtime"]
@@ -73,14 +74,12 @@ class Runtime:
     async def _over(cls, transport: Transport) -> AsyncIterator[Runtime]:
         try:
             async with anyio.create_task_group() as tg:
-                rt = cls(transport, tg)
-                try:
-                    yield rt
-                finally:
-                    # Background context operations finish first, then everything left open
-                    # is released by the owner close below.
-                    pass
+                yield cls(transport, tg)
+        except BaseExceptionGroup as group:
+            # The task group wraps whatever the inferlet raised; give it back unwrapped.
+            raise single_exception(group) from None
         finally:
+            # Everything the inferlet left open is released by closing its owner.
             with anyio.CancelScope(shield=True):
                 await transport.aclose()
 
@@ -117,3 +116,4 @@ class Runtime:
     def spawn(self, fn: Callable[[], Awaitable[Any]]) -> None:
         """Run ``fn()`` in the background, inside this runtime's lifetime."""
         self._tg.start_soon(fn)
+

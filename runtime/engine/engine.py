@@ -29,6 +29,7 @@ import anyio
 import numpy as np
 
 from pie_ctx import protocol as P
+from pie_ctx.concurrency import single_exception
 from pie_ctx.errors import (
     ContextClosed,
     InvalidArgument,
@@ -129,7 +130,10 @@ class Engine(PassesMixin):
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         self._task_group.cancel_scope.cancel()
-        return await self._task_group.__aexit__(*exc)
+        try:
+            return await self._task_group.__aexit__(*exc)
+        except BaseExceptionGroup as group:
+            raise single_exception(group) from None
 
     def _kick(self) -> None:
         self._wake.set()

@@ -81,3 +81,13 @@ def test_cli_run_and_help(tiny_folder, capsys):
                      "--", "hi", "--max-tokens", "4"]) == 0
     assert cli_main(["run", "examples/missing.py", "--model", str(tiny_folder)]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_reports_inferlet_errors_cleanly(tiny_folder, tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from pie_ctx import Context\n\n"
+                   "async def main(rt, args):\n"
+                   "    await Context.open(rt, 'no-such-snapshot')\n")
+    assert cli_main(["run", str(bad), "--model", str(tiny_folder)]) == 1
+    err = capsys.readouterr().err
+    assert "pie-ctx: error:" in err and "no-such-snapshot" in err and "Traceback" not in err

@@ -33,8 +33,8 @@ def _env(tmp_path: Path) -> dict[str, str]:
 class _Serve:
     """A ``python -m runtime.server serve`` subprocess and its stderr lines."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        model = write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
+    def __init__(self, tmp_path: Path, *args: str, model: Path | None = None) -> None:
+        model = model or write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.server", "serve", "--model", str(model),
              "--num-pages", "64", *args],
@@ -128,3 +128,28 @@ def test_imports_stay_light():
                          env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
+    """`pie-ctx run FILE --connect ADDR`: two client processes, one engine; the second
+    reuses the snapshot the first saved."""
+    from tests.sdk.harness import tiny_model_folder
+
+    sock = tmp_path / "s.sock"
+    srv = _Serve(tmp_path, "--socket", str(sock), model=tiny_model_folder(tmp_path))
+    try:
+        srv.wait_for(r"serving .* on unix:")
+        runs = []
+        for _ in range(2):
+            out = subprocess.run(
+                [sys.executable, "-m", "pie_ctx.cli", "run", "examples/prefix_snapshot.py",
+                 "--connect", f"unix:{sock}", "--", "--max-tokens", "4"],
+                capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=120)
+            assert out.returncode == 0, out.stderr
+            runs.append(out.stdout)
+        assert "saved 'lighthouse-handbook'" in runs[0]
+        assert "saved" not in runs[1] and runs[1].count("pages shared from the snapshot") == 3
+        stats = _stats(tmp_path, f"unix:{sock}")
+        assert stats["num_contexts"] == 0 and stats["num_snapshots"] == 1
+    finally:
+        srv.stop()
