@@ -114,10 +114,18 @@ def live_server():
     with anyio.from_thread.start_blocking_portal() as portal:
         with portal.wrap_async_context_manager(serve_in_background(engine)) as srv:
             yield engine, portal, parse_address(srv.address).path
+            # Snapshots outlive their connections by design: delete the fuzzed ones first.
+            portal.call(_delete_snapshots, engine)
             portal.call(wait_settled, engine)
             assert portal.call(engine.stats).num_pages_used == 0
     # The fuzzing reached the engine's real work, not only the decoders.
     assert SEEN["ForwardReply"] and SEEN["ErrorReply"], SEEN
+
+
+async def _delete_snapshots(engine) -> None:
+    for (namespace, name), _ in list(engine.store.snapshots):
+        reply = await engine.handle(P.DeleteSnapshot(name=name), namespace=namespace)
+        assert isinstance(reply, P.Ok), reply
 
 
 def _check_reply(payload: bytes) -> wire.Response:
