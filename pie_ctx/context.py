@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pie_ctx import protocol as P
 from pie_ctx.chat import Conversation
+from pie_ctx.counters import Counters
 from pie_ctx.errors import ContextClosed, InvalidArgument
 from pie_ctx.ops import Op, OpChain
 
@@ -43,7 +44,7 @@ def _empty_state(page_size: int) -> P.ContextState:
                           num_working_pages=0, num_working_tokens=0, next_position=0)
 
 
-class Context:
+class Context(Counters):
     """A context on the runtime. Creating one is synchronous; the runtime side is created
     in the background, in order with everything else done to it.
 
@@ -108,35 +109,8 @@ class Context:
 
     # --------------------------------------------------------------------- counters
 
-    @property
-    def seq_len(self) -> int:
-        """Tokens in the KV cache: committed pages x page_size + working tokens."""
-        return self._state.seq_len
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return self._state.page_size
-
-    @property
-    def num_committed_pages(self) -> int:
-        """Full, immutable pages (shared with every context that has the same prefix)."""
-        return self._state.num_committed_pages
-
-    @property
-    def num_working_pages(self) -> int:
-        """Private, mutable pages: the partly written tail and pages reserved ahead."""
-        return self._state.num_working_pages
-
-    @property
-    def num_working_tokens(self) -> int:
-        """Tokens written in working pages."""
-        return self._state.num_working_tokens
-
-    @property
-    def next_position(self) -> int:
-        """Position the next token gets by default (``seq_len`` unless positions were set)."""
-        return self._state.next_position
+    def _context_state(self) -> P.ContextState:
+        return self._state
 
     @property
     def pending_tokens(self) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pie_ctx import protocol as P
+from pie_ctx.counters import Counters
 
 if TYPE_CHECKING:
     from pie_ctx.context import Context
@@ -26,11 +27,14 @@ if TYPE_CHECKING:
 __all__ = ["RawContext"]
 
 
-class RawContext:
+class RawContext(Counters):
     """Raw page operations on one context (see the module docstring for exact semantics)."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+
+    def _context_state(self) -> P.ContextState:
+        return self._ctx._state
 
     async def _op(self, cls: type, **fields: int) -> P.StateReply:
         ctx = self._ctx
@@ -59,28 +63,3 @@ class RawContext:
     async def truncate_working_page_tokens(self, n: int) -> None:
         """Drop the last ``n`` tokens in working pages (never reaches committed pages)."""
         await self._op(P.TruncateTokens, num_tokens=n)
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens in the KV cache."""
-        return self._ctx.seq_len
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return self._ctx.page_size
-
-    @property
-    def num_committed_pages(self) -> int:
-        """Committed (full, immutable, shareable) pages."""
-        return self._ctx.num_committed_pages
-
-    @property
-    def num_working_pages(self) -> int:
-        """Working (private, mutable) pages."""
-        return self._ctx.num_working_pages
-
-    @property
-    def num_working_tokens(self) -> int:
-        """Tokens written in working pages."""
-        return self._ctx.num_working_tokens
