@@ -209,14 +209,18 @@ class Engine(PassesMixin):
         self._gc_queue.append(handle)
 
     def _collect_garbage(self) -> None:
+        """Release collected handles; a busy one waits for its running request to end."""
+        busy: list[int] = []
         while self._gc_queue:
             handle = self._gc_queue.popleft()
             record = self._records.get(handle)
-            if record is not None and not _busy(record):
+            if record is None:
+                continue
+            if _busy(record):
+                busy.append(handle)
+            else:
                 self._release_record(record)
-            elif record is not None:
-                self._gc_queue.append(handle)
-                return
+        self._gc_queue.extend(busy)
 
     def _release_record(self, record: ContextRecord) -> None:
         self._records.pop(record.handle, None)
