@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="model: default, a short name, an HF folder or a .gguf file")
     run.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     run.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
-    run.add_argument("--connect", default=None,
-                     help="run against a server (unix:PATH, tcp:HOST:PORT or a socket path)")
+    run.add_argument("--connect", default=None, metavar="ADDRESS",
+                     help="run against `pie-ctx serve` (unix:PATH, tcp:HOST:PORT, a socket "
+                          "path, or `default` for the server's default socket)")
     run.add_argument("--token-file", default=None, help="token file for a TCP server")
     run.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
                      help="async library to run the inferlet under")
@@ -99,10 +100,15 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
     async def go() -> Any:
         if args.connect:
+            address = args.connect
+            if address == "default":
+                from runtime.server.endpoint import default_socket_path
+
+                address = default_socket_path()
             token = None
             if args.token_file:
                 token = Path(args.token_file).read_text().strip()
-            manager = Runtime.connect(args.connect, token=token)
+            manager = Runtime.connect(address, token=token)
         else:
             manager = Runtime.local(args.model, page_size=args.page_size,
                                     num_pages=args.num_pages)
