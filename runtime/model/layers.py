@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pie_ctx.errors import ModelError
 from runtime.model.config import ModelConfig
+from runtime.model.matmul import Projection
 
 __all__ = ["LayerWeights", "fuse_layer", "rms_norm", "swiglu_mlp", "take_weight"]
 
@@ -27,15 +28,23 @@ class LayerWeights:
     """One decoder layer, fused for speed. Shapes use H heads, KVH kv heads, D head_dim."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
-    o_proj: torch.Tensor  # [hidden, H * D]
-    o_bias: torch.Tensor | None  # [hidden]
+    qkv: Projection  # weight [(H + 2*KVH) * D, hidden], bias [(H + 2*KVH) * D] or None
+    o_proj: Projection  # weight [hidden, H * D], bias [hidden] or None
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D] (Qwen3)
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Projection  # weight [2 * intermediate, hidden]
+    down: Projection  # weight [hidden, intermediate]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a forward reads (packed copies excluded)."""
+        out = [self.input_norm, self.post_norm]
+        for proj in (self.qkv, self.o_proj, self.gate_up, self.down):
+            out.append(proj.weight)
+            if proj.bias is not None:
+                out.append(proj.bias)
+        out.extend(t for t in (self.q_norm, self.k_norm) if t is not None)
+        return out
 
 
 def take_weight(
@@ -71,8 +80,11 @@ def fuse_layer(
     index: int,
     device: torch.device,
     dtype: torch.dtype,
+    pack: bool = False,
 ) -> LayerWeights:
     """Build the fused weights of layer ``index`` from HF-named tensors.
+
+    ``pack`` keeps oneDNN-packed copies of the projections (``runtime.model.matmul``).
 
     Raises:
         ModelError: a required tensor is missing or mis-shaped.
@@ -106,15 +118,16 @@ def fuse_layer(
     ]).contiguous()
     return LayerWeights(
         input_norm=w("input_layernorm.weight", (hd,)),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o_proj=w("self_attn.o_proj.weight", (hd, qd)).contiguous(),
-        o_bias=_optional(weights, p + "self_attn.o_proj.bias", (hd,), device, dtype),
+        qkv=Projection(qkv, qkv_bias, pack=pack),
+        o_proj=Projection(w("self_attn.o_proj.weight", (hd, qd)).contiguous(),
+                          _optional(weights, p + "self_attn.o_proj.bias", (hd,), device, dtype),
+                          pack=pack),
         q_norm=q_norm,
         k_norm=k_norm,
         post_norm=w("post_attention_layernorm.weight", (hd,)),
-        gate_up=gate_up,
-        down=w("mlp.down_proj.weight", (hd, c.intermediate_size)).contiguous(),
+        gate_up=Projection(gate_up, pack=pack),
+        down=Projection(w("mlp.down_proj.weight", (hd, c.intermediate_size)).contiguous(),
+                        pack=pack),
     )
 
 
@@ -143,7 +156,7 @@ def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
     Returns:
         Tensor[T, hidden].
     """
-    gu = F.linear(x, layer.gate_up)  # [T, 2I]
+    gu = layer.gate_up(x)  # [T, 2I]
     inter = gu.shape[-1] // 2
     gate, up = gu[:, :inter], gu[:, inter:]
-    return F.linear(F.silu(gate).mul_(up), layer.down)  # [T, hidden]
+    return layer.down(F.silu(gate).mul_(up))  # [T, hidden]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from runtime.model.config import ModelConfig
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
+from runtime.model.matmul import Projection, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Transformer", "AttendFn"]
@@ -42,22 +43,28 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, pack: bool | None = None) -> None:
         c = config
         self.config = c
         self.device = device
         self.dtype = dtype
+        if pack is None:  # decided on the checkpoint's size (see runtime.model.matmul)
+            size = sum(t.numel() * torch.empty((), dtype=dtype).element_size()
+                       for t in weights.values())
+            pack = should_pack(device, dtype, size)
+        self.packed = pack
         self.embed = take_weight(weights, "model.embed_tokens.weight",
                                  (c.vocab_size, c.hidden_size), device, dtype)
         self.layers: list[LayerWeights] = [
-            fuse_layer(c, weights, i, device, dtype) for i in range(c.num_layers)
+            fuse_layer(c, weights, i, device, dtype, pack) for i in range(c.num_layers)
         ]
         self.final_norm = take_weight(weights, "model.norm.weight", (c.hidden_size,), device, dtype)
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            head = self.embed
         else:
-            self.lm_head = take_weight(weights, "lm_head.weight",
-                                       (c.vocab_size, c.hidden_size), device, dtype)
+            head = take_weight(weights, "lm_head.weight", (c.vocab_size, c.hidden_size), device,
+                               dtype)
+        self.lm_head = Projection(head, pack=pack)
         self.rotary = RotaryEmbedding(c, device)
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
@@ -65,12 +72,10 @@ class Transformer:
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (tied lm_head counted once)."""
         tensors = [self.embed, self.final_norm]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
+        if self.lm_head.weight is not self.embed:
+            tensors.append(self.lm_head.weight)
         for lw in self.layers:
-            tensors.extend(t for t in (lw.input_norm, lw.qkv, lw.qkv_bias, lw.o_proj, lw.o_bias,
-                                       lw.q_norm, lw.k_norm, lw.post_norm, lw.gate_up, lw.down)
-                           if t is not None)
+            tensors.extend(lw.tensors())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
@@ -93,7 +98,7 @@ class Transformer:
         x = F.embedding(tokens, self.embed)  # [T, hidden]
         for i, lw in enumerate(self.layers):
             hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
-            qkv = F.linear(hs, lw.qkv, lw.qkv_bias)  # [T, (H + 2KVH) * D]
+            qkv = lw.qkv(hs)  # [T, (H + 2KVH) * D]
             kv = qkv[:, self._q_dim:].view(t, 2, kvh, d)  # [T, 2, KVH, D] (k then v)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q = apply_rotary(rms_norm(qkv[:, : self._q_dim].view(t, h, d), lw.q_norm,
@@ -106,9 +111,9 @@ class Transformer:
                 q = qk[:, :h]  # [T, H, D]
                 kv[:, 0] = qk[:, h:]  # rotated keys back into the qkv buffer
             attn = attend(i, q, kv)  # [T, H * D]
-            x.add_(F.linear(attn, lw.o_proj, lw.o_bias))  # [T, hidden]
+            x.add_(lw.o_proj(attn))  # [T, hidden]
             x.add_(swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw))
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]
-        return F.linear(x, self.lm_head).float()  # [N, vocab]
+        return self.lm_head(x).float()  # [N, vocab]
