@@ -6,7 +6,8 @@ the same layers serve the paged runner (attention over the pool) and the dense r
 (attention over in-memory K/V), which keeps the reference an independent check of paging.
 
 Numerics follow HF transformers (fp32 RMSNorm statistics, rotate-half RoPE, SwiGLU), so
-fp32 logits match HF to ~1e-5. The lm_head runs only on the rows asked for: at prefill
+fp32 logits match HF to ~1e-4 (bit-for-bit with unpacked projections; multi-row
+projections may use oneDNN kernels, see ``runtime.model.matmul``). The lm_head runs only on the rows asked for: at prefill
 that is usually one row, not the whole prompt.
 """
 
