@@ -89,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
         self._rr = 0  # round-robin cursor over active prefills
+        self._rr_decode = 0  # round-robin cursor over decodes, when they exceed the budget
         self._admitted = 0
         self.in_flight: set[Job] = set()
         self.num_steps = 0
@@ -237,6 +238,10 @@ class Scheduler:
                 plan.entries.append((job, -2, 0, [(-1, len(plan.rows) - 1)]))
         decoding = [j for j in self.active if j.is_decoding]
         prefilling = [j for j in self.active if j.prompt_remaining > 0]
+        if len(decoding) > budget:  # more decodes than the budget: rotate who waits
+            start = self._rr_decode % len(decoding)
+            decoding = decoding[start:] + decoding[:start]
+            self._rr_decode += budget
         for job in decoding:
             if budget < 1:
                 break
@@ -246,10 +251,16 @@ class Scheduler:
             start = self._rr % len(prefilling)
             order = prefilling[start:] + prefilling[:start]
             self._rr += 1
+            first = True
             for job in order:
-                if budget < 1:
+                if budget < 1 and not first:
                     break
-                budget -= self._add_prefill(plan, job, budget, alone=not plan.chunks)
+                # The first prefill of a step always progresses, even when decodes took the
+                # whole budget: at least a page of tokens, or a custom-masked pass whole.
+                used = self._add_prefill(plan, job, max(budget, self.page_size), first=first)
+                if used:
+                    first = False
+                    budget -= used
         return plan
 
     def _ensure_room(self, job: Job, num_tokens: int) -> bool:
@@ -260,11 +271,11 @@ class Scheduler:
             return True
         return bool(self.store.reserve_working_pages(job.shadow, math.ceil(need / self.page_size)))
 
-    def _add_prefill(self, plan: StepPlan, job: Job, budget: int, *, alone: bool) -> int:
+    def _add_prefill(self, plan: StepPlan, job: Job, budget: int, *, first: bool) -> int:
         remaining = job.prompt_remaining
         if job.mask is not None:
             # A custom mask may let a token see later tokens of the same pass: never split.
-            if remaining > budget and not alone:
+            if remaining > budget and not first:
                 return 0
             length = remaining
         else:

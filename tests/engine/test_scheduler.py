@@ -143,3 +143,34 @@ def test_decode_growth_preempts_the_most_recent_job():
         step(sched)
     assert b.status is JobStatus.DONE and len(b.generated) == 12
     store.check_invariants()
+
+
+def test_prefill_progresses_when_decodes_fill_the_budget():
+    store, sched = setup(budget=4)
+    gens = [gen_job(store, 1, max_tokens=50, key=k) for k in range(1, 6)]
+    for g in gens:
+        sched.submit(g)
+    step(sched)  # prompts (one token each) sample their first tokens
+    masked = forward_job(store, 6, key=9)
+    masked.mask = __import__("numpy").tril(__import__("numpy").ones((6, 6), dtype=bool))
+    plain = forward_job(store, 10, key=10)
+    sched.submit(masked)
+    sched.submit(plain)
+    shapes = [step(sched)[0] for _ in range(4)]
+    served = {k for s in shapes for k, _ in s}
+    assert {9, 10} <= served  # neither starves behind five decodes and a budget of 4
+    assert any((9, 6) in s for s in shapes)  # the masked pass ran whole
+
+
+def test_decodes_beyond_the_budget_take_turns():
+    store, sched = setup(budget=4)
+    gens = [gen_job(store, 1, max_tokens=50, key=k) for k in range(1, 7)]
+    for g in gens:
+        sched.submit(g)
+    for _ in range(3):
+        step(sched)
+    counts = {k: 0 for k in range(1, 7)}
+    for _ in range(6):
+        for k, _n in step(sched)[0]:
+            counts[k] += 1
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
