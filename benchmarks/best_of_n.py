@@ -52,16 +52,18 @@ async def main_async(args):
     engine = Engine.boot(None, page_size=args.page_size, kv_memory_gb=1.0)
     cfg_bytes = kv_bytes_per_token(engine.executor.runner.config)
     prompt = prompt_tokens(engine.tokenizer, args.prompt_len)
-    hf = load_hf(engine_folder())
+    # HF runs on the engine's model thread: one thread does all torch work (see Engine).
+    hf = engine.run_on_model_thread(load_hf, engine_folder())
     ours, theirs, used = [], [], 0
     async with engine:
         await run_ours(engine, prompt[:64], 2, 4, 0)  # warm up both sides
-        run_hf(hf, prompt[:64], 2, 4, 0)
+        engine.run_on_model_thread(run_hf, hf, prompt[:64], 2, 4, 0)
         for r in range(args.repeats):  # interleaved, so machine noise hits both alike
             salt = [1000 + r]  # a fresh prompt each repeat: no cross-repeat prefix reuse
             wall, used = await run_ours(engine, salt + prompt[1:], args.n, args.new_tokens, r)
             ours.append(wall)
-            theirs.append(run_hf(hf, salt + prompt[1:], args.n, args.new_tokens, r))
+            theirs.append(engine.run_on_model_thread(run_hf, hf, salt + prompt[1:], args.n,
+                                                     args.new_tokens, r))
     kv_bytes = used * args.page_size * cfg_bytes
     hf_kv = args.n * (args.prompt_len + args.new_tokens) * cfg_bytes
     o, h = summary(ours), summary(theirs)

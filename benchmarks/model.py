@@ -43,7 +43,7 @@ class Ours:
     def __init__(self, loaded, max_tokens: int, page_size: int = 16) -> None:  # noqa: ANN001
         c = loaded.config
         num_pages = max_tokens // page_size + 2
-        pool = torch.zeros(num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim)
+        pool = torch.zeros(num_pages, page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim)
         self.runner = ModelRunner(c, loaded.weights, pool, page_size)
         self.pages = list(range(num_pages))
 

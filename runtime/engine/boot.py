@@ -5,6 +5,7 @@ Owns nothing after it returns; the engine owns what it builds.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,13 +47,24 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
     if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
         raise InvalidArgument(f"num_pages must be a positive int, got {num_pages!r}")
-    loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+
+    def build() -> tuple[Any, Any, Any]:
+        loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+        cfg = loaded.config
+        weight = loaded.weights["model.embed_tokens.weight"]
+        pages = num_pages or pool_pages_for(cfg, page_size, weight.dtype, kv_memory_gb)
+        store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                          dtype=weight.dtype, device=weight.device)
+        return loaded, store, ModelRunner(cfg, loaded.weights, store.pool.kv, page_size)
+
+    # Load on the thread that will run every model step (see Engine: one OpenMP team).
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-ctx-model")
+    try:
+        loaded, store, runner = thread.submit(build).result()
+    except BaseException:
+        thread.shutdown(wait=False)
+        raise
     cfg = loaded.config
-    weight = loaded.weights["model.embed_tokens.weight"]
-    pages = num_pages or pool_pages_for(cfg, page_size, weight.dtype, kv_memory_gb)
-    store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                      dtype=weight.dtype, device=weight.device)
-    runner = ModelRunner(cfg, loaded.weights, store.pool.kv, page_size)
     return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
                   vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
-                  max_step_tokens=max_step_tokens)
+                  max_step_tokens=max_step_tokens, model_thread=thread)

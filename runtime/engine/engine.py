@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,8 @@ class Engine(PassesMixin):
         max_step_tokens: token budget of one model call (prefill chunks + decodes).
         stall_timeout: seconds a request waiting for pages that only a release elsewhere can
             free keeps waiting before it fails with ``OutOfPages``.
+        model_thread: the single-thread executor every model step runs on (``boot`` passes
+            the one that loaded the model); shut down when the engine exits.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Engine(PassesMixin):
         max_seq_len: int,
         max_step_tokens: int = 1024,
         stall_timeout: float = 5.0,
+        model_thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
@@ -101,6 +105,12 @@ class Engine(PassesMixin):
         self._wake = anyio.Event()
         self._gc_queue: deque[int] = deque()  # handles whose SDK object was collected
         self._task_group: Any = None
+        # Every model step runs on this one thread (the one that loaded the model, when
+        # booted). torch's OpenMP team is per calling thread, and once a second thread has
+        # run a parallel region every step is ~25% slower on 2 cores (measured), so torch
+        # work stays on this thread and the event loop only does bookkeeping.
+        self._model_thread = model_thread or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pie-ctx-model")
         # Per snapshot: the last logits (see ContextRecord) and the SDK's opaque meta.
         self._snapshot_extra: dict[tuple[str, str], tuple[np.ndarray | None, str]] = {}
         self.model_seconds = 0.0
@@ -134,6 +144,17 @@ class Engine(PassesMixin):
             return await self._task_group.__aexit__(*exc)
         except BaseExceptionGroup as group:
             raise single_exception(group) from None
+        finally:
+            self._model_thread.shutdown(wait=False, cancel_futures=True)
+
+    def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the thread that runs the model, and wait for it (blocking).
+
+        Other torch work in the same process (a baseline model in a benchmark, custom
+        tensor code) belongs there too: a second thread running torch's parallel kernels
+        slows every model step by ~25% on 2 cores.
+        """
+        return self._model_thread.submit(fn, *args).result()
 
     def _kick(self) -> None:
         self._wake.set()
@@ -158,7 +179,9 @@ class Engine(PassesMixin):
                 continue
             t1 = time.perf_counter()
             try:
-                results: Any = await anyio.to_thread.run_sync(self.executor.run, plan)
+                step = self._model_thread.submit(self.executor.run, plan)
+                # Wait off the event loop; the waiting thread runs no torch code.
+                results: Any = await anyio.to_thread.run_sync(step.result)
             except Exception as exc:  # a model failure fails this step's jobs, not the engine
                 results = RuntimeError(f"model step failed: {exc!r}")
             t2 = time.perf_counter()

@@ -5,11 +5,14 @@ trie, context states) holds page ids that it must hand back here.
 
 Layout (fixed; the model runner relies on it)::
 
-    kv: Tensor[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
-                                      ^ 0 = K, 1 = V
+    kv: Tensor[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]
+                                                 ^ 0 = K, 1 = V
 
 Page-major, so ``kv[page_ids]`` gathers every layer of those pages with one index and a
-fork's copy of a working page is one ``kv[dst] = kv[src]``.
+fork's copy of a working page is one ``kv[dst] = kv[src]``. Within a page, token-major:
+one layer's K of a run of consecutive pages ``kv[a:b, :, layer, 0]`` is a single strided
+view ``[(b - a) * page_size, KVH, D]`` (uniform token stride), so attention can read a
+context whose pages are consecutive in place, without gathering them.
 
 Invariants: the free list holds distinct ids in ``[0, num_pages)``; an id is either on the
 free list or owned by exactly one holder (checked by ``runtime.kv.invariants``). Allocation
@@ -26,6 +29,8 @@ import torch
 from runtime.kv.types import PageId
 
 __all__ = ["PagePool"]
+
+_SERIAL_COPY = 16384  # elements; below torch's parallel grain (32768): runs on one thread
 
 
 class PagePool:
@@ -75,9 +80,9 @@ class PagePool:
                 raise ValueError(f"PagePool: {name} must be a positive int, got {value!r}")
         self.num_pages = num_pages
         self.page_size = page_size
-        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+        # [num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]
         self.kv = torch.zeros(
-            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+            (num_pages, page_size, num_layers, 2, num_kv_heads, head_dim),
             dtype=dtype,
             device=device,
         )
@@ -114,6 +119,23 @@ class PagePool:
         del free[-n:]
         ids.reverse()
         return ids
+
+    def copy_pages(self, dst: Sequence[PageId], src: Sequence[PageId]) -> None:
+        """Copy whole pages (every layer): ``kv[dst[i]] = kv[src[i]]``.
+
+        On CPU the copy goes in slices smaller than torch's parallel grain, so the calling
+        thread (the event loop) never starts an OpenMP team: a second team beside the
+        model thread's makes every model step ~25% slower on 2 cores (measured), for as
+        long as the process lives.
+        """
+        kv = self.kv
+        for d, s in zip(dst, src, strict=True):
+            if kv.device.type != "cpu":
+                kv[d].copy_(kv[s])
+                continue
+            to, frm = kv[d].view(-1), kv[s].view(-1)  # a page is contiguous
+            for start in range(0, to.numel(), _SERIAL_COPY):
+                to[start : start + _SERIAL_COPY].copy_(frm[start : start + _SERIAL_COPY])
 
     def free(self, page_ids: Sequence[PageId]) -> None:
         """Give pages back; they are handed out again in the order given.

@@ -49,7 +49,7 @@ class PageStore:
         cid = store.create_context()
         store.reserve_working_pages(cid, 1)
         slots = store.write_tokens(cid, list(range(16)), list(range(16)))
-        # ... the model writes K/V of token j into store.pool.kv[slots[j][0], :, :, slots[j][1]]
+        # ... the model writes K/V of token j into store.pool.kv[slots[j][0], slots[j][1]]
         store.commit_full_pages(cid)
     """
 
@@ -153,13 +153,7 @@ class PageStore:
         if child.tip is not None:
             self.trie.add_holder(child.tip)
         num_used = -(-len(state.tokens) // self.page_size)
-        if num_used == 1:
-            self.pool.kv[new_pages[0]].copy_(self.pool.kv[state.working[0]])
-        elif num_used > 1:
-            kv = self.pool.kv
-            src = torch.tensor(state.working[:num_used], device=kv.device)
-            dst = torch.tensor(new_pages[:num_used], device=kv.device)
-            kv[dst] = kv[src]  # [num_used, layers, 2, page_size, heads, head_dim]
+        self.pool.copy_pages(new_pages[:num_used], state.working[:num_used])
         return child
 
     def _release_state(self, state: ContextState) -> None:

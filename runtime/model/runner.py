@@ -48,7 +48,7 @@ class ModelRunner:
             ``.weights``, e.g. ``LoadedModel``), in which case ``weights`` is omitted and
             the remaining arguments shift left: ``ModelRunner(loaded, pool_kv, page_size)``.
         weights: HF-named tensors.
-        pool_kv: Tensor[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]; its
+        pool_kv: Tensor[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]; its
             device and dtype are the model's.
         page_size: tokens per page.
         backend: attention backend; default chooses flash-attn on CUDA when available.
@@ -67,7 +67,7 @@ class ModelRunner:
         if not isinstance(pool_kv, torch.Tensor) or not isinstance(page_size, int):
             raise InvalidArgument("ModelRunner needs (config, weights, pool_kv, page_size)")
         c: ModelConfig = config
-        want = (c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim)
+        want = (page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim)
         if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
             raise InvalidArgument(
                 f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "

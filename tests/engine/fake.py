@@ -19,7 +19,7 @@ STOP = 63
 
 class FakeRunner:
     def __init__(self, pool_kv: torch.Tensor, page_size: int) -> None:
-        self.pool_kv = pool_kv  # [P, 1, 2, ps, 1, 2]
+        self.pool_kv = pool_kv  # [P, ps, 1, 2, 1, 2]
         self.page_size = page_size
         self.calls: list[list[int]] = []  # tokens per sequence, per call
 
@@ -31,8 +31,8 @@ class FakeRunner:
             for j, (tok, pos) in enumerate(zip(seq.tokens, seq.positions, strict=True)):
                 idx = seq.num_cached + j
                 page, slot = seq.page_table[idx // ps], idx % ps
-                self.pool_kv[page, 0, 0, slot, 0, 0] = float(tok)
-                self.pool_kv[page, 0, 0, slot, 0, 1] = float(pos)
+                self.pool_kv[page, slot, 0, 0, 0, 0] = float(tok)
+                self.pool_kv[page, slot, 0, 0, 0, 1] = float(pos)
             for j in seq.logit_indices:
                 kv_len = seq.num_cached + j + 1
                 visible = np.ones(kv_len, dtype=bool)
@@ -41,8 +41,8 @@ class FakeRunner:
                 acc = 0
                 for i in np.nonzero(visible)[0]:
                     page, slot = seq.page_table[i // ps], i % ps
-                    t = int(self.pool_kv[page, 0, 0, slot, 0, 0])
-                    p = int(self.pool_kv[page, 0, 0, slot, 0, 1])
+                    t = int(self.pool_kv[page, slot, 0, 0, 0, 0])
+                    p = int(self.pool_kv[page, slot, 0, 0, 0, 1])
                     acc = (acc * 31 + t * 7 + p) % 1_000_003
                 target = acc % (VOCAB - 1)  # never STOP by itself
                 logits = -torch.abs(torch.arange(VOCAB, dtype=torch.float32) - target) * 0.5

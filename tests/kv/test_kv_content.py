@@ -55,7 +55,7 @@ class Harness:
         for tok, pos, (page_id, slot) in zip(tokens, positions, slots, strict=True):
             self.entries[cid].append((tok, pos, extra))
             value = kv_of(self.entries[cid])
-            store.pool.kv[page_id, :, :, slot] = value  # [L, 2, H, D]
+            store.pool.kv[page_id, slot] = value  # [L, 2, H, D]
             self.dense[cid].append(value)
 
     def fork(self, cid: ContextId) -> ContextId:
@@ -98,9 +98,9 @@ class Harness:
             assert store.tokens(cid) == [e[0] for e in self.entries[cid]]
             if not table:
                 continue
-            pages = store.pool.kv[table]  # [n, L, 2, ps, H, D]
+            pages = store.pool.kv[table]  # [n, ps, L, 2, H, D]
             n, ps = len(table), store.page_size
-            gathered = pages.permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * ps, H, D)[:, :, :seq_len]
+            gathered = pages.reshape(n * ps, L, 2, H, D).permute(1, 2, 0, 3, 4)[:, :, :seq_len]
             if dense:
                 expected = torch.stack(dense).permute(1, 2, 0, 3, 4)  # [L, 2, seq, H, D]
                 assert torch.equal(gathered, expected), f"context {cid} KV differs"

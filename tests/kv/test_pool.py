@@ -10,7 +10,7 @@ from runtime.kv import PagePool
 
 def test_layout_and_dtype() -> None:
     pool = PagePool(5, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16)
-    assert pool.kv.shape == (5, 3, 2, 4, 2, 8)
+    assert pool.kv.shape == (5, 4, 3, 2, 2, 8)  # [pages, page_size, layers, K/V, heads, dim]
     assert pool.kv.dtype == torch.float16
     assert pool.num_free == 5
 

@@ -218,3 +218,45 @@ def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Mod
     for i, tail in enumerate(tails):
         _close(out[i:i + 1], dense_forward(runner.model, prompt[:32] + tail)[-1:])
     _close(out[3:4], dense_forward(runner.model, other_prompt)[-1:])
+
+
+def test_consecutive_pages_are_read_in_place_with_the_same_results(hf_model: torch.nn.Module) -> None:
+    """Pages with consecutive ids are attended through a strided view of the pool (no
+    gather); prefill, decode and fork cascades give the dense reference's logits."""
+    runner = _runner(hf_model, 16)
+    free = list(range(runner.num_pages))[::-1]  # pop() hands out 0, 1, 2, ...: one run
+    prompt = random_tokens(40, seed=50)
+    seq = PagedSeq(runner, free)
+    _close(seq.run(prompt[:33]), dense_forward(runner.model, prompt[:33]))
+    for j in range(33, 40):
+        _close(seq.run(prompt[j:j + 1]), dense_forward(runner.model, prompt[:j + 1])[-1:])
+    assert seq.pages == [0, 1, 2]
+    forks = [PagedSeq(runner, free, pages=list(seq.pages[:2]), num_cached=32) for _ in range(2)]
+    tails = [random_tokens(3, seed=60 + i) for i in range(2)]
+    for f, t in zip(forks, tails, strict=True):
+        f.run(t[:-1])
+    out = runner.forward([f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)])
+    for i, t in enumerate(tails):
+        _close(out[i:i + 1], dense_forward(runner.model, prompt[:32] + t)[-1:])
+
+
+def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Module) -> None:
+    """The engine's usual page table: a long run of committed pages, then a tail page from
+    elsewhere. The run is read in place, the tail gathered; logits equal the reference."""
+    runner = _runner(hf_model, 16)
+    free = list(range(runner.num_pages))[::-1]
+    prompt = random_tokens(80, seed=70)
+    seq = PagedSeq(runner, free)
+    seq.run(prompt[:64])  # pages 0..3: one run of four full pages
+    seq.pages.append(40)  # the tail page lives elsewhere
+    _close(seq.run(prompt[64:79]), dense_forward(runner.model, prompt[:79])[64:])
+    meta_groups = []
+    orig = runner.backend.prepare
+
+    def spy(meta, pool):
+        orig(meta, pool)
+        meta_groups.append(meta.backend_state)
+    runner.backend.prepare = spy
+    _close(seq.run(prompt[79:80]), dense_forward(runner.model, prompt)[-1:])
+    from runtime.model.attention.cascade import CascadeGroup
+    assert isinstance(meta_groups[0][0], CascadeGroup) and meta_groups[0][0].shared_run == 0

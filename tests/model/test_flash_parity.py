@@ -34,7 +34,7 @@ def _pair(page_size: int) -> tuple[ModelRunner, ModelRunner]:
     cfg = config_of(model)
     runners = []
     for backend in (FlashAttention(page_size), TorchAttention()):
-        pool = torch.zeros(48, cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim,
+        pool = torch.zeros(48, page_size, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim,
                            dtype=torch.bfloat16, device="cuda")
         runners.append(ModelRunner(cfg, model.state_dict(), pool, page_size, backend=backend))
     return runners[0], runners[1]

@@ -74,7 +74,7 @@ def config_of(model: PreTrainedModel) -> ModelConfig:
 
 def make_runner(model: PreTrainedModel, page_size: int = 16, num_pages: int = 96) -> ModelRunner:
     cfg = config_of(model)
-    pool = torch.zeros(num_pages, cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
+    pool = torch.zeros(num_pages, page_size, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
     return ModelRunner(cfg, model.state_dict(), pool, page_size)
 
 

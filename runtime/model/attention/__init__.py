@@ -7,7 +7,7 @@ same metadata, so per-sequence Python work happens once per forward, never per l
 
 Conventions (see docs/forward.md):
 
-* the pool tensor is ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
+* the pool tensor is ``[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]``
   (0 = K, 1 = V), owned by runtime/kv; backends only write the new tokens' slots;
 * sequence ``i`` holds ``kv_lens[i] = num_cached[i] + query_lens[i]`` KV entries, KV index
   ``k`` lives at page ``page_tables[i][k // page_size]``, slot ``k % page_size``;
@@ -24,7 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "write_kv", "select_backend"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "consecutive_run", "write_kv",
+           "select_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,28 @@ def write_kv(pool_kv: torch.Tensor, layer: int, kv: torch.Tensor, meta: Attentio
     """Store the new tokens' K/V of one layer into their pool slots.
 
     Args:
-        pool_kv: Tensor[P, L, 2, S, KVH, D].
+        pool_kv: Tensor[P, S, L, 2, KVH, D].
         layer: layer index.
         kv: Tensor[T, 2, KVH, D].
         meta: gives ``write_pages`` / ``write_slots`` ([T] each).
     """
-    # Advanced indices around a slice: the indexed view is [T, 2, KVH, D], matching kv.
-    pool_kv[meta.write_pages, layer, :, meta.write_slots] = kv
+    # Adjacent advanced indices (page, slot) then the layer: the view is [T, 2, KVH, D].
+    pool_kv[meta.write_pages, meta.write_slots, layer] = kv
+
+
+def consecutive_run(pages: list[int]) -> int | None:
+    """The first page id if ``pages`` are consecutive ascending ids (a run), else None.
+
+    One layer's K (or V) of a run is a single strided view of the pool (see runtime/kv/pool),
+    so attention can read it in place instead of gathering it.
+    """
+    if not pages:
+        return None
+    first = pages[0]
+    for i, p in enumerate(pages):
+        if p != first + i:
+            return None
+    return first
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, page_size: int) -> AttentionBackend:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.model.attention import AttentionMetadata
+from runtime.model.attention import AttentionMetadata, consecutive_run
 
-__all__ = ["CascadeGroup", "shared_prefix_clusters"]
+__all__ = ["CascadeGroup", "run_prefix_len", "shared_prefix_clusters"]
 
 
 def shared_prefix_clusters(meta: AttentionMetadata, decodes: list[int],
@@ -67,6 +67,14 @@ def shared_prefix_clusters(meta: AttentionMetadata, decodes: list[int],
     return clusters, sorted(rest)
 
 
+def run_prefix_len(pages: list[int], limit: int) -> int:
+    """How many leading pages are consecutive ids (at most ``limit``)."""
+    n = 0
+    while n < min(limit, len(pages)) and pages[n] == pages[0] + n:
+        n += 1
+    return n
+
+
 @dataclass(slots=True)
 class CascadeGroup:
     """One cluster: its token rows, the shared pages and each sequence's tail pages."""
@@ -76,6 +84,7 @@ class CascadeGroup:
     tail_pages: torch.Tensor  # [n * mt] page ids of each tail, padded with page 0
     tail_len: int  # longest tail, in KV entries
     tail_mask: torch.Tensor | None  # [n, 1, 1, tail_len] bool, True = real entry
+    shared_run: int | None = None  # first page id when the shared pages are a run
 
     @classmethod
     def build(cls, meta: AttentionMetadata, seqs: list[int], shared: int,
@@ -95,7 +104,8 @@ class CascadeGroup:
                 len(seqs), 1, 1, tail_len)
         shared_pages = torch.tensor(meta.page_tables[seqs[0]][:shared], dtype=torch.int64,
                                     device=device)
-        return cls(rows, shared_pages, tail_pages, tail_len, mask)
+        run = consecutive_run(meta.page_tables[seqs[0]][:shared])
+        return cls(rows, shared_pages, tail_pages, tail_len, mask, run)
 
     def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
                page_size: int) -> torch.Tensor:
@@ -104,11 +114,16 @@ class CascadeGroup:
         kvh = pool_kv.shape[4]
         g = h // kvh
         scale = 1.0 / math.sqrt(d)
-        layer_k, layer_v = pool_kv[:, layer, 0], pool_kv[:, layer, 1]  # [P, S, KVH, D]
+        layer_k, layer_v = pool_kv[:, :, layer, 0], pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
 
         # Shared half: every query of the cluster against the shared pages, read once.
-        ks = layer_k.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
-        vs = layer_v.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
+        if self.shared_run is not None:  # consecutive pages: read in place, no copy
+            a, ns = self.shared_run, self.shared_pages.numel()
+            ks = layer_k[a : a + ns].reshape(-1, kvh, d).transpose(0, 1)
+            vs = layer_v[a : a + ns].reshape(-1, kvh, d).transpose(0, 1)
+        else:
+            ks = layer_k.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
+            vs = layer_v.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
         # ks, vs: [KVH, Ls, D]; query head j uses kv head j // g
         qs = q.view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)  # [KVH, nG, D]
         s1 = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale)  # [KVH, nG, Ls]

@@ -6,7 +6,7 @@ cache block size must be divisible by 256" for its block-table API):
 
 * ``flash-paged``: page_size % 256 == 0 and ``flash_attn_varlen_func`` accepts
   ``block_table``: K/V are read straight from this layer's view of the pool
-  (``pool[:, layer, 0]`` is ``[num_pages, page_size, KVH, D]``, last dim contiguous,
+  (``pool[:, :, layer, 0]`` is ``[num_pages, page_size, KVH, D]``, last dim contiguous,
   which is all the kernel requires of its strides);
 * ``flash-varlen``: otherwise: the batch's keys/values are gathered once per layer into
   packed ``[total_kv, KVH, D]`` tensors and ``flash_attn_varlen_func`` runs over them.
@@ -132,12 +132,12 @@ class FlashAttention:
         t, h, d = q.shape
         q = q.contiguous()  # the runner may pass a strided view of its fused qkv output
         if self.paged:
-            k = pool_kv[:, layer, 0]  # [P, S, KVH, D]
-            v = pool_kv[:, layer, 1]  # [P, S, KVH, D]
+            k = pool_kv[:, :, layer, 0]  # [P, S, KVH, D]
+            v = pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
             out = self._varlen(q, k, v, st.cu_q, st.cu_k, st.max_q, st.max_kv, causal=True,
                                block_table=st.block_table)  # [T, H, D]
         else:
-            g = pool_kv[st.gather_pages, layer, :, st.gather_slots]  # [total_kv, 2, KVH, D]
+            g = pool_kv[st.gather_pages, st.gather_slots, layer]  # [total_kv, 2, KVH, D]
             k, v = g[:, 0].contiguous(), g[:, 1].contiguous()  # [total_kv, KVH, D] each
             out = self._varlen(q, k, v, st.cu_q, st.cu_k, st.max_q, st.max_kv, causal=True)
         return out.reshape(t, h * d)

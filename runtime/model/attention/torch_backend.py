@@ -23,11 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.model.attention import AttentionMetadata, write_kv
-from runtime.model.attention.cascade import CascadeGroup, shared_prefix_clusters
+from runtime.model.attention import AttentionMetadata, consecutive_run, write_kv
+from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
 
 __all__ = ["TorchAttention"]
 
+_LONE_DECODES = 2  # at most this many unclustered decodes get their own run-prefix group
+_MIN_RUN_PAGES = 4  # shortest run prefix worth reading in place that way
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -44,6 +46,7 @@ class _Group:
     q_index: torch.Tensor | None  # [Tg] flat row in the padded [B * Qmax] layout; None = dense
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend
     is_causal: bool
+    run_start: int | None = None  # B == 1 and its pages are a run: read them in place
 
 
 class TorchAttention:
@@ -72,6 +75,8 @@ class TorchAttention:
         decodes = [i for i, n in enumerate(q_lens) if n == 1 and plain[i]]
         others = [i for i in range(len(q_lens)) if not (q_lens[i] == 1 and plain[i])]
         clusters, decodes = shared_prefix_clusters(meta, decodes) if self.cascade else ([], decodes)
+        if self.cascade and len(decodes) <= _LONE_DECODES:
+            clusters, decodes = self._run_prefixes(meta, clusters, decodes)
         if not clusters and (not others or (not decodes and len(others) == 1)):
             meta.backend_state = [self._group(meta, list(range(len(q_lens))), None)]
             return
@@ -90,6 +95,24 @@ class TorchAttention:
         for i in others:
             groups.append(self._group(meta, [i], slice(starts[i], starts[i + 1])))
         meta.backend_state = groups
+
+    @staticmethod
+    def _run_prefixes(meta: AttentionMetadata, clusters: list[tuple[list[int], int]],
+                      decodes: list[int]) -> tuple[list[tuple[list[int], int]], list[int]]:
+        """Lone decodes whose pages start with a long run, but are not one run overall (the
+        engine's tail page usually sits elsewhere): read the run in place and gather only
+        the rest, through the cascade path with a single sequence."""
+        rest = []
+        ps = meta.page_size
+        for i in decodes:
+            table = meta.page_tables[i]
+            needed = table[: -(-meta.kv_lens[i] // ps)]
+            run = run_prefix_len(needed, limit=meta.num_cached[i] // ps)
+            if consecutive_run(needed) is None and run >= _MIN_RUN_PAGES:
+                clusters = [*clusters, ([i], run)]
+            else:
+                rest.append(i)
+        return clusters, rest
 
     def _group(self, meta: AttentionMetadata, seqs: list[int],
                rows: slice | torch.Tensor | None) -> _Group:
@@ -121,8 +144,11 @@ class TorchAttention:
             is_causal = True
         else:
             mask = self._general_mask(cached, masks, max_q, max_kv, device)
+        run = None
+        if b == 1:
+            run = consecutive_run(tables[0][: -(-max_kv // meta.page_size)])
         return _Group(rows, b, max_q, max_kv, max_pages, table.view(-1), q_index, mask,
-                      is_causal)
+                      is_causal, run)
 
     @staticmethod
     def _general_mask(cached_lens: list[int], masks: list[torch.Tensor | None], max_q: int,
@@ -172,10 +198,17 @@ class TorchAttention:
         # Whole pages: one page's K (or V) of one layer is a contiguous [S, KVH, D] block, so a
         # page-granular index_select copies at memcpy speed straight into the [B, L, KVH, D]
         # layout SDPA wants (a per-token advanced index was ~20x slower on CPU).
-        k = pool_kv[:, layer, 0].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
-        v = pool_kv[:, layer, 1].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
-        k = k.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
-        v = v.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
+        if g.run_start is not None:
+            # One sequence on consecutive pages: a strided view of the pool, no copy.
+            n = -(-max_kv // s)
+            run = pool_kv[g.run_start : g.run_start + n, :, layer]  # [n, S, 2, KVH, D]
+            k = run[:, :, 0].reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
+            v = run[:, :, 1].reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
+        else:
+            k = pool_kv[:, :, layer, 0].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
+            v = pool_kv[:, :, layer, 1].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
+            k = k.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
+            v = v.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
 
         if g.q_index is None:
             qb = q.reshape(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
