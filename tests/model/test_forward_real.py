@@ -45,7 +45,7 @@ def hf_model(loaded: LoadedModel) -> Any:
 @pytest.fixture(scope="module")
 def runner(loaded: LoadedModel) -> ModelRunner:
     c = loaded.config
-    pool = torch.zeros(24, c.num_layers, 2, PAGE_SIZE, c.num_kv_heads, c.head_dim)
+    pool = torch.zeros(24, PAGE_SIZE, c.num_layers, 2, c.num_kv_heads, c.head_dim)
     return ModelRunner(loaded, pool, PAGE_SIZE)  # the design.md calling form
 
 
