@@ -189,6 +189,18 @@ def test_invalid_batch_raises_and_writes_nothing(hf_model: torch.nn.Module, bad:
     assert runner.pool_kv.abs().sum().item() == 0.0
 
 
+def _record_groups(runner: ModelRunner) -> list:
+    """Record the torch backend's per-forward groups (one list per forward)."""
+    seen: list = []
+    prepare = runner.backend.prepare
+
+    def spy(meta, pool):  # noqa: ANN001
+        prepare(meta, pool)
+        seen.append(meta.backend_state)
+    runner.backend.prepare = spy
+    return seen
+
+
 def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Module) -> None:
     """Forks decoding together read their shared pages once (cascade attention); each still
     gets the dense reference's logits, with or without other sequences in the batch."""
@@ -205,13 +217,7 @@ def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Mod
     other_prompt = random_tokens(9, seed=40)
     other.run(other_prompt[:-1])
     batch = [f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)] + [other.step(other_prompt[-1:])]
-    meta_groups = []
-    orig = runner.backend.prepare
-
-    def spy(meta, pool):
-        orig(meta, pool)
-        meta_groups.append(meta.backend_state)
-    runner.backend.prepare = spy
+    meta_groups = _record_groups(runner)
     out = runner.forward(batch)
     from runtime.model.attention.cascade import CascadeGroup
     assert any(isinstance(g, CascadeGroup) for g in meta_groups[0])
@@ -250,13 +256,7 @@ def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Mo
     seq.run(prompt[:64])  # pages 0..3: one run of four full pages
     seq.pages.append(40)  # the tail page lives elsewhere
     _close(seq.run(prompt[64:79]), dense_forward(runner.model, prompt[:79])[64:])
-    meta_groups = []
-    orig = runner.backend.prepare
-
-    def spy(meta, pool):
-        orig(meta, pool)
-        meta_groups.append(meta.backend_state)
-    runner.backend.prepare = spy
+    meta_groups = _record_groups(runner)
     _close(seq.run(prompt[79:80]), dense_forward(runner.model, prompt)[-1:])
     from runtime.model.attention.cascade import CascadeGroup
     assert isinstance(meta_groups[0][0], CascadeGroup) and meta_groups[0][0].shared_run == 0
