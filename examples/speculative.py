@@ -9,8 +9,8 @@ is identical to plain greedy decoding, in fewer passes when drafts hit.
 
 from pie_ctx import Context, Sampler
 
-PROMPT = ("Repeat this list exactly, twice: apple, banana, cherry, damson, elderberry, fig, "
-          "grape, honeydew.")
+PROMPT = ("Copy this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+          "old stone bridge, and the miller's cat watches from the window.")
 
 
 def add_arguments(parser):
