@@ -260,3 +260,42 @@ def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Mo
     _close(seq.run(prompt[79:80]), dense_forward(runner.model, prompt)[-1:])
     from runtime.model.attention.cascade import CascadeGroup
     assert isinstance(meta_groups[0][0], CascadeGroup) and meta_groups[0][0].shared_run == 0
+
+
+def test_cascade_with_unequal_tails_matches_dense(hf_model: torch.nn.Module) -> None:
+    runner = _runner(hf_model, 16)
+    free = free_list(runner, seed=9)
+    prompt = random_tokens(32, seed=80)
+    parent = PagedSeq(runner, free)
+    parent.run(prompt)
+    tails = [random_tokens(k, seed=90 + k) for k in (2, 7, 19)]  # 19 spills into a 2nd page
+    forks = [PagedSeq(runner, free, pages=list(parent.pages), num_cached=32) for _ in tails]
+    for f, t in zip(forks, tails, strict=True):
+        f.run(t[:-1])
+    groups = _record_groups(runner)
+    out = runner.forward([f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)])
+    from runtime.model.attention.cascade import CascadeGroup
+    assert isinstance(groups[0][0], CascadeGroup) and groups[0][0].tail_bias is not None
+    for i, t in enumerate(tails):
+        _close(out[i:i + 1], dense_forward(runner.model, prompt + t)[-1:])
+
+
+def test_attention_with_lse_fused_and_fallback_agree() -> None:
+    from runtime.model.attention import cascade
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 5, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    bias = torch.zeros(3, 1, 1, 9)
+    bias[0, ..., 6:] = float("-inf")
+    fused = cascade._attend_lse(q, k, v, 0.25, bias)
+    scores = (q @ k.transpose(-1, -2)) * 0.25 + bias
+    want_out = torch.softmax(scores, -1) @ v
+    want_lse = torch.logsumexp(scores, -1)
+    flash, cascade._FLASH_LSE = cascade._FLASH_LSE, None
+    try:
+        manual = cascade._attend_lse(q, k, v, 0.25, bias)
+    finally:
+        cascade._FLASH_LSE = flash
+    for out, lse in (fused, manual):
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)

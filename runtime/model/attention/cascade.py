@@ -83,7 +83,7 @@ class CascadeGroup:
     shared_pages: torch.Tensor  # [ns] page ids read once for the whole cluster
     tail_pages: torch.Tensor  # [n * mt] page ids of each tail, padded with page 0
     tail_len: int  # longest tail, in KV entries
-    tail_mask: torch.Tensor | None  # [n, 1, 1, tail_len] bool, True = real entry
+    tail_bias: torch.Tensor | None  # [n, 1, 1, tail_len] float: 0 real entry, -inf padding
     shared_run: int | None = None  # first page id when the shared pages are a run
 
     @classmethod
@@ -97,15 +97,16 @@ class CascadeGroup:
         tail_pages = torch.tensor([t + [0] * (mt - len(t)) for t in tails], dtype=torch.int64,
                                   device=device).view(-1)
         tail_len = max(lens)
-        mask = None
+        bias = None
         if any(n != tail_len for n in lens):
             cols = torch.arange(tail_len, device=device)
-            mask = (cols[None, :] < torch.tensor(lens, device=device)[:, None]).view(
+            real = (cols[None, :] < torch.tensor(lens, device=device)[:, None]).view(
                 len(seqs), 1, 1, tail_len)
+            bias = torch.zeros(real.shape, device=device).masked_fill_(~real, float("-inf"))
         shared_pages = torch.tensor(meta.page_tables[seqs[0]][:shared], dtype=torch.int64,
                                     device=device)
         run = consecutive_run(meta.page_tables[seqs[0]][:shared])
-        return cls(rows, shared_pages, tail_pages, tail_len, mask, run)
+        return cls(rows, shared_pages, tail_pages, tail_len, bias, run)
 
     def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
                page_size: int) -> torch.Tensor:
@@ -125,9 +126,8 @@ class CascadeGroup:
             ks = layer_k.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
             vs = layer_v.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
         # ks, vs: [KVH, Ls, D]; query head j uses kv head j // g
-        qs = q.view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)  # [KVH, nG, D]
-        s1 = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale)  # [KVH, nG, Ls]
-        o1, lse1 = _softmax_attend(s1, vs)  # [KVH, nG, D], [KVH, nG]
+        qs = q.view(n, kvh, g, d).transpose(0, 1).reshape(kvh, 1, n * g, d)  # [KVH, 1, nG, D]
+        o1, lse1 = _attend_lse(qs, ks[:, None], vs[:, None], scale, None)
         o1 = o1.view(kvh, n, g, d).transpose(0, 1)  # [n, KVH, G, D]
         lse1 = lse1.view(kvh, n, g).transpose(0, 1)  # [n, KVH, G]
 
@@ -136,14 +136,40 @@ class CascadeGroup:
         kt = layer_k.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
         vt = layer_v.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
         qt = q.view(n, kvh, g, d)  # [n, KVH, G, D]
-        s2 = torch.matmul(qt, kt.permute(0, 2, 3, 1)).mul_(scale)  # [n, KVH, G, Lt]
-        if self.tail_mask is not None:
-            s2.masked_fill_(~self.tail_mask, float("-inf"))
-        o2, lse2 = _softmax_attend(s2, vt.transpose(1, 2))  # [n, KVH, G, D], [n, KVH, G]
+        o2, lse2 = _attend_lse(qt, kt.transpose(1, 2), vt.transpose(1, 2), scale, self.tail_bias)
 
         lse = torch.logaddexp(lse1, lse2)  # [n, KVH, G]
         out = o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
         return out.reshape(n, h * d)  # [n, H*D], head j = kv_head * G + g
+
+
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns each query's log-sum-exp.
+
+    Args:
+        q: Tensor[B, H, Q, D]; k, v: Tensor[B, H, K, D]; bias: additive float mask
+            broadcastable to [B, H, Q, K] (``-inf`` = masked) or None.
+
+    Returns:
+        (Tensor[B, H, Q, D], Tensor[B, H, Q]).
+
+    On CPU this is torch's fused flash kernel (the one SDPA uses, which also computes the
+    log-sum-exp); elsewhere, or if that kernel refuses the inputs, a matmul-softmax-matmul.
+    """
+    if _FLASH_LSE is not None and q.device.type == "cpu":
+        try:
+            out, lse = _FLASH_LSE(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+            return out, lse
+        except RuntimeError:
+            pass
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, H, Q, K]
+    if bias is not None:
+        scores = scores + bias
+    return _softmax_attend(scores, v)
 
 
 def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
