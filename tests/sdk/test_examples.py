@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pie_ctx.cli import inferlet_args, load_inferlet
-from tests.sdk.harness import tiny_runtime
+from tests.sdk.harness import sdk_runtime
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ALL = sorted(p.name for p in EXAMPLES.glob("*.py"))
@@ -20,12 +20,11 @@ def test_every_example_is_listed():
 
 
 @pytest.mark.parametrize("name", ALL)
-async def test_example_runs(name, tiny_folder, capsys):
+async def test_example_runs(name, tiny_folder, transport, capsys):
     module = load_inferlet(EXAMPLES / name)
     args = inferlet_args(module, [], prog=name)
-    async with tiny_runtime(tiny_folder, page_size=4) as rt:
+    async with sdk_runtime(tiny_folder, transport, page_size=4) as (rt, engine):
         result = await module.main(rt, args)
-        engine = rt.transport.engine
     out = capsys.readouterr().out
     assert out.strip(), f"{name} printed nothing"
     if name == "speculative.py":
