@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from runtime.engine.scheduler import RowResult, StepPlan
-from runtime.model.runner import SeqInput
+from runtime.model.batch import SeqInput
 from runtime.sampling import SamplerParams, logprobs, sample_rows, top_k_distribution
 
 
@@ -34,17 +34,7 @@ class StepExecutor:
         self._generators.pop(job_key, None)
 
     def run(self, plan: StepPlan) -> list[RowResult]:
-        batch = [
-            SeqInput(
-                tokens=c.tokens,
-                positions=c.positions,
-                page_table=c.page_table,
-                num_cached=c.num_cached,
-                logit_indices=c.logit_indices,
-                mask=c.mask,
-            )
-            for c in plan.chunks
-        ]
+        batch = plan.chunks
         given = [i for i, r in enumerate(plan.rows) if r.given_logits is not None]
         computed = [i for i, r in enumerate(plan.rows) if r.given_logits is None]
         logits = None
@@ -72,7 +62,7 @@ class StepExecutor:
                 params.append(_params(req.sample))
                 gens.append(self._generator(req.job_key, req.generator_seed, req.sample))
             if req.raw_logits:
-                results[i].logits = logits[i].numpy().astype("<f4").tobytes()
+                results[i].logits = logits[i].numpy().astype("<f4", copy=False).tobytes()
             if req.top_k:
                 ids, probs = top_k_distribution(logits[i], req.top_k)
                 results[i].top_ids, results[i].top_probs = list(ids), list(probs)

@@ -31,18 +31,7 @@ from typing import Any
 from pie_ctx.errors import OutOfPages
 from pie_ctx.protocol import Distribution
 from runtime.engine.jobs import Job, JobKind, JobStatus
-
-
-@dataclass(slots=True)
-class SeqChunk:
-    """One job's part of a step: what the model runner needs, as plain data."""
-
-    tokens: list[int]
-    positions: list[int]
-    page_table: list[int]
-    num_cached: int
-    logit_indices: list[int]  # indices into `tokens`
-    mask: Any = None  # np.ndarray bool [len(tokens), num_cached + len(tokens)] or None
+from runtime.model.batch import SeqInput
 
 
 @dataclass(slots=True)
@@ -60,9 +49,10 @@ class RowRequest:
 
 @dataclass(slots=True)
 class StepPlan:
-    chunks: list[SeqChunk] = field(default_factory=list)
+    chunks: list[SeqInput] = field(default_factory=list)  # one model call's batch
     rows: list[RowRequest] = field(default_factory=list)
-    # (job, chunk start in job.tokens or -1 for a decode step, chunk length, row offsets)
+    # (job, chunk start in job.tokens, -1 for a decode step or -2 for a seed row,
+    #  chunk length, [(token index, row in `rows`)])
     entries: list[tuple[Job, int, int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
@@ -285,9 +275,9 @@ class Scheduler:
         start = job.num_written
         probes = sorted(i - start for i in job.probe_indices() if start <= i < start + length)
         mask = None
-        state = self.store.state(job.shadow)
         if job.mask is not None:
-            mask = job.mask[start : start + length, : state.seq_len + length]
+            seq_len = self.store.state(job.shadow).seq_len
+            mask = job.mask[start : start + length, : seq_len + length]
         self._append(plan, job, start, job.tokens[start : start + length],
                      job.positions[start : start + length], probes, mask)
         return length
@@ -305,12 +295,13 @@ class Scheduler:
         num_cached = self.store.state(job.shadow).seq_len
         extras = [0] * len(tokens) if start < 0 else job.extras[start : start + len(tokens)]
         self.store.write_tokens(job.shadow, tokens, positions, extras)
-        chunk = SeqChunk(tokens, positions, list(self.store.page_table(job.shadow)),
-                         num_cached, probes, mask)
+        chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
+                         probes, mask)
         rows: list[tuple[int, int]] = []
         for local in probes:
-            rows.append((start + local if start >= 0 else -1, len(plan.rows)))
-            plan.rows.append(self._row_request(job, start + local if start >= 0 else -1))
+            index = start + local if start >= 0 else -1
+            rows.append((index, len(plan.rows)))
+            plan.rows.append(self._row_request(job, index))
         plan.chunks.append(chunk)
         plan.entries.append((job, start, len(tokens), rows))
 

@@ -14,7 +14,6 @@ so a rejected batch leaves the pool untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,22 +21,11 @@ import torch
 
 from pie_ctx.errors import InvalidArgument
 from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
+from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
 from runtime.model.model import Transformer
 
 __all__ = ["SeqInput", "ModelRunner"]
-
-
-@dataclass(slots=True)
-class SeqInput:
-    """One context's share of a forward."""
-
-    tokens: list[int]  # new tokens of this context in this step
-    positions: list[int]  # their rotary positions (arbitrary)
-    page_table: list[int]  # every page of the context, in KV order
-    num_cached: int  # KV entries already present before these tokens
-    logit_indices: list[int]  # which of `tokens` need logits (indices into tokens)
-    mask: np.ndarray | None = None  # bool [len(tokens), num_cached + len(tokens)]; None = causal
 
 
 class ModelRunner:
