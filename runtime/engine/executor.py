@@ -14,7 +14,13 @@ import torch
 
 from runtime.engine.scheduler import RowResult, StepPlan
 from runtime.model.batch import SeqInput
-from runtime.sampling import SamplerParams, logprobs, sample_rows, top_k_distribution
+from runtime.sampling import (
+    SamplerParams,
+    logprobs,
+    make_generator,
+    sample_rows,
+    top_k_distribution,
+)
 
 
 class Runner(Protocol):
@@ -82,9 +88,7 @@ class StepExecutor:
         if spec.temperature == 0:
             return None
         if seed is not None or key not in self._generators:
-            gen = torch.Generator()
-            gen.manual_seed(int(seed if seed is not None else np.random.SeedSequence().entropy) % 2**63)
-            self._generators[key] = gen
+            self._generators[key] = make_generator(seed)
         return self._generators[key]
 
 

@@ -6,7 +6,6 @@ do, before any state is touched.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import xxhash
 
 from pie_ctx import protocol as P
 from pie_ctx.errors import InvalidArgument
+from runtime.sampling import SamplerParams
 
 __all__ = ["check_count", "check_sampler", "check_tokens", "mask_and_extras", "seeded"]
 
@@ -51,13 +51,11 @@ def check_count(name: str, n: Any) -> None:
 
 
 def check_sampler(s: P.SamplerSpec) -> None:
-    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    if not 0 < s.top_p <= 1:
-        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
-    if not 0 <= s.min_p < 1:
+    """The sampling module's own checks (``SamplerParams``), before the request is queued:
+    a bad value must fail this request, not the model step it would share with others."""
+    SamplerParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                  seed=s.seed)
+    if s.min_p >= 1:  # requests keep a stricter bound than the sampler itself
         raise InvalidArgument(f"min_p must be in [0, 1), got {s.min_p}")
 
 

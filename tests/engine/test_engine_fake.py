@@ -177,3 +177,16 @@ async def test_never_fits_fails_at_once():
         assert isinstance(reply, P.ErrorReply) and reply.kind == "OutOfPages"
         msgs = [m async for m in await engine.generate(P.Generate(ctx=a, tokens=[1], max_tokens=100))]
         assert isinstance(msgs[-1], P.ErrorReply) and msgs[-1].kind == "OutOfPages"
+
+
+async def test_out_of_range_seed_fails_the_request_not_the_step():
+    async with make_engine() as engine:
+        a = await create(engine)
+        bad = P.SamplerSpec(temperature=1.0, seed=2**63)
+        msgs = [m async for m in await engine.generate(P.Generate(ctx=a, tokens=[1], sampler=bad))]
+        assert isinstance(msgs[-1], P.ErrorReply) and msgs[-1].kind == "InvalidArgument"
+        reply = await engine.handle(P.Forward(ctx=a, tokens=[1, 2], sample=[
+            P.SampleSpec(index=1, sampler=bad)]))
+        assert isinstance(reply, P.ErrorReply) and reply.kind == "InvalidArgument"
+        _, done = await gen(engine, a, [1, 2], max_tokens=3, stop_token_ids=[])
+        assert len(done.tokens) == 3
