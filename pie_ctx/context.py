@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pie_ctx import protocol as P
 from pie_ctx.chat import Conversation
+from pie_ctx.checks import token_ids
 from pie_ctx.counters import Counters
 from pie_ctx.errors import ContextClosed, InvalidArgument
 from pie_ctx.ops import Op, OpChain
@@ -157,7 +158,7 @@ class Context(Counters):
         if isinstance(tokens, str):
             ids = list(self._rt.tokenizer.encode(tokens))
         else:
-            ids = _token_list(tokens, self._rt.info.vocab_size, "append")
+            ids = token_ids(tokens, self._rt.info.vocab_size, "append")
         self._pending.extend(ids)
         return self
 
@@ -207,7 +208,7 @@ class Context(Counters):
             raise InvalidArgument(f"max_tokens must be a positive int, got {max_tokens!r}")
         ids = [s for s in stop if not isinstance(s, str)]
         strings = [s for s in stop if isinstance(s, str)]
-        _token_list(ids, self._rt.info.vocab_size, "stop")
+        token_ids(ids, self._rt.info.vocab_size, "stop")
         if any(not s for s in strings):
             raise InvalidArgument("stop strings must be non-empty")
         defaults = [] if ignore_eos else list(self._rt.info.stop_token_ids)
@@ -336,10 +337,3 @@ def _name(name: Any) -> str:
         raise InvalidArgument(f"snapshot names are non-empty str of at most 256 chars, got {name!r}")
     return name
 
-
-def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    ids = list(tokens)
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{what}: token id {t!r} is not in [0, {vocab_size})")
-    return ids

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pie_ctx import protocol as P
+from pie_ctx.checks import token_ids
 from pie_ctx.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -84,9 +85,7 @@ class Forward:
     def _set_input(self, tokens: Sequence[int], positions: list[int] | None) -> Forward:
         if self._tokens is not None:
             raise InvalidArgument("a pass has one input; build another pass for more tokens")
-        from pie_ctx.context import _token_list
-
-        toks = _token_list(tokens, self._ctx._rt.info.vocab_size, "input")
+        toks = token_ids(tokens, self._ctx._rt.info.vocab_size, "input")
         if not toks:
             raise InvalidArgument("input needs at least one token")
         if positions is not None and len(positions) != len(toks):

@@ -16,11 +16,12 @@ import anyio
 import numpy as np
 
 from pie_ctx import protocol as P
+from pie_ctx.checks import token_ids
 from pie_ctx.errors import ContextTooLong, InvalidArgument, OutOfPages, PieError
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.engine.stops import StopChecker
 from runtime.engine.stream import GenerationStream
-from runtime.engine.validate import check_sampler, check_tokens, mask_and_extras, seeded
+from runtime.engine.validate import check_sampler, mask_and_extras, seeded
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class PassesMixin:
     """The model-running requests of ``Engine`` (see ``runtime.engine.engine``)."""
 
     def _validate_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        return check_tokens(tokens, self.vocab_size, what)
+        return token_ids(tokens, self.vocab_size, what)
 
     def _positions(self, record: ContextRecord, tokens: list[int],
                    positions: Sequence[int] | None) -> list[int]:

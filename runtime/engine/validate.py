@@ -6,7 +6,6 @@ do, before any state is touched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,16 +15,7 @@ from pie_ctx import protocol as P
 from pie_ctx.errors import InvalidArgument
 from runtime.sampling import SamplerParams
 
-__all__ = ["check_count", "check_sampler", "check_tokens", "mask_and_extras", "seeded"]
-
-
-def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
-    """A copy of ``tokens`` after checking every id is in ``[0, vocab_size)``."""
-    out = list(tokens)
-    for t in out:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{what}: token id {t!r} is not in [0, {vocab_size}) for this model")
-    return out
+__all__ = ["check_count", "check_sampler", "mask_and_extras", "seeded"]
 
 
 def mask_and_extras(rows: list[list[bool]], seq_len: int, n: int) -> tuple[np.ndarray, list[int]]:
