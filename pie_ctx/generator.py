@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pie_ctx import protocol as P
-from pie_ctx.errors import InvalidArgument, error_from_name
+from pie_ctx.errors import error_from_name
 
 if TYPE_CHECKING:
     from pie_ctx.context import Context
@@ -94,8 +94,6 @@ class Generator:
         raise err2
 
     async def _start(self) -> None:
-        if self._started:
-            raise InvalidArgument("a Generator runs once; call generate() again")
         self._started = True
         ctx = self._ctx
         self._op, wait = ctx._chain.acquire()
