@@ -47,9 +47,9 @@ def run_hf(model, prompt, n, new_tokens, seed):
 
 
 async def main_async(args):
-    from runtime.engine.engine import Engine
+    from runtime.engine.boot import boot_engine
 
-    engine = Engine.boot(None, page_size=args.page_size, kv_memory_gb=1.0)
+    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
     cfg_bytes = kv_bytes_per_token(engine.executor.runner.config)
     prompt = prompt_tokens(engine.tokenizer, args.prompt_len)
     # HF runs on the engine's model thread: one thread does all torch work (see Engine).

@@ -21,9 +21,9 @@ from pie_ctx import Context, Runtime, Sampler
 
 
 async def main_async(args):
-    from runtime.engine.engine import Engine
+    from runtime.engine.boot import boot_engine
 
-    engine = Engine.boot(None, page_size=args.page_size, kv_memory_gb=1.0)
+    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
     tok = engine.tokenizer
     system = tok.decode(tok.encode(TEXT)[: args.system_len])
     questions = [f"Question {i}: in one word, what is page {i} for?" for i in range(args.requests)]

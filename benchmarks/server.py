@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pie_ctx import protocol as P  # noqa: E402
+from pie_ctx.proto import messages as P  # noqa: E402
 from pie_ctx.socket_transport import SocketTransport  # noqa: E402
 from pie_ctx.transport import LocalTransport  # noqa: E402
 from runtime.server.testing import serve_in_background  # noqa: E402
@@ -84,13 +84,13 @@ async def rtt_us(t: Any, count: int) -> list[float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.engine.engine import Engine
+    from runtime.engine.boot import boot_engine
 
-    engine = Engine.boot(None, page_size=args.page_size, kv_memory_gb=1.0)
+    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
     tok = engine.tokenizer
-    async with engine, serve_in_background(engine, run_engine=False) as srv:
+    async with engine, serve_in_background(engine, run_engine=False) as srv, \
+            SocketTransport.open(srv.address) as remote:
         local = LocalTransport(engine)
-        remote = await SocketTransport.connect(srv.address)
         warm = prompt_for(tok, min(args.prompt_len, 128), salt=-1)
         a = await best_of_n(local, warm, args.n, 8, args.seed)
         b = await best_of_n(remote, warm, args.n, 8, args.seed)
@@ -106,7 +106,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"run {r} {mode:>9}: {walls[mode][-1]:.3f} s", flush=True)
         socket_rtt = await rtt_us(remote, args.rtt_count)
         local_rtt = await rtt_us(local, args.rtt_count)
-        await remote.aclose()
         await local.aclose()
     socket_rtt.sort()
     inproc = statistics.median(walls["inprocess"])

@@ -34,10 +34,10 @@ def hf_generate(model, prompts, new_tokens):
 
 
 async def main_async(args):
-    from runtime.engine.engine import Engine
+    from runtime.engine.boot import boot_engine
     from runtime.model.loader import resolve_model
 
-    engine = Engine.boot(None, page_size=16, kv_memory_gb=1.0)
+    engine = boot_engine(None, page_size=16, kv_memory_gb=1.0)
     tok = engine.tokenizer
     prompts = [prompt_tokens(tok, args.prompt_len - (i % 7) * 8, salt=f"Request {i}. ")
                for i in range(args.requests)]

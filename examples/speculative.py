@@ -27,8 +27,7 @@ def propose(history, k, n=3):
     return []
 
 
-async def speculate(ctx, max_tokens, k):
-    stops = set(ctx._rt.info.stop_token_ids)
+async def speculate(ctx, stops, max_tokens, k):
     history = ctx.pending_tokens
     last = history[-1]
     await ctx.truncate(1)  # the last prompt token is fed by the first pass instead
@@ -60,7 +59,8 @@ async def speculate(ctx, max_tokens, k):
 async def main(rt, args):
     ctx = Context(rt).user(PROMPT).cue()
     ref = ctx.fork()
-    tokens, passes = await speculate(ctx, args.max_tokens, args.draft)
+    stops = set(rt.info.stop_token_ids)
+    tokens, passes = await speculate(ctx, stops, args.max_tokens, args.draft)
     plain = await ref.generate(Sampler.greedy(), max_tokens=args.max_tokens).tokens()
     print(rt.tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"{len(tokens)} tokens in {passes} passes (plain greedy: {len(plain)} passes); "

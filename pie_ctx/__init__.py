@@ -1,7 +1,9 @@
 """pie-ctx: write inferlets, async programs that steer an LLM's KV cache directly.
 
 Importing this package never imports torch: the SDK talks to the runtime through one
-narrow transport interface (``pie_ctx.transport``).
+narrow transport interface (``pie_ctx.transport``) and the torch-free contract package
+``pie_ctx.proto``. The names below load on first use, so ``import pie_ctx.proto`` (what the
+runtime does) never loads the SDK's client classes.
 
 Usage::
 
@@ -14,15 +16,8 @@ Usage::
 
 from __future__ import annotations
 
-from pie_ctx import errors
-from pie_ctx.concurrency import gather
-from pie_ctx.context import Context
-from pie_ctx.forward import Forward, ForwardOutput
-from pie_ctx.generator import Delta, Generator
-from pie_ctx.protocol import ContextState, PassReport, SamplerSpec
-from pie_ctx.raw import RawContext
-from pie_ctx.runtime import Runtime
-from pie_ctx.sampler import Sampler
+import importlib
+from typing import Any
 
 __all__ = [
     "Context",
@@ -40,3 +35,34 @@ __all__ = [
     "gather",
 ]
 __version__ = "0.1.0"
+
+# name -> module that defines it (loaded on first attribute access, PEP 562)
+_WHERE = {
+    "Context": "pie_ctx.context",
+    "ContextState": "pie_ctx.proto.messages",
+    "Delta": "pie_ctx.generator",
+    "Forward": "pie_ctx.forward",
+    "ForwardOutput": "pie_ctx.forward",
+    "Generator": "pie_ctx.generator",
+    "PassReport": "pie_ctx.proto.messages",
+    "RawContext": "pie_ctx.raw",
+    "Runtime": "pie_ctx.runtime",
+    "Sampler": "pie_ctx.sampler",
+    "SamplerSpec": "pie_ctx.proto.messages",
+    "gather": "pie_ctx.concurrency",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        value: Any = importlib.import_module("pie_ctx.errors")
+    elif name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    else:
+        raise AttributeError(f"module 'pie_ctx' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

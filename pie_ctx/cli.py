@@ -2,16 +2,22 @@
 
     pie-ctx run FILE.py [--model M] [--page-size N] [--connect ADDR] [-v] [-- INFERLET ARGS]
     pie-ctx models [list] | pie-ctx models pull [NAME]
-    pie-ctx serve ... | pie-ctx stats [ADDRESS]       (see docs/server.md)
+    pie-ctx stats [ADDRESS] [--json]                  (a running server's counters)
+    pie-ctx serve ...                                  (see docs/server.md)
 
 An inferlet is a Python file defining ``async def main(rt, args)`` and optionally
 ``add_arguments(parser)`` for its own options (parsed from what follows ``--``).
+
+This module is the program's entry point, so it sits above both packages: besides the SDK
+it imports ``runtime.server.cli`` (to offer ``serve``) and, in ``models``, the loader.
+Every other SDK module stays clear of ``runtime``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import sys
 import time
@@ -19,7 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pie_ctx.errors import InvalidArgument, PieError
+from pie_ctx.proto.address import default_socket_path, parse_address, read_token_file
+from pie_ctx.proto.errors import InvalidArgument, PieError
 
 __all__ = ["main", "load_inferlet", "inferlet_args"]
 
@@ -81,12 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default="default", help="model (default: the default)")
     models.set_defaults(func=_models)
 
-    try:
-        from runtime.server.cli import register
-    except ImportError:  # pragma: no cover - the server package ships with the SDK
-        pass
-    else:
-        register(sub)
+    stats = sub.add_parser("stats", help="print a running server's page and cache stats")
+    stats.add_argument("address", nargs="?", default=None,
+                       help="unix:PATH, tcp:HOST:PORT or a socket path (default: the default socket)")
+    stats.add_argument("--token-file", default=None, help="the server's token file")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+    stats.set_defaults(func=_stats)
+
+    from runtime.server.cli import register  # the server ships in the same distribution
+
+    register(sub)
     return parser
 
 
@@ -102,12 +113,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         if args.connect:
             address = args.connect
             if address == "default":
-                from runtime.server.endpoint import default_socket_path
-
                 address = default_socket_path()
-            token = None
-            if args.token_file:
-                token = Path(args.token_file).read_text().strip()
+            token = read_token_file(args.token_file) if args.token_file else None
             manager = Runtime.connect(address, token=token)
         else:
             manager = Runtime.local(args.model, page_size=args.page_size,
@@ -145,6 +152,37 @@ def _models(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+async def fetch_stats(address: str, token: str | None) -> dict[str, Any]:
+    """Connect to a server and return its model, page size and ``EngineStats`` as a dict."""
+    import msgspec
+
+    from pie_ctx.proto import messages as P
+    from pie_ctx.socket_transport import SocketTransport
+
+    async with SocketTransport.open(address, token=token) as transport:
+        stats = await transport.request(P.GetStats())
+        info = transport.info
+    return {"model_name": info.model_name, "page_size": info.page_size,
+            **msgspec.structs.asdict(stats)}
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """``pie-ctx stats [ADDRESS]``: print a server's counters."""
+    import anyio
+
+    address = args.address or f"unix:{default_socket_path()}"
+    parse_address(address)
+    token = read_token_file(args.token_file) if args.token_file else None
+    stats = anyio.run(fetch_stats, address, token)
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    for key, value in stats.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else value
+        print(f"{key:>18}  {shown}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pie-ctx`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -161,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except PieError as err:
         print(f"pie-ctx: error: {err}", file=sys.stderr)
-        return 1
+        return 1 if args.func is _run else 2
     except KeyboardInterrupt:
         return 130
 

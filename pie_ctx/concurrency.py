@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["gather", "single_exception"]
+__all__ = ["gather"]
 
 
 async def gather(*awaitables: Awaitable[Any]) -> list[Any]:
@@ -22,15 +22,3 @@ async def gather(*awaitables: Awaitable[Any]) -> list[Any]:
         for i, aw in enumerate(awaitables):
             tg.start_soon(run, i, aw)
     return results
-
-
-def single_exception(group: BaseExceptionGroup) -> BaseException:
-    """The one exception inside nested single-member groups, else the group itself.
-
-    Task groups wrap whatever their body raised; callers of the SDK and the engine get the
-    inferlet's own exception back.
-    """
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pie_ctx import protocol as P
+from pie_ctx.proto import messages as P
 
 __all__ = ["Counters"]
 

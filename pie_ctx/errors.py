@@ -1,92 +1,20 @@
-"""Typed errors shared by the SDK and the runtime.
+"""The errors pie-ctx raises: ``from pie_ctx.errors import InvalidArgument, ...``.
 
-This module is pure Python (no torch) so that both ``pie_ctx`` and ``runtime`` can import
-it. Three tiers, as in docs/design.md:
-
-* expected back-pressure is not an error: functions return ``None``/``False``;
-* caller misuse raises a subclass of :class:`PieError`, whose message says what to do;
-* a broken internal invariant raises :class:`RuntimeError` (a bug, never the caller's fault).
-
-Every call that raises a :class:`PieError` leaves all state exactly as it was.
+This is the public name of the hierarchy defined in ``pie_ctx.proto.errors`` (the contract
+both the SDK and the runtime import). See that module for the three error tiers.
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "PieError",
-    "InvalidArgument",
-    "ContextClosed",
-    "SnapshotNotFound",
-    "SnapshotExists",
-    "OutOfPages",
-    "ContextTooLong",
-    "ModelError",
-    "ProtocolError",
-    "AuthError",
-    "error_from_name",
-]
+from pie_ctx.proto import errors as _contract
 
-
-class PieError(Exception):
-    """Base class of every error pie-ctx raises for caller misuse or unmet requests."""
-
-
-class InvalidArgument(PieError, ValueError):
-    """An argument is out of range or of the wrong kind; the message says which and why."""
-
-
-class ContextClosed(PieError):
-    """The context (or raw handle) was released; create, fork or open a new one."""
-
-
-class SnapshotNotFound(PieError, KeyError):
-    """No snapshot has this name (in this namespace); see ``list()`` for the saved names."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class SnapshotExists(PieError):
-    """A snapshot with this name already exists; delete it first or pick another name."""
-
-
-class OutOfPages(PieError):
-    """The request needs more KV pages than the pool can ever provide."""
-
-
-class ContextTooLong(PieError):
-    """The context would exceed the model's maximum sequence length."""
-
-
-class ModelError(PieError):
-    """A model file is missing, corrupt or unsupported; the message names the file."""
-
-
-class ProtocolError(PieError):
-    """A malformed or unexpected message on the wire."""
-
-
-class AuthError(PieError):
-    """The server refused the connection: missing or wrong token."""
-
-
-_BY_NAME: dict[str, type[PieError]] = {
-    cls.__name__: cls
-    for cls in (
-        PieError,
-        InvalidArgument,
-        ContextClosed,
-        SnapshotNotFound,
-        SnapshotExists,
-        OutOfPages,
-        ContextTooLong,
-        ModelError,
-        ProtocolError,
-        AuthError,
-    )
-}
-
-
-def error_from_name(name: str, message: str) -> PieError:
-    """Rebuild a typed error from its class name (used by transports that carry errors)."""
-    return _BY_NAME.get(name, PieError)(message)
+PieError = _contract.PieError
+InvalidArgument = _contract.InvalidArgument
+ContextClosed = _contract.ContextClosed
+SnapshotNotFound = _contract.SnapshotNotFound
+SnapshotExists = _contract.SnapshotExists
+OutOfPages = _contract.OutOfPages
+ContextTooLong = _contract.ContextTooLong
+ModelError = _contract.ModelError
+ProtocolError = _contract.ProtocolError
+AuthError = _contract.AuthError

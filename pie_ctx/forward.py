@@ -1,7 +1,9 @@
 """``Forward``: one explicit forward pass with chosen inputs, positions, mask and outputs.
 
 Owns: the description of one pass until ``execute()`` sends it. Pending tokens of the
-context are flushed first, so the pass sees everything filled before it.
+context are flushed first, so the pass sees everything filled before it. Every argument is
+checked as it is given, and the whole pass again (with the context's length) just before
+it is sent, by the same contract checks the engine applies.
 
 Mask convention: ``attention_mask(rows)`` takes one row per input token; row ``i`` has one
 boolean per KV entry the token could see: the ``seq_len`` entries already in the context
@@ -32,14 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pie_ctx import protocol as P
-from pie_ctx.checks import token_ids
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.core import ContextCore
+from pie_ctx.proto import checks
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from pie_ctx.context import Context
 
 __all__ = ["Forward", "ForwardOutput"]
 
@@ -59,8 +60,8 @@ class ForwardOutput:
 class Forward:
     """Builder of one pass; every method returns the builder."""
 
-    def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
+    def __init__(self, core: ContextCore) -> None:
+        self._core = core
         self._tokens: list[int] | None = None
         self._positions: list[int] | None = None
         self._mask: list[list[bool]] | None = None
@@ -77,29 +78,31 @@ class Forward:
 
     def input_at(self, tokens: Sequence[int], positions: Sequence[int]) -> Forward:
         """Input tokens at explicit positions (one per token; any order, repeats allowed)."""
-        pos = list(positions)
-        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in pos):
-            raise InvalidArgument("positions must be non-negative ints")
-        return self._set_input(tokens, pos)
+        return self._set_input(tokens, positions)
 
-    def _set_input(self, tokens: Sequence[int], positions: list[int] | None) -> Forward:
+    def _set_input(self, tokens: Sequence[int], positions: Sequence[int] | None) -> Forward:
         if self._tokens is not None:
             raise InvalidArgument("a pass has one input; build another pass for more tokens")
-        toks = token_ids(tokens, self._ctx._rt.info.vocab_size, "input")
+        info = self._core.rt.info
+        toks = checks.token_ids(tokens, info.vocab_size, "input")
         if not toks:
             raise InvalidArgument("input needs at least one token")
-        if positions is not None and len(positions) != len(toks):
-            raise InvalidArgument(f"{len(positions)} positions for {len(toks)} tokens")
+        if positions is not None:
+            positions = checks.positions(positions, len(toks), info.max_seq_len)
         self._tokens, self._positions = toks, positions
         return self
 
     def attention_mask(self, rows: Sequence[Sequence[bool]]) -> Forward:
         """Custom mask, one row per input token (see the module docstring)."""
+        if isinstance(rows, str | bytes) or not hasattr(rows, "__iter__"):
+            raise InvalidArgument("attention_mask takes a list of rows of booleans")
         self._mask = [[bool(x) for x in row] for row in rows]
         return self
 
     def sample(self, indices: Sequence[int], sampler: P.SamplerSpec) -> Forward:
         """Sample a token after each of these input indices."""
+        if not isinstance(sampler, P.SamplerSpec):
+            raise InvalidArgument(f"sampler must come from Sampler.* (a SamplerSpec), got {sampler!r}")
         self._sample.extend(P.SampleSpec(index=_index(i), sampler=sampler) for i in indices)
         return self
 
@@ -110,12 +113,14 @@ class Forward:
 
     def distribution(self, index: int, top_k: int = 20) -> Forward:
         """Return the ``top_k`` most likely next tokens and their probabilities."""
+        checks.positive(top_k, "top_k")
         self._dists.append(P.DistributionSpec(index=_index(index), top_k=top_k))
         return self
 
     def logprobs(self, index: int, token_ids: Sequence[int]) -> Forward:
         """Return the log-probabilities of ``token_ids`` as the token after ``index``."""
-        self._logprobs.append(P.LogprobSpec(index=_index(index), token_ids=list(token_ids)))
+        ids = checks.token_ids(token_ids, self._core.rt.info.vocab_size, "logprobs")
+        self._logprobs.append(P.LogprobSpec(index=_index(index), token_ids=ids))
         return self
 
     def defer_commit(self) -> Forward:
@@ -135,17 +140,21 @@ class Forward:
         if self._tokens is None:
             raise InvalidArgument("call input() or input_at() before execute()")
         self._done = True
-        ctx = self._ctx
+        core = self._core
 
         async def body() -> ForwardOutput:
-            await ctx._write_pending()
-            reply = await ctx._request(P.Forward, {
+            await core.write_pending()
+            fields: dict[str, Any] = {
                 "tokens": self._tokens, "positions": self._positions, "mask": self._mask,
                 "commit": self._commit, "sample": self._sample, "logits": self._logits,
                 "distributions": self._dists, "logprobs": self._logprobs,
-            })
-            ctx._state = reply.state
-            ctx._chat.synced = False  # the KV now holds tokens the conversation does not
+            }
+            # The engine's own check, here too: the same error on every transport.
+            checks.forward(P.Forward(ctx=0, **fields), core.rt.info, core.state.seq_len)
+            reply = await core.request(P.Forward, **fields)
+            core.set_state(reply.state)
+            core.chat.synced = False  # the KV now holds tokens the conversation does not
+            core.chat.note_raw()
             return ForwardOutput(
                 tokens=list(reply.sampled),
                 logits=[_floats(b) for b in reply.logits],
@@ -154,14 +163,14 @@ class Forward:
             )
 
         try:
-            return await ctx._chain.run(body)
+            return await core.run(body)
         except BaseException:
             self._done = False  # a failed pass changed nothing and may be retried
             raise
 
 
 def _index(i: Any) -> int:
-    if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+    if not checks.is_int(i) or i < 0:
         raise InvalidArgument(f"indices are non-negative ints into the pass's input, got {i!r}")
     return i
 

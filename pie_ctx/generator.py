@@ -5,6 +5,12 @@ runs until the generator is iterated or collected. ``async for delta in gen`` yi
 :class:`Delta` values (new token ids and the text they completed; text never splits a
 character and never shows a stop string or what follows it).
 
+Messages are read from the stream by whoever needs them first: the consumer, or an
+operation queued behind the generation on the same context (which then reads it to the
+end; see ``pie_ctx.ops``). Their effects on the context are applied as they are read and
+the deltas are kept for the consumer, so a generator nobody iterates still finishes, and
+one that is iterated later still yields everything.
+
 Usage::
 
     gen = ctx.generate(Sampler.greedy(), max_tokens=64, stop=["\\n\\n"])
@@ -15,16 +21,17 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Generator as SyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pie_ctx import protocol as P
-from pie_ctx.errors import error_from_name
+import anyio
 
-if TYPE_CHECKING:
-    from pie_ctx.context import Context
-    from pie_ctx.ops import Op
+from pie_ctx.core import Cancellable, ContextCore
+from pie_ctx.ops import Op
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import PieError, ProtocolError, error_from_name
 
 __all__ = ["Generator", "Delta"]
 
@@ -38,12 +45,12 @@ class Delta:
     logprobs: list[float]
 
 
-class Generator:
+class Generator(Cancellable):
     """One generation on one context; single use."""
 
-    def __init__(self, ctx: Context, sampler: P.SamplerSpec, max_tokens: int,
+    def __init__(self, core: ContextCore, sampler: P.SamplerSpec, max_tokens: int,
                  stop_token_ids: list[int], stop_strings: list[str]) -> None:
-        self._ctx = ctx
+        self._core = core
         self._sampler = sampler
         self._max_tokens = max_tokens
         self._stop_ids = stop_token_ids
@@ -51,12 +58,15 @@ class Generator:
         self._stream: Any = None
         self._op: Op | None = None
         self._started = False
-        self._finished = False
+        self._finished = False  # the stream ended (done, failed or cancelled)
+        self._error: BaseException | None = None  # raised once the deltas are consumed
+        self._deltas: collections.deque[Delta] = collections.deque()
+        self._read_lock = anyio.Lock()
         self._prompt: list[int] = []
         self.tokens_out: list[int] = []
         self.logprobs: list[float] = []  # the model's log-probability of each token
         self.text_out = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # ... or "cancelled"
         self.report: P.PassReport | None = None
 
     # ------------------------------------------------------------------ iteration
@@ -65,71 +75,119 @@ class Generator:
         return self
 
     async def __anext__(self) -> Delta:
-        if self._finished:
-            raise StopAsyncIteration
         if not self._started:
             await self._start()
+        while not self._deltas and not self._finished:
+            await self._read_one()
+        if self._deltas:
+            return self._deltas.popleft()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        raise StopAsyncIteration
+
+    async def _start(self) -> None:
+        self._started = True
+        core = self._core
         try:
-            msg = await self._stream.__anext__()
-        except StopAsyncIteration:
-            self._end(RuntimeError("the generation stream ended without a final message"))
+            core.check_open()
+        except PieError as err:
+            self._finished = True
+            raise err from None
+        self._op, wait = core.chain.acquire()
+        self._op.drain = self._drain
+        core.started(self)
+        try:
+            await wait()
+            core.check_open()
+            core.raise_unobserved()
+            if core.handle is None:
+                await core.request(P.GetState)  # raises why the context does not exist
+            self._prompt = list(core.pending)
+            req = P.Generate(ctx=core.handle, tokens=self._prompt, sampler=self._sampler,
+                             max_tokens=self._max_tokens, stop_token_ids=self._stop_ids,
+                             stop_strings=self._stop_strings)
+            self._stream = await core.transport.generate(req)
+        except BaseException as exc:
+            self._end(exc if isinstance(exc, Exception) else None)
+            self._error = None  # raised right here, not again later
             raise
-        except BaseException:
-            await self.aclose()
-            raise
+
+    async def _drain(self) -> None:
+        """Read the stream to its end (for an operation queued behind this one)."""
+        while not self._finished:
+            await self._read_one()
+
+    async def _read_one(self) -> None:
+        """Read one message from the stream and apply it (one reader at a time)."""
+        async with self._read_lock:
+            if self._finished:
+                return
+            try:
+                msg = await self._stream.__anext__()
+            except StopAsyncIteration:
+                msg = None
+            except Exception:
+                if self._finished:
+                    return  # stopped under us (release, aclose): the reason is recorded
+                await self.aclose()
+                raise
+            except BaseException:  # our own task is cancelled: stop the generation
+                await self.aclose()
+                raise
+            if not self._finished:
+                self._apply(msg)
+
+    def _apply(self, msg: Any) -> None:
         if isinstance(msg, P.GenerateChunk):
             self.tokens_out.extend(msg.tokens)
             self.logprobs.extend(msg.logprobs)
             self.text_out += msg.text
-            return Delta(tokens=list(msg.tokens), text=msg.text, logprobs=list(msg.logprobs))
-        if isinstance(msg, P.GenerateDone):
+            self._deltas.append(Delta(tokens=list(msg.tokens), text=msg.text,
+                                      logprobs=list(msg.logprobs)))
+        elif isinstance(msg, P.GenerateDone):
             self._done(msg)
-            raise StopAsyncIteration
-        if isinstance(msg, P.ErrorReply):
-            err = error_from_name(msg.kind, msg.message)
-            self._end(err)
-            raise err
-        err2 = RuntimeError(f"unexpected message in a generation stream: {type(msg).__name__}")
-        self._end(err2)
-        raise err2
-
-    async def _start(self) -> None:
-        self._started = True
-        ctx = self._ctx
-        self._op, wait = ctx._chain.acquire()
-        try:
-            await wait()
-            ctx._check_open()
-            if ctx._handle is None:
-                await ctx._request(P.GetState, {})  # raises why the context does not exist
-            self._prompt = list(ctx._pending)
-            req = P.Generate(ctx=ctx._handle, tokens=self._prompt, sampler=self._sampler,
-                             max_tokens=self._max_tokens, stop_token_ids=self._stop_ids,
-                             stop_strings=self._stop_strings)
-            self._stream = await ctx._transport.generate(req)
-        except BaseException as exc:
-            self._end(exc if isinstance(exc, Exception) else None)
-            raise
+        elif isinstance(msg, P.ErrorReply):
+            self._end(error_from_name(msg.kind, msg.message))
+        elif msg is None:
+            self._end(ProtocolError("the generation stream ended without a final message"))
+        else:
+            self._end(ProtocolError(f"unexpected message in a generation stream: "
+                                    f"{type(msg).__name__}"))
 
     def _done(self, msg: P.GenerateDone) -> None:
-        ctx = self._ctx
-        ctx._state = msg.state
+        core = self._core
+        core.set_state(msg.state)
         # Tokens filled in while it ran stay after the (pending) last generated token.
-        ctx._pending[:] = list(msg.pending) + ctx._pending[len(self._prompt):]
-        tok = ctx._rt.tokenizer
-        ctx._chat.record_generation(tok.decode(msg.tokens), self.text_out)
+        core.pending[:] = list(msg.pending) + core.pending[len(self._prompt):]
+        core.chat.record_generation(core.rt.tokenizer.decode(msg.tokens), self.text_out)
         self.finish_reason = msg.finish_reason
         self.report = msg.report
         self.tokens_out = list(msg.tokens)
         self._end(None)
 
     def _end(self, error: BaseException | None) -> None:
+        """The generation is over: free the context's chain (the first call wins)."""
         if self._finished:
             return
         self._finished = True
+        self._error = error
+        self._core.ended(self)
         if self._op is not None:
-            self._op.error = error
-            self._op.done.set()
+            self._op.drain = None  # nothing to read any more (and no reference cycle)
+            self._op.finish(error)
+
+    # ------------------------------------------------------------------ stopping
+
+    def cancel(self, reason: BaseException) -> None:
+        """Stop now (the context is being released): the stream ends with ``reason``."""
+        if self._finished:
+            return
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        self.finish_reason = "cancelled"
+        self._end(reason)
 
     async def aclose(self) -> None:
         """Stop early: the generation is cancelled and the context left as it was (if the
@@ -138,23 +196,27 @@ class Generator:
             return
         stream, self._stream = self._stream, None
         if stream is not None:
-            await stream.aclose()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
         await self._resync()
+        self.finish_reason = "cancelled"
         self._end(None)
 
     async def _resync(self) -> None:
-        ctx = self._ctx
-        if ctx._handle is None or ctx._released:
+        """After a cancel: learn whether the generation had finished after all."""
+        core = self._core
+        if core.handle is None or core.released or core.rt.closed:
             return
-        before = ctx._state.seq_len
+        before = core.state.seq_len
         try:
-            state = (await ctx._transport.request(P.GetState(ctx=ctx._handle))).state
-        except Exception:  # noqa: BLE001 - best effort; the next reply refreshes the state
-            return
-        ctx._state = state
-        if state.seq_len != before:  # it finished before the cancel: the prompt is in KV
-            del ctx._pending[: len(self._prompt)]
-            ctx._chat.synced = False
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                state = (await core.transport.request(P.GetState(ctx=core.handle))).state
+                core.set_state(state)
+                if state.seq_len != before:  # it finished before the cancel: prompt in KV
+                    del core.pending[: len(self._prompt)]
+                    core.chat.synced = False
+        except PieError:
+            pass  # best effort; the next reply refreshes the counters
 
     def __del__(self) -> None:
         if self._started and not self._finished:

@@ -1,7 +1,7 @@
 """``RawContext``: the public raw page handle of a context (``ctx.inner()``).
 
 Owns nothing: every call goes to the runtime, in order with the context's other operations,
-and the counters are the runtime's reply. Semantics (exact, SPEC section 3):
+and the counters are the runtime's reply. Semantics (exact; see docs/sdk.md):
 
 - ``reserve_working_pages(n)``: add ``n`` empty working pages; returns False (and changes
   nothing) when the pool cannot provide them right now.
@@ -16,13 +16,10 @@ Every failing call raises a typed error and changes nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pie_ctx import protocol as P
+from pie_ctx.core import ContextCore
 from pie_ctx.counters import Counters
-
-if TYPE_CHECKING:
-    from pie_ctx.context import Context
+from pie_ctx.proto import checks
+from pie_ctx.proto import messages as P
 
 __all__ = ["RawContext"]
 
@@ -30,36 +27,39 @@ __all__ = ["RawContext"]
 class RawContext(Counters):
     """Raw page operations on one context (see the module docstring for exact semantics)."""
 
-    def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
+    def __init__(self, core: ContextCore) -> None:
+        self._core = core
 
     def _context_state(self) -> P.ContextState:
-        return self._ctx._state
+        self._core.check_open()
+        return self._core.state
 
-    async def _op(self, cls: type, **fields: int) -> P.StateReply:
-        ctx = self._ctx
+    async def _op(self, cls: type, what: str, n: int) -> P.StateReply:
+        core = self._core
+        n = checks.count(n, what)
+        field = "num_tokens" if cls is P.TruncateTokens else "num_pages"
 
         async def body() -> P.StateReply:
-            reply = await ctx._request(cls, fields)
-            ctx._state = reply.state
+            reply = await core.request(cls, **{field: n})
+            core.set_state(reply.state)
             if cls is not P.ReservePages:
-                ctx._chat.synced = False
+                core.chat.synced = False
             return reply
 
-        return await ctx._chain.run(body)
+        return await core.run(body)
 
     async def reserve_working_pages(self, n: int) -> bool:
         """Reserve ``n`` more working pages; False = not enough pages right now."""
-        return (await self._op(P.ReservePages, num_pages=n)).ok
+        return (await self._op(P.ReservePages, "reserve_working_pages(n)", n)).ok
 
     async def commit_working_pages(self, k: int) -> None:
         """Commit the first ``k`` working pages (InvalidArgument if one is not full)."""
-        await self._op(P.CommitPages, num_pages=k)
+        await self._op(P.CommitPages, "commit_working_pages(k)", k)
 
     async def release_working_pages(self, n: int) -> None:
         """Release the last ``n`` working pages and the tokens in them."""
-        await self._op(P.ReleasePages, num_pages=n)
+        await self._op(P.ReleasePages, "release_working_pages(n)", n)
 
     async def truncate_working_page_tokens(self, n: int) -> None:
         """Drop the last ``n`` tokens in working pages (never reaches committed pages)."""
-        await self._op(P.TruncateTokens, num_tokens=n)
+        await self._op(P.TruncateTokens, "truncate_working_page_tokens(n)", n)

@@ -2,7 +2,8 @@
 
 Owns: one transport (one owner on the engine side) and a task group for the context
 operations the SDK starts without awaiting (``fork()``, ``Context(rt)``, ``save()``).
-Closing the runtime releases every context its inferlet left open; snapshots stay.
+Closing the runtime releases every context its inferlet left open; snapshots stay. After
+that, every operation on its contexts raises ``ContextClosed`` at once.
 
 Usage::
 
@@ -19,8 +20,8 @@ from typing import Any
 
 import anyio
 
-from pie_ctx import protocol as P
-from pie_ctx.concurrency import single_exception
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import ContextClosed, single_exception
 from pie_ctx.transport import LocalTransport, Transport
 
 __all__ = ["Runtime"]
@@ -32,6 +33,12 @@ class Runtime:
     def __init__(self, transport: Transport, task_group: Any) -> None:
         self.transport = transport
         self._tg = task_group
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once the runtime's block has ended (its contexts are released)."""
+        return self._closed
 
     # ------------------------------------------------------------------ constructors
 
@@ -52,9 +59,10 @@ class Runtime:
             async with cls._over(LocalTransport(engine)) as rt:
                 yield rt
             return
-        from runtime.engine.engine import Engine  # torch is imported only here
+        # The documented lazy entry point into the runtime package: torch loads only here.
+        from runtime.engine.boot import boot_engine
 
-        booted = Engine.boot(model, page_size=page_size, num_pages=num_pages, **engine_kw)
+        booted = boot_engine(model, page_size=page_size, num_pages=num_pages, **engine_kw)
         async with booted, cls._over(LocalTransport(booted)) as rt:
             yield rt
 
@@ -65,20 +73,24 @@ class Runtime:
         """Connect to ``pie-ctx serve`` at ``address`` (see docs/server.md)."""
         from pie_ctx.socket_transport import SocketTransport
 
-        transport = await SocketTransport.connect(address, token=token, namespace=namespace)
-        async with cls._over(transport) as rt:
+        async with SocketTransport.open(address, token=token, namespace=namespace) as transport, \
+                cls._over(transport) as rt:
             yield rt
 
     @classmethod
     @asynccontextmanager
     async def _over(cls, transport: Transport) -> AsyncIterator[Runtime]:
+        rt: Runtime | None = None
         try:
             async with anyio.create_task_group() as tg:
-                yield cls(transport, tg)
+                rt = cls(transport, tg)
+                yield rt
         except BaseExceptionGroup as group:
             # The task group wraps whatever the inferlet raised; give it back unwrapped.
             raise single_exception(group) from None
         finally:
+            if rt is not None:
+                rt._closed = True
             # Everything the inferlet left open is released by closing its owner.
             with anyio.CancelScope(shield=True):
                 await transport.aclose()
@@ -114,6 +126,12 @@ class Runtime:
         return await self.transport.request(P.GetStats())
 
     def spawn(self, fn: Callable[[], Awaitable[Any]]) -> None:
-        """Run ``fn()`` in the background, inside this runtime's lifetime."""
+        """Run ``fn()`` in the background, inside this runtime's lifetime.
+
+        Raises:
+            ContextClosed: the runtime is closed.
+        """
+        if self._closed:
+            raise ContextClosed("this runtime is closed (its inferlet ended)")
         self._tg.start_soon(fn)
 

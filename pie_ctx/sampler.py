@@ -1,5 +1,9 @@
 """Samplers: how a token is picked from a row of logits.
 
+Each factory returns a ``SamplerSpec`` (plain data, safe to share and send), which checks
+its own fields when it is built: a bad value raises ``InvalidArgument`` here, before any
+request exists.
+
 Usage::
 
     Sampler.greedy()
@@ -8,28 +12,14 @@ Usage::
 
 from __future__ import annotations
 
-import math
-
-from pie_ctx.errors import InvalidArgument
-from pie_ctx.protocol import SamplerSpec
+from pie_ctx.proto.checks import positive
+from pie_ctx.proto.messages import SamplerSpec
 
 __all__ = ["Sampler", "SamplerSpec"]
 
 
-def _temp(t: float) -> float:
-    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise InvalidArgument(f"temperature must be a finite number >= 0, got {t!r}")
-    return float(t)
-
-
-def _seed(seed: int | None) -> int | None:
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise InvalidArgument(f"seed must be a non-negative int or None, got {seed!r}")
-    return seed
-
-
 class Sampler:
-    """Factory of :class:`SamplerSpec` values (plain data, safe to share and send)."""
+    """Factory of :class:`SamplerSpec` values."""
 
     @staticmethod
     def greedy() -> SamplerSpec:
@@ -39,25 +29,19 @@ class Sampler:
     @staticmethod
     def temperature(t: float, *, seed: int | None = None) -> SamplerSpec:
         """Sample from softmax(logits / t); ``t == 0`` is greedy."""
-        return SamplerSpec(temperature=_temp(t), seed=_seed(seed))
+        return SamplerSpec(temperature=t, seed=seed)
 
     @staticmethod
     def top_k(t: float, k: int, *, seed: int | None = None) -> SamplerSpec:
-        """Sample among the ``k`` most likely tokens at temperature ``t``."""
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise InvalidArgument(f"top_k needs k >= 1, got {k!r}")
-        return SamplerSpec(temperature=_temp(t), top_k=k, seed=_seed(seed))
+        """Sample among the ``k`` most likely tokens at temperature ``t`` (``k >= 1``)."""
+        return SamplerSpec(temperature=t, top_k=positive(k, "top_k k"), seed=seed)
 
     @staticmethod
     def top_p(t: float, p: float, *, seed: int | None = None) -> SamplerSpec:
         """Nucleus sampling: the smallest set of tokens whose probability reaches ``p``."""
-        if not isinstance(p, int | float) or not 0 < p <= 1:
-            raise InvalidArgument(f"top_p needs 0 < p <= 1, got {p!r}")
-        return SamplerSpec(temperature=_temp(t), top_p=float(p), seed=_seed(seed))
+        return SamplerSpec(temperature=t, top_p=p, seed=seed)
 
     @staticmethod
     def min_p(t: float, p: float, *, seed: int | None = None) -> SamplerSpec:
         """Keep tokens whose probability is at least ``p`` times the most likely one's."""
-        if not isinstance(p, int | float) or not 0 <= p < 1:
-            raise InvalidArgument(f"min_p needs 0 <= p < 1, got {p!r}")
-        return SamplerSpec(temperature=_temp(t), min_p=float(p), seed=_seed(seed))
+        return SamplerSpec(temperature=t, min_p=p, seed=seed)

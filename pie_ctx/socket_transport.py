@@ -3,53 +3,76 @@
 One ``SocketTransport`` is one connection, and one engine owner: the contexts it creates
 live until they are released or the connection ends. Many requests run at once on the
 connection; each carries an id and its replies come back tagged with it (the wire protocol
-is described in ``runtime.server.wire`` and docs/server.md).
+is described in ``pie_ctx.proto.wire`` and docs/server.md).
 
-There is no background task (so the transport works under any anyio backend and needs no
-task group): whichever caller is waiting for a reply reads frames for everyone, files each
-one under its request id, and hands the reading over when its own reply has come. Frame
-reading is cancellation-safe, so a cancelled caller never leaves half a frame behind.
+Reading and writing never wait on each other: a background task reads every frame as it
+arrives and files it under its request id, so the server can always write, and a client
+writing a burst of requests can never fill both directions at once. Flow control is on the
+client: at most ``Welcome.max_inflight`` calls are open at a time (a call counts until its
+final message arrives); more wait for a slot instead of being refused.
 
 Threads: :meth:`release_soon` and dropping a generation stream only append to deques
 (thread-safe); the queued ``ReleaseContext``/``Cancel`` messages go out before the next
-request. Everything else must be called from the event loop that connected.
+request. Everything else must be called from the event loop that opened the connection.
 
-Imports: only pie_ctx, msgspec, anyio and the torch-free wire modules of runtime.server.
+Imports: only the contract (``pie_ctx.proto``), msgspec and anyio.
+
+Usage::
+
+    async with SocketTransport.open("unix:/run/user/1000/pie-ctx/engine.sock") as t:
+        stats = await t.request(GetStats())
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 import msgspec
 
-from pie_ctx import protocol as P
-from pie_ctx.errors import InvalidArgument, PieError, ProtocolError, error_from_name
-from pie_ctx.transport import raise_if_error
-from runtime.server import wire
-from runtime.server.endpoint import parse_address
-from runtime.server.framing import FrameReader, FrameWriter, FramingError
+from pie_ctx.proto import messages as P
+from pie_ctx.proto import wire
+from pie_ctx.proto.address import parse_address
+from pie_ctx.proto.errors import (
+    InvalidArgument,
+    PieError,
+    ProtocolError,
+    error_from_name,
+    single_exception,
+)
+from pie_ctx.proto.framing import FrameReader, FrameWriter, FramingError
+from pie_ctx.proto.messages import raise_if_error
 
 __all__ = ["SocketTransport", "SocketGenerateStream"]
 
 _GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError)
-_END = (P.GenerateDone, P.ErrorReply)
+_ENVELOPE = 64  # bytes a Call adds around its request
 
 
 def _default_tokenizer(data: dict[str, Any]) -> Any:
-    from pie_ctx.tokenizer import Tokenizer  # torch-free; imported only when first needed
+    from pie_ctx.proto.tokenizer import Tokenizer  # torch-free; imported only when first needed
 
     return Tokenizer.from_wire(data)
+
+
+class _Inbox:
+    """Messages for one request, and the event that wakes its reader."""
+
+    __slots__ = ("messages", "event")
+
+    def __init__(self) -> None:
+        self.messages: collections.deque[Any] = collections.deque()
+        self.event = anyio.Event()
 
 
 class SocketTransport:
     """A connection to a pie-ctx server; implements ``pie_ctx.transport.Transport``.
 
-    Build it with :meth:`connect`; close it with :meth:`aclose` (or ``async with``).
+    Open it with :meth:`open` (an async context manager: the connection lives inside it).
     """
 
     def __init__(self, stream: Any, reader: FrameReader, writer: FrameWriter,
@@ -60,10 +83,10 @@ class SocketTransport:
         self._welcome = welcome
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: Any = None
-        self._inboxes: dict[int, collections.deque[Any]] = {}
+        self._inboxes: dict[int, _Inbox] = {}
         self._next_id = 1
-        self._reading = False
-        self._changed = anyio.Event()
+        self._open_calls: set[int] = set()  # calls whose final message has not arrived
+        self._slot_freed = anyio.Event()
         self._error: PieError | None = None
         self._server_error: P.ErrorReply | None = None
         self._release_queue: collections.deque[int] = collections.deque()
@@ -71,12 +94,13 @@ class SocketTransport:
         self._closed = False
 
     @classmethod
-    async def connect(cls, address: str | os.PathLike[str], token: str | None = None,
-                      namespace: str | None = None, *, timeout: float = 30.0,
-                      max_frame_bytes: int = 2**30,
-                      tokenizer_factory: Callable[[dict[str, Any]], Any] | None = None,
-                      ) -> SocketTransport:
-        """Connect and shake hands.
+    @contextlib.asynccontextmanager
+    async def open(cls, address: str | os.PathLike[str], token: str | None = None,
+                   namespace: str | None = None, *, timeout: float = 30.0,
+                   max_frame_bytes: int = 2**30,
+                   tokenizer_factory: Callable[[dict[str, Any]], Any] | None = None,
+                   ) -> AsyncIterator[SocketTransport]:
+        """Connect, shake hands, and keep the connection open for the ``async with`` block.
 
         Args:
             address: ``"unix:/path"``, ``"tcp:127.0.0.1:PORT"`` or a socket path.
@@ -85,38 +109,70 @@ class SocketTransport:
             timeout: seconds allowed for connecting and the handshake.
             max_frame_bytes: largest frame accepted from the server.
             tokenizer_factory: builds the tokenizer from the server's wire data
-                (default ``pie_ctx.tokenizer.Tokenizer.from_wire``).
+                (default ``pie_ctx.proto.tokenizer.Tokenizer.from_wire``).
 
         Raises:
             AuthError: the server refused the token (or its absence).
-            ProtocolError: a protocol-version mismatch, a bad namespace or a broken handshake.
+            ProtocolError: nothing listens at the address, the server did not answer in
+                time, a protocol-version mismatch, a bad namespace or a broken handshake.
             InvalidArgument: the address cannot be parsed.
-            OSError: nothing listens at the address.
-            TimeoutError: the server did not answer within ``timeout``.
         """
+        transport = await cls._connect(address, token, namespace, timeout, max_frame_bytes,
+                                       tokenizer_factory or _default_tokenizer)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(transport._read_loop)
+                try:
+                    yield transport
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await transport.aclose()
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise single_exception(group) from None
+
+    @classmethod
+    async def _connect(cls, address: str | os.PathLike[str], token: str | None,
+                       namespace: str | None, timeout: float, max_frame_bytes: int,
+                       tokenizer_factory: Callable[[dict[str, Any]], Any]) -> SocketTransport:
         addr = parse_address(address)
-        with anyio.fail_after(timeout):
-            if addr.kind == "unix":
-                stream: Any = await anyio.connect_unix(addr.path)
-            else:
-                stream = await anyio.connect_tcp(addr.host, addr.port)
-            try:
+        try:
+            with anyio.fail_after(timeout):
+                if addr.kind == "unix":
+                    stream: Any = await anyio.connect_unix(addr.path)
+                else:
+                    stream = await anyio.connect_tcp(addr.host, addr.port)
+        except TimeoutError:
+            raise ProtocolError(f"connecting to {addr} took longer than {timeout} s") from None
+        except OSError as err:
+            raise ProtocolError(f"cannot connect to {addr}: {err.strerror or err}; is "
+                                "`pie-ctx serve` running there?") from None
+        try:
+            with anyio.fail_after(timeout):
                 reader = FrameReader(stream, max_frame_bytes)
                 writer = FrameWriter(stream)
                 await writer.send(wire.encode(wire.Hello(
                     protocol_version=wire.PROTOCOL_VERSION, token=token, namespace=namespace)))
                 payload = await reader.receive()
-                if payload is None:
-                    raise ProtocolError("the server closed the connection during the handshake")
-                msg = wire.decode_server(payload)
-                if isinstance(msg, wire.Response) and isinstance(msg.reply, P.ErrorReply):
-                    raise error_from_name(msg.reply.kind, msg.reply.message)
-                if not isinstance(msg, wire.Welcome):
-                    raise ProtocolError(f"expected Welcome, got {type(msg).__name__}")
-            except BaseException:
-                await anyio.aclose_forcefully(stream)
-                raise
-        return cls(stream, reader, writer, msg, tokenizer_factory or _default_tokenizer)
+            if payload is None:
+                raise ProtocolError("the server closed the connection during the handshake")
+            msg = wire.decode_server(payload)
+            if isinstance(msg, wire.Response) and isinstance(msg.reply, P.ErrorReply):
+                raise error_from_name(msg.reply.kind, msg.reply.message)
+            if not isinstance(msg, wire.Welcome):
+                raise ProtocolError(f"expected Welcome, got {type(msg).__name__}")
+        except TimeoutError:
+            await anyio.aclose_forcefully(stream)
+            raise ProtocolError(f"the server at {addr} did not finish the handshake within "
+                                f"{timeout} s") from None
+        except _GONE as err:
+            await anyio.aclose_forcefully(stream)
+            raise ProtocolError(f"the connection to {addr} broke during the handshake: "
+                                f"{err!r}") from None
+        except BaseException:
+            await anyio.aclose_forcefully(stream)
+            raise
+        return cls(stream, reader, writer, msg, tokenizer_factory)
 
     # ------------------------------------------------------------------- Transport API
 
@@ -147,7 +203,7 @@ class SocketTransport:
         try:
             reply = await self._next(rid)
         except BaseException:
-            self._cancel_soon(rid)  # e.g. the caller was cancelled: stop the server's work
+            await self._cancel_now(rid)  # e.g. the caller was cancelled: stop the server's work
             raise
         finally:
             self._inboxes.pop(rid, None)
@@ -171,7 +227,7 @@ class SocketTransport:
             if self._error is None:
                 with anyio.move_on_after(5):
                     rid = self._new_id()
-                    self._inboxes[rid] = collections.deque()
+                    self._inboxes[rid] = _Inbox()
                     await self._writer.send(wire.encode(wire.Bye(id=rid)))
                     await self._next(rid)
         except (PieError, *_GONE):
@@ -179,12 +235,6 @@ class SocketTransport:
         finally:
             self._fail(ProtocolError("this transport is closed"))
             await anyio.aclose_forcefully(self._stream)
-
-    async def __aenter__(self) -> SocketTransport:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------------ internals
 
@@ -200,86 +250,130 @@ class SocketTransport:
             self._fail(ProtocolError(f"connection to the server lost: {err!r}"))
             raise self._error from None  # type: ignore[misc]
 
-    async def _call(self, req: Any) -> int:
-        if self._error is not None:
-            raise self._error
-        while self._release_queue or self._cancel_queue:
-            if self._cancel_queue:
-                await self._send(wire.Cancel(id=self._cancel_queue.popleft()))
-            else:
-                ctx = self._release_queue.popleft()  # the reply is dropped (no inbox)
-                await self._send(wire.Call(id=self._new_id(), request=msgspec.Raw(
-                    wire.encode(P.ReleaseContext(ctx=ctx)))))
-        body = wire.encode(req)
-        if len(body) + 64 > self._welcome.max_frame_bytes:  # 64: room for the envelope
+    def _encode_request(self, req: Any) -> bytes:
+        try:
+            body = wire.encode(req)
+        except (TypeError, ValueError, OverflowError) as err:
+            raise InvalidArgument(f"{type(req).__name__} cannot be sent: {err}") from None
+        if len(body) + _ENVELOPE > self._welcome.max_frame_bytes:
             raise InvalidArgument(
                 f"{type(req).__name__} encodes to {len(body)} bytes, over the server's frame "
                 f"limit of {self._welcome.max_frame_bytes}; split it into smaller requests")
+        return body
+
+    async def _open_call(self, body: bytes, inbox: bool) -> int:
+        """Wait for a free slot, then send one ``Call``; return its id."""
+        while len(self._open_calls) >= self._welcome.max_inflight:
+            if self._error is not None:
+                raise self._error
+            freed = self._slot_freed
+            await freed.wait()
+        if self._error is not None:
+            raise self._error
         rid = self._new_id()
-        self._inboxes[rid] = collections.deque()
+        self._open_calls.add(rid)
+        if inbox:
+            self._inboxes[rid] = _Inbox()
         try:
             await self._send(wire.Call(id=rid, request=msgspec.Raw(body)))
         except BaseException:
             self._inboxes.pop(rid, None)
+            self._close_call(rid)
             raise
         return rid
 
+    async def _call(self, req: Any) -> int:
+        if self._error is not None:
+            raise self._error
+        body = self._encode_request(req)
+        await self._send_queued()
+        return await self._open_call(body, inbox=True)
+
+    async def _send_queued(self) -> None:
+        """Send the releases and cancels queued by synchronous code (their replies are
+        dropped by the reader)."""
+        while self._cancel_queue:
+            await self._send(wire.Cancel(id=self._cancel_queue.popleft()))
+        while self._release_queue:
+            ctx = self._release_queue.popleft()
+            await self._open_call(wire.encode(P.ReleaseContext(ctx=ctx)), inbox=False)
+
+    async def _cancel_now(self, rid: int) -> None:
+        """Tell the server to stop request ``rid`` (shielded: the caller may be cancelled)."""
+        self._inboxes.pop(rid, None)
+        if rid not in self._open_calls or self._error is not None or self._closed:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            try:
+                await self._send(wire.Cancel(id=rid))
+            except PieError:
+                pass
+
     def _cancel_soon(self, rid: int) -> None:
         self._inboxes.pop(rid, None)
-        if not self._closed:
+        if rid in self._open_calls and not self._closed:
             self._cancel_queue.append(rid)
 
-    def _wake(self) -> None:
-        event, self._changed = self._changed, anyio.Event()
-        event.set()
+    def _close_call(self, rid: int) -> None:
+        """Request ``rid`` got its final message: its slot is free."""
+        if rid in self._open_calls:
+            self._open_calls.discard(rid)
+            event, self._slot_freed = self._slot_freed, anyio.Event()
+            event.set()
 
     def _fail(self, err: PieError) -> None:
         if self._error is None:
             if self._server_error is not None and not self._closed:
                 err = error_from_name(self._server_error.kind, self._server_error.message)
             self._error = err
-        self._wake()
+        for box in self._inboxes.values():
+            box.event.set()
+        self._slot_freed.set()
 
     async def _next(self, rid: int) -> Any:
-        """The next message for request ``rid``, reading frames for everyone meanwhile."""
+        """The next message for request ``rid`` (the reader task files them)."""
         while True:
             box = self._inboxes.get(rid)
-            if box:
-                return box.popleft()
+            if box is None:
+                raise StopAsyncIteration  # the request was closed meanwhile
+            if box.messages:
+                return box.messages.popleft()
             if self._error is not None:
                 raise self._error
-            if box is None:
-                raise RuntimeError(f"request {rid} has no inbox (already finished)")
-            if self._reading:
-                await self._changed.wait()
-                continue
-            self._reading = True
+            box.event = anyio.Event()
+            await box.event.wait()
+
+    async def _read_loop(self) -> None:
+        """Read every frame as it arrives and file it under its request id."""
+        while True:
             try:
                 payload = await self._reader.receive()
             except (FramingError, *_GONE) as err:
                 self._fail(ProtocolError(f"connection to the server lost: {err!r}"))
-                continue
-            finally:
-                self._reading = False
-                self._wake()
+                return
             if payload is None:
                 self._fail(ProtocolError("the server closed the connection"))
-                continue
+                return
             try:
                 msg = wire.decode_server(payload)
             except ProtocolError as err:
                 self._fail(err)
-                continue
-            if isinstance(msg, wire.Response):
-                inbox = self._inboxes.get(msg.id)
-                if inbox is not None:
-                    inbox.append(msg.reply)
+                return
+            if isinstance(msg, wire.Cancelled):
+                self._close_call(msg.id)
+            elif isinstance(msg, wire.Response):
+                if not isinstance(msg.reply, P.GenerateChunk):
+                    self._close_call(msg.id)
+                box = self._inboxes.get(msg.id)
+                if box is not None:
+                    box.messages.append(msg.reply)
+                    box.event.set()
                 elif msg.id == wire.CONNECTION_ID and isinstance(msg.reply, P.ErrorReply):
                     self._server_error = msg.reply  # the reason, if the server hangs up next
 
 
 class SocketGenerateStream:
-    """The messages of one generation over the socket (see ``Engine.generate``).
+    """The messages of one generation over the socket.
 
     Yields ``GenerateChunk``s, then ``GenerateDone`` or ``ErrorReply``. ``aclose()`` (or
     leaving ``async with``) before the end cancels the generation on the server.
@@ -298,10 +392,13 @@ class SocketGenerateStream:
             raise StopAsyncIteration
         try:
             msg = await self._transport._next(self._rid)
+        except StopAsyncIteration:
+            self._done = True
+            raise
         except BaseException:
             self.close()
             raise
-        if isinstance(msg, _END):
+        if isinstance(msg, P.GenerateDone | P.ErrorReply):
             self._done = True
             self._transport._inboxes.pop(self._rid, None)
         return msg
@@ -310,6 +407,7 @@ class SocketGenerateStream:
         """Cancel the generation if still running (sync; the Cancel goes out next send)."""
         if not self._done:
             self._done = True
+            self._wake()
             self._transport._cancel_soon(self._rid)
 
     async def aclose(self) -> None:
@@ -317,14 +415,13 @@ class SocketGenerateStream:
         if self._done:
             return
         self._done = True
-        t = self._transport
-        t._inboxes.pop(self._rid, None)
-        if t._error is None and not t._closed:
-            with anyio.move_on_after(5, shield=True):
-                try:
-                    await t._send(wire.Cancel(id=self._rid))
-                except PieError:
-                    pass
+        self._wake()
+        await self._transport._cancel_now(self._rid)
+
+    def _wake(self) -> None:
+        box = self._transport._inboxes.pop(self._rid, None)
+        if box is not None:
+            box.event.set()  # a reader blocked on this stream sees it closed
 
     async def __aenter__(self) -> SocketGenerateStream:
         return self

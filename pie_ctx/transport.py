@@ -1,9 +1,12 @@
 """The one narrow interface between the SDK and a runtime.
 
-A transport carries ``pie_ctx.protocol`` requests to an engine and brings replies back.
+A transport carries ``pie_ctx.proto.messages`` requests to an engine and brings replies back.
 Two implementations: :class:`LocalTransport` (an engine in this process) and
 ``pie_ctx.socket_transport.SocketTransport`` (an engine behind ``pie-ctx serve``). The SDK
-only ever calls the methods of :class:`Transport`, so every SDK test runs against both.
+only ever calls the methods of :class:`Transport`, so every SDK test runs against both, and
+both give the same answers and the same errors (the SDK checks arguments with the
+contract's ``pie_ctx.proto.checks`` before a request reaches either). A closed transport
+refuses every request at once with ``ProtocolError``.
 
 Importing this module does not import torch.
 """
@@ -13,8 +16,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from pie_ctx import protocol as P
-from pie_ctx.errors import error_from_name
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import ProtocolError
+from pie_ctx.proto.messages import raise_if_error
 
 
 @runtime_checkable
@@ -54,13 +58,6 @@ class GenerateStream(Protocol):
     async def aclose(self) -> None: ...
 
 
-def raise_if_error(reply: Any) -> Any:
-    """Turn an ``ErrorReply`` into its typed exception; pass other replies through."""
-    if isinstance(reply, P.ErrorReply):
-        raise error_from_name(reply.kind, reply.message)
-    return reply
-
-
 class LocalTransport:
     """An engine in this process. Each transport is one owner: closing it releases its
     contexts (snapshots stay).
@@ -89,12 +86,18 @@ class LocalTransport:
     def engine(self) -> Any:
         return self._engine
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProtocolError("this transport is closed (its runtime ended)")
+
     async def request(self, req: Any) -> Any:
+        self._check_open()
         return raise_if_error(
             await self._engine.handle(req, owner=self._owner, namespace=self._namespace)
         )
 
     async def generate(self, req: P.Generate) -> Any:
+        self._check_open()
         return await self._engine.generate(req, owner=self._owner, namespace=self._namespace)
 
     def release_soon(self, ctx: int) -> None:

@@ -1,8 +1,9 @@
 """Token sampling over a step's logit rows, plus the raw outputs the SDK exposes.
 
 Owner: the engine calls :func:`sample_rows` once per step on the logits the runner
-returned. Each request keeps its own ``torch.Generator`` (see :func:`make_generator`),
-seeded from ``SamplerParams.seed``, and each sampled row draws exactly one uniform number
+returned, with each row's ``SamplerSpec`` as the request carried it (the spec validates
+itself when it is built or decoded). Each request keeps its own ``torch.Generator`` (see
+:func:`make_generator`), seeded from ``SamplerSpec.seed``, and each sampled row draws exactly one uniform number
 from its own generator, so a request's tokens are reproducible and do not depend on which
 other requests share the batch.
 
@@ -16,45 +17,14 @@ irrelevant), vectorised over all greedy rows.
 
 from __future__ import annotations
 
-import math
 import secrets
 
-import msgspec
 import torch
 
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.proto.messages import SamplerSpec
 
-__all__ = ["SamplerParams", "make_generator", "sample_rows", "logprobs", "top_k_distribution"]
-
-
-class SamplerParams(msgspec.Struct, frozen=True):
-    """How to pick the next token. The defaults are greedy decoding.
-
-    Raises:
-        InvalidArgument: a value is out of range (on construction).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no limit
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["make_generator", "sample_rows", "logprobs", "top_k_distribution"]
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -64,7 +34,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplerParams],
+def sample_rows(logits: torch.Tensor, params: list[SamplerSpec],
                 generators: list[torch.Generator | None]) -> list[int]:
     """Pick one token per logit row.
 
@@ -106,7 +76,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplerParams],
 CANDIDATES = 1024
 
 
-def _sample(x: torch.Tensor, params: list[SamplerParams],
+def _sample(x: torch.Tensor, params: list[SamplerSpec],
             generators: list[torch.Generator | None]) -> list[int]:
     """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V]."""
     m, vocab = x.shape

@@ -40,8 +40,9 @@ def _signature(name: str, fn: object) -> str:
         sig = str(inspect.signature(fn))
     except (TypeError, ValueError):
         sig = "(...)"
-    sig = sig.replace("(self, ", "(").replace("(self)", "()").replace(", *, _created: bool = False", "")
-    return f"{name}{sig}".replace("'", "")
+    sig = sig.replace("'", "").replace("(self, ", "(").replace("(self)", "()")
+    sig = sig.replace(", *, _core: ContextCore | None = None", "")  # internal constructor form
+    return f"{name}{sig}"
 
 
 def render() -> str:
@@ -72,7 +73,7 @@ def render() -> str:
                 out += [doc]
         out.append("")
     out += ["## Errors (`pie_ctx.errors`)", ""]
-    for name in errors.__all__:
+    for name in (n for n in vars(errors) if not n.startswith("_")):
         obj = getattr(errors, name)
         if inspect.isclass(obj):
             out.append(f"- `{name}`: {_doc(obj)}")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto.messages import SamplerSpec
 from runtime.sampling import (
-    SamplerParams,
     logprobs,
     make_generator,
     sample_rows,
@@ -25,26 +25,26 @@ def _logits(n: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")),
                                 dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
-                                dict(min_p=-0.1), dict(min_p=1.1), dict(seed=-1)])
+                                dict(min_p=-0.1), dict(min_p=1.0), dict(min_p=1.1), dict(seed=-1)])
 def test_invalid_params_raise(kw: dict[str, float]) -> None:
     with pytest.raises(InvalidArgument):
-        SamplerParams(**kw)
+        SamplerSpec(**kw)
 
 
 def test_params_roundtrip_msgspec() -> None:
-    p = SamplerParams(temperature=0.7, top_p=0.9, seed=3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplerParams) == p
+    p = SamplerSpec(temperature=0.7, top_p=0.9, seed=3)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplerSpec) == p
 
 
 def test_greedy_rows_are_argmax() -> None:
     x = _logits()
-    assert sample_rows(x, [SamplerParams()] * 4, [None] * 4) == x.argmax(-1).tolist()
+    assert sample_rows(x, [SamplerSpec()] * 4, [None] * 4) == x.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("p", [SamplerParams(temperature=1.0, top_k=1),
-                               SamplerParams(temperature=1.0, top_p=1e-6),
-                               SamplerParams(temperature=0.8, min_p=1.0)])
-def test_filters_that_keep_one_token_are_greedy(p: SamplerParams) -> None:
+@pytest.mark.parametrize("p", [SamplerSpec(temperature=1.0, top_k=1),
+                               SamplerSpec(temperature=1.0, top_p=1e-6),
+                               SamplerSpec(temperature=0.8, min_p=0.999999)])
+def test_filters_that_keep_one_token_are_greedy(p: SamplerSpec) -> None:
     x = _logits(6, seed=1)
     gens = [make_generator(i) for i in range(6)]
     assert sample_rows(x, [p] * 6, gens) == x.argmax(-1).tolist()  # type: ignore[arg-type]
@@ -52,18 +52,18 @@ def test_filters_that_keep_one_token_are_greedy(p: SamplerParams) -> None:
 
 def test_seeded_rows_independent_of_batch_composition() -> None:
     x = _logits(5, vocab=200, seed=2)
-    p = SamplerParams(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01, seed=11)
+    p = SamplerSpec(temperature=1.3, top_k=50, top_p=0.95, min_p=0.01, seed=11)
     alone = [sample_rows(x[2:3], [p], [make_generator(11)])[0] for _ in range(3)]
     assert len(set(alone)) == 1
-    mixed = [SamplerParams(), SamplerParams(temperature=0.5, seed=1), p,
-             SamplerParams(temperature=2.0, seed=5), SamplerParams()]
+    mixed = [SamplerSpec(), SamplerSpec(temperature=0.5, seed=1), p,
+             SamplerSpec(temperature=2.0, seed=5), SamplerSpec()]
     gens = [None, make_generator(1), make_generator(11), make_generator(5), None]
     assert sample_rows(x, mixed, gens)[2] == alone[0]  # type: ignore[arg-type]
 
 
 def test_generator_advances_one_draw_per_step() -> None:
     x = _logits(1, vocab=100, seed=3)
-    p = SamplerParams(temperature=1.0, seed=4)
+    p = SamplerSpec(temperature=1.0, seed=4)
     g1, g2 = make_generator(4), make_generator(4)
     seq1 = [sample_rows(x, [p], [g1])[0] for _ in range(20)]
     seq2 = [sample_rows(x, [p], [g2])[0] for _ in range(20)]
@@ -76,22 +76,22 @@ def test_samples_follow_the_filtered_distribution() -> None:
     x = logits.expand(n, -1)
     gens = [make_generator(i) for i in range(n)]
     # top_p=0.8: keeps {0, 1, 2} (mass before token 2 is 0.75 < 0.8), renormalised
-    got = sample_rows(x, [SamplerParams(temperature=1.0, top_p=0.8)] * n, gens)  # type: ignore[arg-type]
+    got = sample_rows(x, [SamplerSpec(temperature=1.0, top_p=0.8)] * n, gens)  # type: ignore[arg-type]
     counts = torch.bincount(torch.tensor(got), minlength=5).float() / n
     want = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0]) / 0.9
     assert (counts - want).abs().max() < 0.03
     # top_k=2 then min_p=0.6: keeps {0} only when 0.25/0.75*... -> p1/p0 = 0.5 < 0.6
-    got = sample_rows(x[:50], [SamplerParams(temperature=1.0, top_k=2, min_p=0.6)] * 50, gens[:50])  # type: ignore[arg-type]
+    got = sample_rows(x[:50], [SamplerSpec(temperature=1.0, top_k=2, min_p=0.6)] * 50, gens[:50])  # type: ignore[arg-type]
     assert set(got) == {0}
     # temperature sharpens: T=0.25 raises p0 to 0.5^4 / sum(p^4)
-    got = sample_rows(x, [SamplerParams(temperature=0.25)] * n, gens)  # type: ignore[arg-type]
+    got = sample_rows(x, [SamplerSpec(temperature=0.25)] * n, gens)  # type: ignore[arg-type]
     p4 = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]) ** 4
     assert abs(got.count(0) / n - (p4[0] / p4.sum()).item()) < 0.03
 
 
 def test_length_mismatch_raises() -> None:
     with pytest.raises(InvalidArgument):
-        sample_rows(_logits(2), [SamplerParams()], [None])
+        sample_rows(_logits(2), [SamplerSpec()], [None])
 
 
 def test_logprobs_and_top_k_distribution() -> None:
@@ -113,9 +113,9 @@ def test_candidate_prefilter_draws_exactly_what_a_full_sort_draws(monkeypatch):
 
     torch.manual_seed(0)
     logits = torch.randn(6, 5000) * torch.tensor([1.0, 3.0, 12.0, 12.0, 3.0, 12.0])[:, None]
-    settings = [SamplerParams(temperature=0.8, top_p=0.95), SamplerParams(temperature=1.0, min_p=0.05),
-                SamplerParams(temperature=1.0, top_k=50), SamplerParams(temperature=0.7, top_p=0.5),
-                SamplerParams(temperature=1.0), SamplerParams(temperature=1.3, top_k=3000, top_p=0.9)]
+    settings = [SamplerSpec(temperature=0.8, top_p=0.95), SamplerSpec(temperature=1.0, min_p=0.05),
+                SamplerSpec(temperature=1.0, top_k=50), SamplerSpec(temperature=0.7, top_p=0.5),
+                SamplerSpec(temperature=1.0), SamplerSpec(temperature=1.3, top_k=3000, top_p=0.9)]
     for params in ([s] * 6 for s in settings):
         draws = {}
         for candidates in (256, 10**9):

@@ -1,6 +1,7 @@
 """Build an engine from a model reference: load the model, size the pool, wire the runner.
 
-Owns nothing after it returns; the engine owns what it builds.
+Owns nothing after it returns; the engine owns what it builds. The arrow points one way:
+boot imports the engine, the engine never imports boot (``Engine.boot`` forwards here).
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from typing import Any
 
 import torch
 
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto import checks
+from runtime.engine.engine import Engine
+from runtime.kv.store import PageStore
+from runtime.model.loader import load_model
+from runtime.model.runner import ModelRunner
 
 
 def pool_pages_for(config: Any, page_size: int, dtype: torch.dtype, kv_memory_gb: float) -> int:
@@ -22,7 +27,8 @@ def pool_pages_for(config: Any, page_size: int, dtype: torch.dtype, kv_memory_gb
 
 def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int | None = None,
                 kv_memory_gb: float = 2.0, dtype: Any = None, device: Any = None,
-                max_step_tokens: int = 1024, progress: bool = True) -> Any:
+                max_step_tokens: int = 1024, progress: bool = True,
+                **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -33,20 +39,16 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         dtype, device: model/pool dtype and device (defaults: fp32 on CPU, bf16 on CUDA).
         max_step_tokens: token budget of one model call.
         progress: progress bars while fetching/converting.
+        **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
         InvalidArgument: a size is not positive.
         ModelError: the model cannot be loaded.
     """
-    from runtime.engine.engine import Engine
-    from runtime.kv.store import PageStore
-    from runtime.model.loader import load_model
-    from runtime.model.runner import ModelRunner
-
-    if not isinstance(page_size, int) or page_size < 1:
-        raise InvalidArgument(f"page_size must be a positive int, got {page_size!r}")
-    if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
-        raise InvalidArgument(f"num_pages must be a positive int, got {num_pages!r}")
+    checks.positive(page_size, "page_size")
+    if num_pages is not None:
+        checks.positive(num_pages, "num_pages")
+    checks.positive(max_step_tokens, "max_step_tokens")
 
     def build() -> tuple[Any, Any, Any]:
         loaded = load_model(model, dtype=dtype, device=device, progress=progress)
@@ -67,4 +69,4 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     cfg = loaded.config
     return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
                   vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
-                  max_step_tokens=max_step_tokens, model_thread=thread)
+                  max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)

@@ -1,8 +1,9 @@
 """The step executor: one model call plus the per-row outputs, run off the event loop.
 
-Owns: the per-job sampling generators. Runs in the engine's worker thread and touches only
+Owns: the per-job sampling generators. Runs on the engine's model thread and touches only
 the plan it is given and the pool tensor (through the runner); all page bookkeeping stays
-with the scheduler on the event loop.
+with the scheduler on the event loop. A step that raises leaves every generator as it
+was, so the engine can re-run part of it (see ``Engine._run_isolated``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,7 @@ import torch
 
 from runtime.engine.scheduler import RowResult, StepPlan
 from runtime.model.batch import SeqInput
-from runtime.sampling import (
-    SamplerParams,
-    logprobs,
-    make_generator,
-    sample_rows,
-    top_k_distribution,
-)
+from runtime.sampling import logprobs, make_generator, sample_rows, top_k_distribution
 
 
 class Runner(Protocol):
@@ -58,15 +53,26 @@ class StepExecutor:
                 full[computed] = logits
                 full[given] = rows
                 logits = full
+        saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]] = []
+        try:
+            return self._outputs(plan, logits, saved)
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    def _outputs(self, plan: StepPlan, logits: torch.Tensor,
+                 saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
+                 ) -> list[RowResult]:
+        """Every row's answer from the step's logits ``[rows, vocab]``."""
         results = [RowResult() for _ in plan.rows]
         sample_at: list[int] = []
-        params: list[SamplerParams] = []
+        params: list[Any] = []
         gens: list[torch.Generator | None] = []
         for i, req in enumerate(plan.rows):
             if req.sample is not None:
                 sample_at.append(i)
-                params.append(_params(req.sample))
-                gens.append(self._generator(req.job_key, req.generator_seed, req.sample))
+                params.append(req.sample)
+                gens.append(self._generator(req.job_key, req.generator_seed, req.sample, saved))
             if req.raw_logits:
                 results[i].logits = logits[i].numpy().astype("<f4", copy=False).tobytes()
             if req.top_k:
@@ -84,16 +90,24 @@ class StepExecutor:
                 results[i].sampled_logprob = float(lp)
         return results
 
-    def _generator(self, key: int, seed: int | None, spec: Any) -> torch.Generator | None:
-        if spec.temperature == 0:
+    def _generator(self, key: int, seed: int | None, spec: Any,
+                   saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
+                   ) -> torch.Generator | None:
+        """The job's generator (a fresh one when ``seed`` is given); its previous state is
+        recorded in ``saved`` so a failing step can put it back."""
+        if spec.is_greedy:
             return None
-        if seed is not None or key not in self._generators:
+        old = self._generators.get(key)
+        saved.append((key, old, None if old is None else old.get_state()))
+        if seed is not None or old is None:
             self._generators[key] = make_generator(seed)
         return self._generators[key]
 
-
-def _params(spec: Any) -> SamplerParams:
-    return SamplerParams(
-        temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p,
-        seed=spec.seed,
-    )
+    def _restore(self, saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
+                 ) -> None:
+        for key, gen, state in reversed(saved):
+            if gen is None:
+                self._generators.pop(key, None)
+            else:
+                gen.set_state(state)
+                self._generators[key] = gen

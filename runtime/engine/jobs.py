@@ -13,10 +13,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pie_ctx.errors import PieError
-from pie_ctx.protocol import (
+from pie_ctx.proto.messages import (
     Distribution,
     DistributionSpec,
     LogprobSpec,
@@ -28,6 +27,7 @@ from pie_ctx.protocol import (
 if TYPE_CHECKING:
     import numpy as np
 
+    from runtime.engine.records import ContextRecord
     from runtime.engine.stops import StopChecker
 
 
@@ -47,7 +47,7 @@ class Job:
     """One request on one context. Fields after ``status`` are owned by the scheduler."""
 
     kind: JobKind
-    handle: Any  # the engine's ContextRecord (its `.cid` is the caller's store context)
+    record: ContextRecord  # the context it runs on (``record.cid`` is the caller's context)
     tokens: list[int]
     positions: list[int]
     extras: list[int]
@@ -66,7 +66,8 @@ class Job:
     stop_token_ids: frozenset[int] = frozenset()
     stop: StopChecker | None = None
     first_logits: np.ndarray | None = None  # float32 [vocab]: sample the first token from it
-    waiter: Any = None  # engine-side notification (an event or a stream)
+    # called once when the job ends (done, failed or cancelled), on the event loop
+    waiter: Callable[[Job], None] | None = None
     on_chunk: Callable[[list[int], str, float], None] | None = None
 
     key: int = 0  # unique per engine; names the job's sampling generator
@@ -126,6 +127,18 @@ class Job:
         if self.stop is not None:
             self.stop.reset()
 
-    def fail(self, error: PieError | BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         self.error = error
         self.status = JobStatus.DONE
+
+
+class JobQueue(Protocol):
+    """Where request handlers hand jobs over (the engine: its scheduler and its loop)."""
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; its ``waiter`` is called when it ends."""
+        ...
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a job; its context stays exactly as it was before the job."""
+        ...

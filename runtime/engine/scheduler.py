@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pie_ctx.errors import OutOfPages
-from pie_ctx.protocol import Distribution
+from pie_ctx.proto.errors import OutOfPages
+from pie_ctx.proto.messages import Distribution
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.model.batch import SeqInput
 
@@ -52,8 +52,33 @@ class StepPlan:
     chunks: list[SeqInput] = field(default_factory=list)  # one model call's batch
     rows: list[RowRequest] = field(default_factory=list)
     # (job, chunk start in job.tokens, -1 for a decode step or -2 for a seed row,
-    #  chunk length, [(token index, row in `rows`)])
+    #  chunk length, [(token index, row in `rows`)]); one entry per job, and the entries
+    #  with a chunk (all but seed rows) are in `chunks` order
     entries: list[tuple[Job, int, int, list[tuple[int, int]]]] = field(default_factory=list)
+
+    def subset(self, keep: list[int]) -> tuple[StepPlan, list[int]]:
+        """The plan of some entries only (in order), to run them apart from the others.
+
+        Returns:
+            ``(plan, rows)``: row ``i`` of the new plan is row ``rows[i]`` of this one.
+        """
+        if len(keep) == len(self.entries):
+            return self, list(range(len(self.rows)))
+        sub = StepPlan()
+        rows: list[int] = []
+        chunk_of = iter(range(len(self.chunks)))
+        chunk_index = [-1 if start == -2 else next(chunk_of) for _, start, _, _ in self.entries]
+        for e in keep:
+            job, start, length, entry_rows = self.entries[e]
+            if start != -2:
+                sub.chunks.append(self.chunks[chunk_index[e]])
+            new_rows = []
+            for index, row in entry_rows:
+                new_rows.append((index, len(sub.rows)))
+                sub.rows.append(self.rows[row])
+                rows.append(row)
+            sub.entries.append((job, start, length, new_rows))
+        return sub, rows
 
 
 @dataclass(slots=True)
@@ -129,7 +154,7 @@ class Scheduler:
             if job in self._held:
                 return  # preempted during this plan(): let the others run first
             try:
-                shadow = self.store.fork(job.handle.cid)
+                shadow = self.store.fork(job.record.cid)
             except OutOfPages:
                 shadow = None
             if shadow is not None:
@@ -201,6 +226,17 @@ class Scheduler:
             self.num_preemptions += 1
             self.waiting.appendleft(victim)
             self._held.add(victim)
+
+    def abort_all(self, error: BaseException) -> list[Job]:
+        """Fail every job, waiting or active (the engine is stopping); return them."""
+        jobs = [*self.waiting, *self.active]
+        self.waiting.clear()
+        self.active.clear()
+        self.in_flight = set()
+        for job in jobs:
+            self._release_shadow(job)
+            job.fail(error)
+        return jobs
 
     def fail_stalled(self) -> Job | None:
         """Fail the stalled job (called when pages did not come back in time)."""
@@ -327,17 +363,24 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- completion
 
-    def complete(self, plan: StepPlan, results: list[RowResult] | BaseException) -> list[Job]:
-        """Apply a step's results; return the jobs that finished (done, failed or cancelled)."""
+    def complete(self, plan: StepPlan, results: list[RowResult | None],
+                 failed: dict[Job, BaseException] | None = None) -> list[Job]:
+        """Apply a step's results; return the jobs that finished (done, failed or cancelled).
+
+        Args:
+            plan: the step.
+            results: one result per row of the plan (None for the rows of failed jobs).
+            failed: jobs whose rows made the step fail, and why; they fail, rolled back.
+        """
         finished: list[Job] = []
         self.in_flight = set()
         for job, start, length, rows in plan.entries:
             if job.status is not JobStatus.ACTIVE:
                 continue  # preempted meanwhile (cannot happen) or already done
-            if isinstance(results, BaseException):
+            if failed and job in failed:
                 self.active.remove(job)
                 self._release_shadow(job)
-                job.fail(results)
+                job.fail(failed[job])
                 finished.append(job)
                 continue
             if job.cancelled:
@@ -412,8 +455,8 @@ class Scheduler:
             self.store.release_working_pages(shadow, spare)
         if job.kind is JobKind.FORWARD:
             _fill_forward_outputs(job)
-        old = job.handle.cid
-        job.handle.cid = shadow
+        old = job.record.cid
+        job.record.cid = shadow
         job.shadow = None
         self.store.release(old)
         job.status = JobStatus.DONE

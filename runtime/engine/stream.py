@@ -7,25 +7,32 @@ as it was before the generation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from typing import Any
 
 import anyio
 
-from runtime.engine.jobs import Job, JobStatus
-
-if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
+from pie_ctx.proto.messages import error_reply
+from runtime.engine.jobs import Job, JobQueue, JobStatus
 
 __all__ = ["GenerationStream"]
 
 
 class GenerationStream:
-    """Messages of one generation: ``async for msg in stream`` (see ``Engine.generate``)."""
+    """Messages of one generation: ``async for msg in stream`` (see ``Passes.generate``)."""
 
-    def __init__(self, engine: Engine, job: Job | None, receive: Any) -> None:
-        self._engine = engine
+    def __init__(self, jobs: JobQueue | None, job: Job | None, receive: Any) -> None:
+        self._jobs = jobs
         self._job = job
         self._receive = receive
+
+    @classmethod
+    def failed(cls, error: BaseException) -> GenerationStream:
+        """A stream that yields only the ``ErrorReply`` of a generation that never started."""
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        send.send_nowait(error_reply(error))
+        send.close()
+        return cls(None, None, receive)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -41,8 +48,9 @@ class GenerationStream:
 
     def close(self) -> None:
         """Cancel the generation if it is still running (idempotent, sync)."""
-        if self._job is not None and self._job.status is not JobStatus.DONE:
-            self._engine.cancel(self._job)
+        if self._jobs is not None and self._job is not None \
+                and self._job.status is not JobStatus.DONE:
+            self._jobs.cancel(self._job)
         self._receive.close()
 
     async def aclose(self) -> None:

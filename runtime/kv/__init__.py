@@ -9,7 +9,7 @@ from __future__ import annotations
 from runtime.kv.hashing import fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.store import PageStore
-from runtime.kv.types import ContextCounters, ContextId, PageHash, PageId, StoreStats
+from runtime.kv.types import ContextId, PageHash, PageId, StoreStats
 
 __all__ = [
     "PageStore",
@@ -19,6 +19,5 @@ __all__ = [
     "PageId",
     "PageHash",
     "ContextId",
-    "ContextCounters",
     "StoreStats",
 ]

@@ -2,7 +2,7 @@
 
 Owns: a context's working pages (private, mutable) and the tokens, positions and per-token
 extras written into them. It holds one trie reference, on its tip; the trie owns the
-committed pages themselves. Snapshots are ``ContextState`` objects too (frozen: nothing
+committed pages themselves. Snapshots are ``PageState`` objects too (frozen: nothing
 mutates a state while it sits in the registry).
 
 Invariants:
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from runtime.kv.trie import Node
 from runtime.kv.types import PageId
 
-__all__ = ["ContextState", "chain_nodes"]
+__all__ = ["PageState", "chain_nodes"]
 
 
 def chain_nodes(tip: Node | None) -> list[Node]:
@@ -37,7 +37,7 @@ def chain_nodes(tip: Node | None) -> list[Node]:
 
 
 @dataclass(slots=True)
-class ContextState:
+class PageState:
     """The page state of one context or snapshot."""
 
     tip: Node | None = None
@@ -75,13 +75,13 @@ class ContextState:
         else:
             self.committed_ids.extend(new_ids)
 
-    def share_bookkeeping(self) -> ContextState:
+    def share_bookkeeping(self) -> PageState:
         """A new state with the same tip and token lists copied, but NO working pages.
 
         The caller takes the trie reference on the tip and fills ``working``. The committed
         id cache is shared copy-on-write, so this is O(working tokens), not O(committed).
         """
-        child = ContextState(
+        child = PageState(
             tip=self.tip,
             working=[],
             tokens=self.tokens.copy(),

@@ -21,31 +21,46 @@ Checked:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
-from runtime.kv.context import ContextState, chain_nodes
+from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.hashing import fold_extras, hash_page
-from runtime.kv.trie import Node
+from runtime.kv.pool import PagePool
+from runtime.kv.snapshots import SnapshotRegistry
+from runtime.kv.trie import Node, PageTrie
+from runtime.kv.types import ContextId, StoreStats
 
-if TYPE_CHECKING:
-    from runtime.kv.store import PageStore
+__all__ = ["check_invariants", "describe_state", "StoreView"]
 
-__all__ = ["check_invariants", "describe_state"]
+
+class StoreView(Protocol):
+    """What the checker reads of a ``PageStore`` (it never writes)."""
+
+    pool: PagePool
+    trie: PageTrie
+    page_size: int
+    snapshots: SnapshotRegistry
+    next_context_id: int
+
+    def context_states(self) -> Iterator[tuple[ContextId, PageState]]: ...
+
+    def stats(self) -> StoreStats: ...
 
 
 def _fail(message: str) -> None:
     raise RuntimeError(f"page store invariant broken: {message}")
 
 
-def _holders(store: PageStore) -> list[tuple[str, ContextState]]:
-    out: list[tuple[str, ContextState]] = [
-        (f"context {cid}", state) for cid, state in store._contexts.items()
+def _holders(store: StoreView) -> list[tuple[str, PageState]]:
+    out: list[tuple[str, PageState]] = [
+        (f"context {cid}", state) for cid, state in store.context_states()
     ]
-    out.extend((f"snapshot {key}", state) for key, state in store.snapshots)
+    out.extend((f"snapshot {key}", snap.state) for key, snap in store.snapshots)
     return out
 
 
-def _all_nodes(store: PageStore, holders: list[tuple[str, ContextState]]) -> list[Node]:
+def _all_nodes(store: StoreView, holders: list[tuple[str, PageState]]) -> list[Node]:
     seen: dict[int, Node] = {}
     roots: list[Node] = list(store.trie.by_hash.values()) + list(store.trie.lru.values())
     roots.extend(state.tip for _, state in holders if state.tip is not None)
@@ -57,7 +72,7 @@ def _all_nodes(store: PageStore, holders: list[tuple[str, ContextState]]) -> lis
     return list(seen.values())
 
 
-def check_invariants(store: PageStore) -> None:
+def check_invariants(store: StoreView) -> None:
     """Raise ``RuntimeError`` if any page-store invariant is broken."""
     pool, trie, ps = store.pool, store.trie, store.page_size
     owner: dict[int, str] = {}
@@ -162,10 +177,10 @@ def check_invariants(store: PageStore) -> None:
         _fail(f"stats working {stats.num_pages_working} != {num_working}")
 
 
-def describe_state(store: PageStore) -> dict[str, Any]:
+def describe_state(store: StoreView) -> dict[str, Any]:
     """A plain, comparable description of the whole store (for unchanged-state tests)."""
 
-    def state_desc(state: ContextState) -> tuple[Any, ...]:
+    def state_desc(state: PageState) -> tuple[Any, ...]:
         return (
             tuple(node.page_id for node in chain_nodes(state.tip)),
             tuple(state.working),
@@ -178,13 +193,13 @@ def describe_state(store: PageStore) -> dict[str, Any]:
     nodes = _all_nodes(store, holders)
     return {
         "free": tuple(store.pool.free_ids()),
-        "contexts": {cid: state_desc(s) for cid, s in store._contexts.items()},
-        "snapshots": {key: state_desc(s) for key, s in store.snapshots},
+        "contexts": {cid: state_desc(s) for cid, s in store.context_states()},
+        "snapshots": {key: state_desc(s.state) for key, s in store.snapshots},
         "nodes": sorted(
             (n.page_id, n.page_hash, n.holders, n.num_children, n.pins, n.registered) for n in nodes
         ),
         "lru": tuple(store.trie.lru),
         "by_hash": sorted((h, n.page_id) for h, n in store.trie.by_hash.items()),
-        "next_id": store._next_id,
+        "next_id": store.next_context_id,
         "stats": store.stats(),
     }

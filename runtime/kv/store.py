@@ -19,23 +19,28 @@ Public API (see docs/design.md, "runtime/kv")::
     store.release_working_pages(cid, n); store.truncate_working_page_tokens(cid, n)
     store.attach_prefix(cid, tokens, positions, extra=0) -> int
     store.page_table(cid); store.state(cid); store.tokens(cid); store.next_position(cid)
-    store.save(cid, name); store.open(name); store.take(name); store.delete(name); store.list()
+    store.save_snapshot(cid, name, ns, meta=, last_logits=); store.snapshot(name, ns)
+    store.open_snapshot(name, ns); store.take_snapshot(name, ns)
+    store.delete_snapshot(name, ns); store.list_snapshots(ns)
 """
 
 from __future__ import annotations
 
-import builtins
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
-from pie_ctx.errors import ContextClosed, InvalidArgument, OutOfPages
-from runtime.kv.context import ContextState, chain_nodes
+from pie_ctx.proto.checks import count
+from pie_ctx.proto.errors import ContextClosed, InvalidArgument, OutOfPages
+from pie_ctx.proto.messages import ContextState
+from runtime.kv.context import PageState, chain_nodes
+from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool
-from runtime.kv.snapshots import DEFAULT_NAMESPACE, SnapshotRegistry
+from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.trie import PageTrie
-from runtime.kv.types import ContextCounters, ContextId, PageId, StoreStats
-from runtime.kv.validation import Extra, count_arg, page_inputs
+from runtime.kv.types import ContextId, PageId, StoreStats
+from runtime.kv.validation import Extra, page_inputs
 
 __all__ = ["PageStore"]
 
@@ -81,7 +86,7 @@ class PageStore:
         self.page_size = page_size
         self.trie = PageTrie(self.pool)
         self.snapshots = SnapshotRegistry()
-        self._contexts: dict[ContextId, ContextState] = {}
+        self._contexts: dict[ContextId, PageState] = {}
         self._next_id = 1
         self._num_commits = 0
         self._num_dedup_hits = 0
@@ -107,7 +112,7 @@ class PageStore:
             self.trie.evict(short)
         return self.pool.allocate(n)
 
-    def _ctx(self, cid: ContextId) -> ContextState:
+    def _ctx(self, cid: ContextId) -> PageState:
         try:
             state = self._contexts.get(cid)
         except TypeError:  # unhashable: certainly not an id we issued
@@ -118,7 +123,7 @@ class PageStore:
             )
         return state
 
-    def _register(self, state: ContextState) -> ContextId:
+    def _register(self, state: PageState) -> ContextId:
         cid = ContextId(self._next_id)
         self._next_id += 1
         self._contexts[cid] = state
@@ -132,9 +137,9 @@ class PageStore:
         Returns:
             Its id; ids are never reused within a store.
         """
-        return self._register(ContextState())
+        return self._register(PageState())
 
-    def _fork_state(self, state: ContextState) -> ContextState:
+    def _fork_state(self, state: PageState) -> PageState:
         """Copy of ``state`` sharing its chain (one reference) with fresh working pages.
 
         Raises:
@@ -156,7 +161,7 @@ class PageStore:
         self.pool.copy_pages(new_pages[:num_used], state.working[:num_used])
         return child
 
-    def _release_state(self, state: ContextState) -> None:
+    def _release_state(self, state: PageState) -> None:
         if state.tip is not None:
             self.trie.drop_holder(state.tip)
             state.tip = None
@@ -213,7 +218,7 @@ class PageStore:
             ContextClosed: unknown context. InvalidArgument: ``n`` is not an int >= 0.
         """
         state = self._ctx(cid)
-        n = count_arg(n, "reserve_working_pages: n")
+        n = count(n, "reserve_working_pages: n")
         pages = self._allocate(n)
         if pages is None:
             return False
@@ -230,7 +235,7 @@ class PageStore:
             InvalidArgument: ``n`` is negative or exceeds the working page count.
         """
         state = self._ctx(cid)
-        n = count_arg(n, "release_working_pages: n")
+        n = count(n, "release_working_pages: n")
         if n > len(state.working):
             raise InvalidArgument(
                 f"release_working_pages: asked for {n} pages but the context has "
@@ -254,7 +259,7 @@ class PageStore:
             InvalidArgument: ``n`` exceeds the working tokens (committed pages are immutable).
         """
         state = self._ctx(cid)
-        n = count_arg(n, "truncate_working_page_tokens: n")
+        n = count(n, "truncate_working_page_tokens: n")
         if n > len(state.tokens):
             raise InvalidArgument(
                 f"truncate: asked to drop {n} tokens but only {len(state.tokens)} are in "
@@ -308,7 +313,7 @@ class PageStore:
                 (nothing is committed then).
         """
         state = self._ctx(cid)
-        k = count_arg(k, "commit_working_pages: k")
+        k = count(k, "commit_working_pages: k")
         if k > len(state.working):
             raise InvalidArgument(
                 f"commit_working_pages: k={k} but the context has {len(state.working)} working pages"
@@ -320,7 +325,7 @@ class PageStore:
             )
         self._commit(state, k)
 
-    def _commit(self, state: ContextState, k: int) -> None:
+    def _commit(self, state: PageState, k: int) -> None:
         if k == 0:
             return
         ps = self.page_size
@@ -410,20 +415,23 @@ class PageStore:
         state = self._ctx(cid)
         return state.committed_page_ids() + state.working
 
-    def state(self, cid: ContextId) -> ContextCounters:
-        """The context's page counters.
+    def state(self, cid: ContextId) -> ContextState:
+        """The context's page counters (the same record the SDK receives).
+
+        ``seq_len == num_committed_pages * page_size + num_working_tokens``.
 
         Raises:
             ContextClosed: unknown context.
         """
         s = self._ctx(cid)
         num_committed = s.num_committed_pages
-        return ContextCounters(
+        return ContextState(
+            seq_len=num_committed * self.page_size + len(s.tokens),
+            page_size=self.page_size,
             num_committed_pages=num_committed,
             num_working_pages=len(s.working),
             num_working_tokens=len(s.tokens),
-            seq_len=num_committed * self.page_size + len(s.tokens),
-            page_size=self.page_size,
+            next_position=self._next_position(s),
         )
 
     def tokens(self, cid: ContextId) -> list[int]:
@@ -453,21 +461,27 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        state = self._ctx(cid)
+        return self._next_position(self._ctx(cid))
+
+    @staticmethod
+    def _next_position(state: PageState) -> int:
         if state.positions:
             return state.positions[-1] + 1
         if state.tip is not None:
             return state.tip.positions[-1] + 1
         return 0
 
-    def context_ids(self) -> list[ContextId]:
-        """Ids of the live contexts, in creation order."""
-        return builtins.list(self._contexts)
-
     # -- snapshots ---------------------------------------------------------------------
 
-    def save(self, cid: ContextId, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def save_snapshot(self, cid: ContextId, name: str, namespace: str = DEFAULT_NAMESPACE, *,
+                      meta: str = "", last_logits: Any = None) -> None:
         """Save a frozen copy (a fork) of the context under ``name``; the context goes on.
+
+        Args:
+            cid: the context to save.
+            name, namespace: where to save it.
+            meta: opaque data returned with the snapshot (the SDK's conversation).
+            last_logits: the logits of the context's last token, if known.
 
         Raises:
             ContextClosed: unknown context. InvalidArgument: bad name.
@@ -475,34 +489,42 @@ class PageStore:
         """
         state = self._ctx(cid)
         key = self.snapshots.check_free(name, namespace)
-        self.snapshots.put(key, self._fork_state(state))
+        self.snapshots.put(key, Snapshot(self._fork_state(state), meta, last_logits))
 
-    def open(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
+    def snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> Snapshot:
+        """The snapshot saved under ``name`` (read-only: its meta and last logits).
+
+        Raises:
+            SnapshotNotFound: no such name. InvalidArgument: bad name.
+        """
+        return self.snapshots.get(name, namespace)
+
+    def open_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
         """A new context forked from the snapshot; the snapshot is unchanged.
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
             OutOfPages: working copies do not fit.
         """
-        return self._register(self._fork_state(self.snapshots.get(name, namespace)))
+        return self._register(self._fork_state(self.snapshots.get(name, namespace).state))
 
-    def take(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
+    def take_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
         """Open the snapshot and delete it, moving its pages to the new context in O(1).
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
         """
-        return self._register(self.snapshots.pop(name, namespace))
+        return self._register(self.snapshots.pop(name, namespace).state)
 
-    def delete(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def delete_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Delete the snapshot, dropping its references and working pages.
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
         """
-        self._release_state(self.snapshots.pop(name, namespace))
+        self._release_state(self.snapshots.pop(name, namespace).state)
 
-    def list(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+    def list_snapshots(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         """Sorted snapshot names saved in ``namespace``."""
         return self.snapshots.names(namespace)
 
@@ -530,12 +552,19 @@ class PageStore:
             num_evictions=trie.num_evictions,
         )
 
+    def context_states(self) -> Iterator[tuple[ContextId, PageState]]:
+        """Every live context's page state (read-only use: the invariant checker, tests)."""
+        return iter(list(self._contexts.items()))
+
+    @property
+    def next_context_id(self) -> int:
+        """The id the next context will get (ids are never reused)."""
+        return self._next_id
+
     def check_invariants(self) -> None:
-        """Recompute every count from scratch and compare.
+        """Recompute every count from scratch and compare (``runtime.kv.invariants``).
 
         Raises:
             RuntimeError: an invariant is broken (a bug in the store).
         """
-        from runtime.kv.invariants import check_invariants
-
         check_invariants(self)

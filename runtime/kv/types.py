@@ -2,8 +2,8 @@
 
 Owns nothing; it only names things. ``PageId``, ``PageHash`` and ``ContextId`` are
 ``NewType``s over ``int`` so a type checker stops a page id from being passed where a
-context id is expected. The records are the counters the store reports; they are
-snapshots (copies), never live views, so holding one cannot observe or cause mutation.
+context id is expected. ``StoreStats`` is what the store reports: a copy, never a live
+view, so holding one cannot observe or cause mutation.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NewType
 
-__all__ = ["PageId", "PageHash", "ContextId", "ContextCounters", "StoreStats"]
+__all__ = ["PageId", "PageHash", "ContextId", "StoreStats"]
 
 PageId = NewType("PageId", int)
 """Index of a physical page in the pool tensor (row of ``pool.kv``)."""
@@ -21,20 +21,6 @@ PageHash = NewType("PageHash", int)
 
 ContextId = NewType("ContextId", int)
 """Handle of one live context inside a ``PageStore``."""
-
-
-@dataclass(slots=True, frozen=True)
-class ContextCounters:
-    """Page counters of one context, as SPEC section 3 names them.
-
-    ``seq_len == num_committed_pages * page_size + num_working_tokens``.
-    """
-
-    num_committed_pages: int
-    num_working_pages: int
-    num_working_tokens: int
-    seq_len: int
-    page_size: int
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,9 +1,9 @@
 """Input validation for the page store: every check runs before any state changes.
 
-Owns nothing. Each function either returns normalised plain-``int`` values or raises
+Owns nothing. ``page_inputs`` either returns normalised plain-``int`` values or raises
 ``InvalidArgument`` with a message that says what to pass instead. Integers are accepted
-through ``operator.index`` (so numpy integers work); ``bool`` is rejected where a count is
-expected.
+through ``operator.index`` (so numpy integers work). Counts use the contract's
+``pie_ctx.proto.checks.count``.
 """
 
 from __future__ import annotations
@@ -11,25 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import index
 
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.hashing import MAX_EXTRA, MAX_TOKEN
 
-__all__ = ["Extra", "count_arg", "page_inputs"]
+__all__ = ["Extra", "page_inputs"]
 
 Extra = int | Sequence[int]
-
-
-def count_arg(value: object, what: str) -> int:
-    """A count ``>= 0`` (not a bool), or ``InvalidArgument``."""
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}")
-    try:
-        n = index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}") from None
-    if n < 0:
-        raise InvalidArgument(f"{what} must be >= 0, got {n}")
-    return n
 
 
 def _int_list(values: Sequence[int], what: str, limit: int) -> list[int]:

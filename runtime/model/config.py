@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 

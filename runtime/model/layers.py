@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 from runtime.model.config import ModelConfig
 from runtime.model.matmul import Projection
 

@@ -86,12 +86,6 @@ class Projection:
             return
         self._packed, self._linear = packed, linear
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per call: the weight and bias (the packed copy is the same data)."""
-        n = self.weight.numel() * self.weight.element_size()
-        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor[rows, in] -> Tensor[rows, out]."""
         if self._packed is not None and x.shape[0] >= PACKED_MIN_ROWS:

@@ -1,6 +1,6 @@
 """Rotary position embeddings for arbitrary per-token positions.
 
-Owner: the model runner. Positions are whatever the caller wrote (SPEC §3 ``input_at``):
+Owner: the model runner. Positions are whatever the caller wrote (``Forward.input_at``, docs/sdk.md):
 they need not be contiguous, increasing or unique, so cos/sin are computed from the
 position values of each forward (once per forward, shared by every layer), never from a
 token's index in the sequence.

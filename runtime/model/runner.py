@@ -14,12 +14,10 @@ so a rejected batch leaves the pool untouched.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto.errors import InvalidArgument
 from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
@@ -32,10 +30,8 @@ class ModelRunner:
     """Runs the model over batches of :class:`SeqInput` against a paged pool.
 
     Args:
-        config: the model config, or a loaded model (anything with ``.config`` and
-            ``.weights``, e.g. ``LoadedModel``), in which case ``weights`` is omitted and
-            the remaining arguments shift left: ``ModelRunner(loaded, pool_kv, page_size)``.
-        weights: HF-named tensors.
+        config: the model config.
+        weights: HF-named tensors (``LoadedModel.weights``).
         pool_kv: Tensor[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]; its
             device and dtype are the model's.
         page_size: tokens per page.
@@ -46,14 +42,9 @@ class ModelRunner:
         ModelError: a weight is missing or mis-shaped.
     """
 
-    def __init__(self, config: Any, weights: Any, pool_kv: Any = None, page_size: Any = None,
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 pool_kv: torch.Tensor, page_size: int,
                  backend: AttentionBackend | None = None) -> None:
-        if not isinstance(config, ModelConfig) and hasattr(config, "weights"):
-            # design.md form: ModelRunner(loaded, pool_kv, page_size, backend=None)
-            config, weights, pool_kv, page_size, backend = (
-                config.config, config.weights, weights, pool_kv, page_size or backend)
-        if not isinstance(pool_kv, torch.Tensor) or not isinstance(page_size, int):
-            raise InvalidArgument("ModelRunner needs (config, weights, pool_kv, page_size)")
         c: ModelConfig = config
         want = (page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim)
         if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:

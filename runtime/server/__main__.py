@@ -1,4 +1,4 @@
-"""``python -m runtime.server serve|stats ...``: the server commands without the SDK's CLI."""
+"""``python -m runtime.server serve ...``: the server without the SDK's CLI."""
 
 from __future__ import annotations
 

@@ -1,29 +1,29 @@
-"""``pie-ctx serve`` and ``pie-ctx stats``: the server's command-line entry points.
+"""``pie-ctx serve``: the server's command-line entry point.
 
-``register(subparsers)`` adds both subcommands to the main ``pie-ctx`` parser; each sets
-``func`` to a handler taking the parsed ``argparse.Namespace`` and returning an exit code.
-Importing this module has no side effects and imports neither torch nor the engine (the
-``serve`` handler loads them when it runs).
+``register(subparsers)`` adds the ``serve`` subcommand to a parser (the ``pie-ctx`` CLI's,
+or ``python -m runtime.server``'s); it sets ``func`` to a handler taking the parsed
+``argparse.Namespace`` and returning an exit code. Importing this module has no side
+effects and imports neither torch nor the engine (the handler loads them when it runs).
+The client-side ``pie-ctx stats`` lives with the SDK's CLI (``pie_ctx.cli``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 import anyio
 
-from pie_ctx.errors import PieError
-from runtime.server.endpoint import Address, default_socket_path, parse_address, read_token_file
-from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES
+from pie_ctx.proto.address import Address, default_socket_path
+from pie_ctx.proto.errors import PieError
+from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["register", "serve_main", "stats_main"]
+__all__ = ["register", "serve_main"]
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``serve`` and ``stats`` subcommands to an argparse subparsers object."""
+    """Add the ``serve`` subcommand to an argparse subparsers object."""
     serve = subparsers.add_parser(
         "serve", help="run the engine as a server for inferlets in other processes",
         description="Serve one engine over a Unix socket (default: in your runtime folder) "
@@ -40,12 +40,6 @@ def register(subparsers: Any) -> None:
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
 
-    stats = subparsers.add_parser("stats", help="print a running server's page and cache stats")
-    stats.add_argument("address", nargs="?", default=None,
-                       help="unix:PATH, tcp:HOST:PORT or a socket path (default: the default socket)")
-    stats.add_argument("--token-file", default=None, help="the server's token file")
-    stats.add_argument("--json", action="store_true", help="print one JSON object")
-    stats.set_defaults(func=stats_main)
 
 
 def _listen_address(args: argparse.Namespace) -> Address:
@@ -62,13 +56,13 @@ def _say(text: str) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``pie-ctx serve`` until SIGINT/SIGTERM; return the exit code (0 on a signal)."""
-    from runtime.engine.engine import Engine
+    from runtime.engine.boot import boot_engine
     from runtime.server.run import run_server, settle_token
 
     try:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
-        engine = Engine.boot(args.model, page_size=args.page_size, num_pages=args.num_pages)
+        engine = boot_engine(args.model, page_size=args.page_size, num_pages=args.num_pages)
     except PieError as err:
         _say(f"error: {err}")
         return 2
@@ -88,40 +82,4 @@ def serve_main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C while shutting down
         pass
     _say("stopped")
-    return 0
-
-
-async def fetch_stats(address: str, token: str | None) -> dict[str, Any]:
-    """Connect to a server and return its ``EngineStats`` as a dict."""
-    import msgspec
-
-    from pie_ctx import protocol as P
-    from pie_ctx.socket_transport import SocketTransport
-
-    transport = await SocketTransport.connect(address, token=token)
-    try:
-        stats = await transport.request(P.GetStats())
-        info = transport.info
-    finally:
-        await transport.aclose()
-    return {"model_name": info.model_name, "page_size": info.page_size,
-            **{k: v for k, v in msgspec.structs.asdict(stats).items()}}
-
-
-def stats_main(args: argparse.Namespace) -> int:
-    """Print a server's stats (``pie-ctx stats ADDRESS``); return the exit code."""
-    try:
-        address = args.address or f"unix:{default_socket_path()}"
-        parse_address(address)
-        token = read_token_file(args.token_file) if args.token_file else None
-        stats = anyio.run(fetch_stats, address, token)
-    except (PieError, OSError) as err:
-        _say(f"error: {err}")
-        return 2
-    if args.json:
-        print(json.dumps(stats))
-        return 0
-    for key, value in stats.items():
-        shown = f"{value:.3f}" if isinstance(value, float) else value
-        print(f"{key:>18}  {shown}")
     return 0

@@ -22,15 +22,15 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-from pie_ctx.errors import InvalidArgument
-from runtime.server.endpoint import (
+from pie_ctx.proto.address import (
     Address,
     default_token_file,
     new_token,
     read_token_file,
     write_token_file,
 )
-from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES
+from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 from runtime.server.server import Server
 
 __all__ = ["open_listener", "settle_token", "run_server"]

@@ -2,7 +2,7 @@
 
 Owns: the accepted connections and the tasks running their requests. The engine owns every
 context and page; the server only decides *who* is asking (``owner``) and *which* snapshot
-namespace they see, then forwards ``pie_ctx.protocol`` requests to ``Engine.handle`` /
+namespace they see, then forwards ``pie_ctx.proto.messages`` requests to ``Engine.handle`` /
 ``Engine.generate``.
 
 Invariants:
@@ -31,11 +31,11 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from pie_ctx import errors
-from pie_ctx import protocol as P
-from pie_ctx.errors import AuthError, PieError, ProtocolError
-from runtime.server import wire
-from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES, FrameReader, FrameWriter, FramingError
+from pie_ctx.proto import messages as P
+from pie_ctx.proto import wire
+from pie_ctx.proto.errors import AuthError, PieError, ProtocolError
+from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES, FrameReader, FrameWriter, FramingError
+from pie_ctx.proto.messages import error_reply
 
 __all__ = ["Server", "namespace_for_token", "DEFAULT_NAMESPACE"]
 
@@ -241,34 +241,41 @@ class Server:
         tg.start_soon(self._run, conn, rid, req, scope)
 
     async def _run(self, conn: Connection, rid: int, req: Any, scope: anyio.CancelScope) -> None:
+        """Run one request and send its messages; the last one is its final message."""
+        final: Any = None
         try:
             with scope:
                 if isinstance(req, P.Generate):
                     stream = await self.engine.generate(req, owner=conn, namespace=conn.namespace)
                     try:
                         async for msg in stream:
+                            if not isinstance(msg, P.GenerateChunk):
+                                final = msg
+                                break
                             await conn.send(rid, msg)
                     finally:
                         stream.close()
                 else:
-                    reply = await self.engine.handle(req, owner=conn, namespace=conn.namespace)
-                    await conn.send(rid, reply)
+                    final = await self.engine.handle(req, owner=conn, namespace=conn.namespace)
         except _GONE:
-            pass  # the read loop sees the disconnect and cleans up
+            return  # the read loop sees the disconnect and cleans up
         except Exception as err:
             log.exception("request %d of %s failed", rid, conn.peer)
-            with _suppress_gone():
-                await conn.send(rid, P.ErrorReply(
-                    kind="PieError", message=f"internal server error: {type(err).__name__}: {err}"))
+            final = error_reply(err)
         finally:
+            # No longer in flight *before* its final message leaves, so a client that
+            # counts its calls until their final message never exceeds max_inflight.
             conn.running.pop(rid, None)
-
-
-def error_reply(err: PieError) -> P.ErrorReply:
-    """An ``ErrorReply`` whose kind is the nearest class clients know (``pie_ctx.errors``)."""
-    kind = next((c.__name__ for c in type(err).__mro__ if c.__name__ in errors.__all__),
-                "PieError")
-    return P.ErrorReply(kind=kind, message=str(err))
+        message: Any = wire.Cancelled(id=rid) if final is None else wire.Response(id=rid, reply=final)
+        payload = wire.encode(message)
+        if len(payload) > self.max_frame_bytes:
+            log.error("reply to request %d of %s is %d bytes; sending an error instead",
+                      rid, conn.peer, len(payload))
+            payload = wire.encode(wire.Response(id=rid, reply=error_reply(PieError(
+                f"the reply would be {len(payload)} bytes, over the {self.max_frame_bytes}-byte "
+                "frame limit; ask for less in one request"))))
+        with _suppress_gone():
+            await conn.writer.send(payload)
 
 
 class _suppress_gone:

@@ -7,7 +7,7 @@ every connection (releasing each client's contexts) and removes the socket file.
 Usage::
 
     async with serve_in_background(make_engine()) as srv:
-        transport = await SocketTransport.connect(srv.address)
+        async with SocketTransport.open(srv.address) as transport: ...
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
-from runtime.server.endpoint import Address, new_token, parse_address
-from runtime.server.framing import DEFAULT_MAX_FRAME_BYTES
+from pie_ctx.proto.address import Address, new_token, parse_address
+from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 from runtime.server.run import open_listener
 from runtime.server.server import Server
 

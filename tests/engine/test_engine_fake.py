@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from pie_ctx import protocol as P
+from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto import messages as P
 from tests.engine.fake import make_engine
 
 
@@ -112,7 +113,7 @@ async def test_errors_change_nothing():
     async with make_engine() as engine:
         a = await create(engine)
         await engine.handle(P.Forward(ctx=a, tokens=[1, 2, 3]), raise_errors=True)
-        before = engine.store.state(engine._records[a].cid)
+        before = engine.store.state(engine.records.get(a, None).cid)
         for bad in (P.Forward(ctx=a, tokens=[999]), P.Forward(ctx=a, tokens=[]),
                     P.Forward(ctx=a, tokens=[1], logits=[3]),
                     P.Forward(ctx=a, tokens=[1, 2], mask=[[True]]),
@@ -120,7 +121,7 @@ async def test_errors_change_nothing():
                     P.Forward(ctx=12345, tokens=[1])):
             reply = await engine.handle(bad)
             assert isinstance(reply, P.ErrorReply), bad
-        assert engine.store.state(engine._records[a].cid) == before
+        assert engine.store.state(engine.records.get(a, None).cid) == before
         engine.store.check_invariants()
 
 
@@ -128,7 +129,7 @@ async def test_cancelled_generation_leaves_context_unchanged():
     async with make_engine() as engine:
         a = await create(engine)
         await engine.handle(P.Forward(ctx=a, tokens=[1, 2, 3]), raise_errors=True)
-        before = engine.store.state(engine._records[a].cid)
+        before = engine.store.state(engine.records.get(a, None).cid)
         free_before = engine.store.stats().num_pages_free
 
         first = asyncio.Event()
@@ -146,7 +147,7 @@ async def test_cancelled_generation_leaves_context_unchanged():
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.05)
-        assert engine.store.state(engine._records[a].cid) == before
+        assert engine.store.state(engine.records.get(a, None).cid) == before
         engine.store.check_invariants()
         stats = engine.store.stats()
         # The shadow's committed pages stay cached (findable), everything else came back.
@@ -164,8 +165,8 @@ async def test_custom_mask_pages_do_not_dedup_with_causal():
         rb = await engine.handle(P.Forward(ctx=b, tokens=toks, mask=causal, logits=[4]),
                                  raise_errors=True)
         assert ra.logits == rb.logits  # same attention pattern, same numbers
-        ta = engine.store.page_table(engine._records[a].cid)
-        tb = engine.store.page_table(engine._records[b].cid)
+        ta = engine.store.page_table(engine.records.get(a, None).cid)
+        tb = engine.store.page_table(engine.records.get(b, None).cid)
         assert ta[0] != tb[0]  # ...but different page hashes: never shared
         engine.store.check_invariants()
 
@@ -182,7 +183,9 @@ async def test_never_fits_fails_at_once():
 async def test_out_of_range_seed_fails_the_request_not_the_step():
     async with make_engine() as engine:
         a = await create(engine)
-        bad = P.SamplerSpec(temperature=1.0, seed=2**63)
+        with pytest.raises(InvalidArgument):  # a sampler validates itself on construction
+            P.SamplerSpec(temperature=1.0, seed=2**63)
+        bad = "temperature=1"  # what a client that skipped the SDK might send in-process
         msgs = [m async for m in await engine.generate(P.Generate(ctx=a, tokens=[1], sampler=bad))]
         assert isinstance(msgs[-1], P.ErrorReply) and msgs[-1].kind == "InvalidArgument"
         reply = await engine.handle(P.Forward(ctx=a, tokens=[1, 2], sample=[

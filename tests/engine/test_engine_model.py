@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from pie_ctx import protocol as P
+from pie_ctx.proto import messages as P
 from tests.sdk.harness import tiny_engine, tiny_model_folder
 
 

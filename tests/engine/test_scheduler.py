@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pie_ctx.protocol import SamplerSpec
+from pie_ctx.proto.messages import SamplerSpec
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.engine.scheduler import RowResult, Scheduler
 from runtime.kv.store import PageStore
@@ -49,7 +49,7 @@ def test_chunked_prefill_respects_the_token_budget():
     assert step(sched)[0] == [(1, 8)]
     shape, done = step(sched)
     assert shape == [(1, 4)] and done == [job] and job.status is JobStatus.DONE
-    assert store.state(job.handle.cid).seq_len == 20
+    assert store.state(job.record.cid).seq_len == 20
     assert step(sched) == (None, [])
     store.check_invariants()
 
@@ -105,7 +105,7 @@ def test_admission_is_fifo_under_back_pressure():
     sched.submit(small)
     sched.complete(plan, [])
     assert blocked.status is JobStatus.WAITING and small.status is JobStatus.WAITING
-    store.release(big.handle.cid)  # the owner releases its context: pages come back
+    store.release(big.record.cid)  # the owner releases its context: pages come back
     shape, _ = step(sched)
     assert sorted(shape) == [(2, 12), (3, 4)]
     store.check_invariants()
@@ -125,7 +125,7 @@ def test_cancel_waiting_active_and_in_flight():
     assert done == [a] and a.status is JobStatus.DONE and b.status is JobStatus.DONE
     stats = store.stats()
     assert stats.num_pages_free + stats.num_pages_cached == free
-    assert store.state(a.handle.cid).seq_len == 0  # the caller's context never changed
+    assert store.state(a.record.cid).seq_len == 0  # the caller's context never changed
     store.check_invariants()
 
 
@@ -138,7 +138,7 @@ def test_decode_growth_preempts_the_most_recent_job():
         step(sched)
     assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
     assert a.status is JobStatus.DONE and len(a.generated) == 12  # the oldest always progresses
-    store.release(a.handle.cid)
+    store.release(a.record.cid)
     for _ in range(60):
         step(sched)
     assert b.status is JobStatus.DONE and len(b.generated) == 12

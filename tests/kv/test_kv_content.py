@@ -134,12 +134,12 @@ def test_scripted_fork_truncate_dedup_attach_snapshot_evict() -> None:
     assert h.attach(reuse, list(range(10)) + [50, 51, 99]) == 3  # no compute
     h.write(reuse, [99])
     h.check()
-    store.save(f, "snap")
+    store.save_snapshot(f, "snap")
     h.release(f)
     for cid in (base, twin, reuse):
         h.release(cid)
     assert store.stats().num_pages_cached > 0
-    opened = store.open("snap")
+    opened = store.open_snapshot("snap")
     h.entries[opened] = [(t, p, 0) for p, t in enumerate(store.tokens(opened))]
     h.dense[opened] = [kv_of(h.entries[opened][: i + 1]) for i in range(len(h.entries[opened]))]
     # Fill the pool: cached pages get evicted and scribbled; survivors must be intact.

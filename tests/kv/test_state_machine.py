@@ -233,7 +233,7 @@ class PageStoreMachine(RuleBasedStateMachine):
     def save(self, data: st.DataObject, name: str, ns: str) -> None:
         cid = self._cid(data)
         ctx = self.ref.contexts.get(cid)
-        call = lambda: self.store.save(cid, name, ns)  # noqa: E731
+        call = lambda: self.store.save_snapshot(cid, name, ns)  # noqa: E731
         if ctx is None:
             self._fails(ContextClosed, call)
         elif (ns, name) in self.ref.snapshots:
@@ -248,27 +248,27 @@ class PageStoreMachine(RuleBasedStateMachine):
     def open(self, name: str, ns: str) -> None:
         snap = self.ref.snapshots.get((ns, name))
         if snap is None:
-            self._fails(SnapshotNotFound, lambda: self.store.open(name, ns))
+            self._fails(SnapshotNotFound, lambda: self.store.open_snapshot(name, ns))
         elif snap.num_working_pages > self.ref.num_available():
-            self._fails(OutOfPages, lambda: self.store.open(name, ns))
+            self._fails(OutOfPages, lambda: self.store.open_snapshot(name, ns))
         else:
-            self._new_id(self.store.open(name, ns), snap.copy())
+            self._new_id(self.store.open_snapshot(name, ns), snap.copy())
 
     @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
     def take(self, name: str, ns: str) -> None:
         if (ns, name) not in self.ref.snapshots:
-            self._fails(SnapshotNotFound, lambda: self.store.take(name, ns))
+            self._fails(SnapshotNotFound, lambda: self.store.take_snapshot(name, ns))
         else:
-            self._new_id(self.store.take(name, ns), self.ref.snapshots.pop((ns, name)))
+            self._new_id(self.store.take_snapshot(name, ns), self.ref.snapshots.pop((ns, name)))
 
     @rule(name=st.sampled_from(NAMES + [""]), ns=st.sampled_from(NAMESPACES))
     def delete(self, name: str, ns: str) -> None:
         if not name:
-            self._fails(InvalidArgument, lambda: self.store.delete(name, ns))
+            self._fails(InvalidArgument, lambda: self.store.delete_snapshot(name, ns))
         elif (ns, name) not in self.ref.snapshots:
-            self._fails(SnapshotNotFound, lambda: self.store.delete(name, ns))
+            self._fails(SnapshotNotFound, lambda: self.store.delete_snapshot(name, ns))
         else:
-            self.store.delete(name, ns)
+            self.store.delete_snapshot(name, ns)
             del self.ref.snapshots[(ns, name)]
 
     # -- after every step --------------------------------------------------------------
@@ -287,7 +287,7 @@ class PageStoreMachine(RuleBasedStateMachine):
             assert store.next_position(cid) == ctx.next_position()
             assert len(store.page_table(cid)) == len(ctx.committed) + ctx.num_working_pages
         for ns in NAMESPACES:
-            assert store.list(ns) == sorted(n for (s, n) in ref.snapshots if s == ns)
+            assert store.list_snapshots(ns) == sorted(n for (s, n) in ref.snapshots if s == ns)
         stats = store.stats()
         assert stats.num_pages_committed == len(ref.prefixes())
         assert stats.num_pages_working == ref.num_working_pages()

@@ -11,7 +11,7 @@ from pie_ctx.errors import (
     SnapshotExists,
     SnapshotNotFound,
 )
-from runtime.kv import ContextCounters, ContextId, PageHash, PageStore
+from runtime.kv import ContextId, PageHash, PageStore
 
 from .helpers import assert_unchanged, fill, make_store, prefill
 
@@ -20,16 +20,23 @@ P2 = [5, 6, 7, 8]
 P3 = [9, 10, 11, 12]
 
 
+def counters(store: PageStore, cid: ContextId) -> tuple[int, int, int, int, int]:
+    """(num_committed_pages, num_working_pages, num_working_tokens, seq_len, page_size)."""
+    s = store.state(cid)
+    return (s.num_committed_pages, s.num_working_pages, s.num_working_tokens, s.seq_len,
+            s.page_size)
+
+
 def test_page_ids_slots_and_counters() -> None:
     store = make_store()
     cid = store.create_context()
-    assert store.state(cid) == ContextCounters(0, 0, 0, 0, 4)
+    assert counters(store, cid) == (0, 0, 0, 0, 4)
     assert store.reserve_working_pages(cid, 2)
     slots = store.write_tokens(cid, [1, 2, 3, 4, 5, 6], list(range(6)))
     assert slots == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
-    assert store.state(cid) == ContextCounters(0, 2, 6, 6, 4)
+    assert counters(store, cid) == (0, 2, 6, 6, 4)
     assert store.commit_full_pages(cid) == 1
-    assert store.state(cid) == ContextCounters(1, 1, 2, 6, 4)
+    assert counters(store, cid) == (1, 1, 2, 6, 4)
     assert store.page_table(cid) == [0, 1]
     assert store.tokens(cid) == [1, 2, 3, 4, 5, 6]
     assert store.working_tokens(cid) == [5, 6]
@@ -170,7 +177,7 @@ def test_truncate_reaches_only_working_tokens() -> None:
     assert_unchanged(store, lambda: store.truncate_working_page_tokens(cid, 3), InvalidArgument)
     store.truncate_working_page_tokens(cid, 0)
     store.truncate_working_page_tokens(cid, 2)
-    assert store.state(cid) == ContextCounters(1, 1, 0, 4, 4)  # page count unchanged
+    assert counters(store, cid) == (1, 1, 0, 4, 4)  # page count unchanged
     assert store.next_position(cid) == 4
     store.write_tokens(cid, [7], [4])
     assert store.tokens(cid) == P1 + [7]
@@ -184,7 +191,7 @@ def test_commit_working_pages_is_all_or_nothing() -> None:
     assert_unchanged(store, lambda: store.commit_working_pages(cid, 3), InvalidArgument)
     store.commit_working_pages(cid, 0)
     store.commit_working_pages(cid, 1)
-    assert store.state(cid) == ContextCounters(1, 1, 2, 6, 4)
+    assert counters(store, cid) == (1, 1, 2, 6, 4)
     assert store.commit_full_pages(cid) == 0
 
 
@@ -195,7 +202,7 @@ def test_commit_with_reserved_pages_ahead() -> None:
     store.write_tokens(cid, P1, [0, 1, 2, 3])
     store.commit_working_pages(cid, 1)
     assert store.page_table(cid) == [0, 1, 2]
-    assert store.state(cid) == ContextCounters(1, 2, 0, 4, 4)
+    assert counters(store, cid) == (1, 2, 0, 4, 4)
 
 
 def test_release_working_pages_from_the_tail_drops_their_tokens() -> None:
@@ -208,7 +215,7 @@ def test_release_working_pages_from_the_tail_drops_their_tokens() -> None:
     assert store.page_table(cid) == [0, 1]
     assert store.pool.free_ids()[0] == 2
     store.release_working_pages(cid, 1)  # page 1 holds tokens 5, 6: dropped
-    assert store.state(cid) == ContextCounters(0, 1, 4, 4, 4)
+    assert counters(store, cid) == (0, 1, 4, 4, 4)
     assert store.tokens(cid) == P1
     store.check_invariants()
 
@@ -243,7 +250,7 @@ def test_fork_out_of_pages_changes_nothing() -> None:
     a = store.create_context()
     assert store.reserve_working_pages(a, 2)
     assert_unchanged(store, lambda: store.fork(a), OutOfPages)
-    assert_unchanged(store, lambda: store.save(a, "s"), OutOfPages)
+    assert_unchanged(store, lambda: store.save_snapshot(a, "s"), OutOfPages)
 
 
 def test_release_frees_everything_and_closes_the_id() -> None:
@@ -266,7 +273,7 @@ def test_release_frees_everything_and_closes_the_id() -> None:
         lambda: store.tokens(a),
         lambda: store.working_tokens(a),
         lambda: store.next_position(a),
-        lambda: store.save(a, "x"),
+        lambda: store.save_snapshot(a, "x"),
         lambda: store.page_table(ContextId(999)),
     ]
     for call in calls:
@@ -278,35 +285,35 @@ def test_snapshot_lifecycle() -> None:
     a = store.create_context()
     fill(store, a, P1 + [5, 6])
     store.commit_full_pages(a)
-    store.save(a, "s")
-    assert store.list() == ["s"]
-    assert store.list("other") == []
-    assert_unchanged(store, lambda: store.save(a, "s"), SnapshotExists)
-    store.save(a, "s", namespace="other")  # namespaces are separate
+    store.save_snapshot(a, "s")
+    assert store.list_snapshots() == ["s"]
+    assert store.list_snapshots("other") == []
+    assert_unchanged(store, lambda: store.save_snapshot(a, "s"), SnapshotExists)
+    store.save_snapshot(a, "s", namespace="other")  # namespaces are separate
     store.release(a)  # snapshots outlive their context
-    opened = store.open("s")
+    opened = store.open_snapshot("s")
     assert store.tokens(opened) == P1 + [5, 6]
-    assert store.list() == ["s"]
+    assert store.list_snapshots() == ["s"]
     pages_before = store.stats()
-    taken = store.take("s")  # O(1) move: no page changes hands with the pool
+    taken = store.take_snapshot("s")  # O(1) move: no page changes hands with the pool
     after = store.stats()
     assert (after.num_pages_free, after.num_pages_working) == (
         pages_before.num_pages_free,
         pages_before.num_pages_working,
     )
-    assert store.list() == []
+    assert store.list_snapshots() == []
     assert store.tokens(taken) == P1 + [5, 6]
-    assert store.state(taken) == ContextCounters(1, 1, 2, 6, 4)
+    assert counters(store, taken) == (1, 1, 2, 6, 4)
     for call in (
-        lambda: store.open("s"),
-        lambda: store.take("s"),
-        lambda: store.delete("s"),
+        lambda: store.open_snapshot("s"),
+        lambda: store.take_snapshot("s"),
+        lambda: store.delete_snapshot("s"),
     ):
         assert_unchanged(store, call, SnapshotNotFound)
-    for call in (lambda: store.open(""), lambda: store.save(taken, 3)):  # type: ignore[arg-type]
+    for call in (lambda: store.open_snapshot(""), lambda: store.save_snapshot(taken, 3)):  # type: ignore[arg-type]
         assert_unchanged(store, call, InvalidArgument)
     free_before = store.stats().num_pages_free
-    store.delete("s", namespace="other")
+    store.delete_snapshot("s", namespace="other")
     assert store.stats().num_pages_free == free_before + 1  # its working copy came back
     store.check_invariants()
 
@@ -314,12 +321,12 @@ def test_snapshot_lifecycle() -> None:
 def test_snapshot_keeps_pages_alive_against_eviction() -> None:
     store = make_store(num_pages=3, page_size=2)
     a = prefill(store, [1, 2, 3, 4])
-    store.save(a, "keep")
+    store.save_snapshot(a, "keep")
     store.release(a)
     b = store.create_context()
     assert store.num_pages_available() == 1
     assert store.reserve_working_pages(b, 2) is False
-    store.delete("keep")
+    store.delete_snapshot("keep")
     assert store.reserve_working_pages(b, 3)
 
 

@@ -2,7 +2,7 @@
 
 Marked ``real_model``. transformers loads the same GGUF itself when it can (its own
 dequantization, needs ``accelerate``), else the converted folder our loader produced.
-SPEC §5: max abs logit difference over a chat prompt <= 1e-3 (the figure is printed),
+The oracle budget (docs/models.md): max abs logit difference over a chat prompt <= 1e-3 (the figure is printed),
 greedy 64 tokens identical.
 """
 
@@ -46,7 +46,7 @@ def hf_model(loaded: LoadedModel) -> Any:
 def runner(loaded: LoadedModel) -> ModelRunner:
     c = loaded.config
     pool = torch.zeros(24, PAGE_SIZE, c.num_layers, 2, c.num_kv_heads, c.head_dim)
-    return ModelRunner(loaded, pool, PAGE_SIZE)  # the design.md calling form
+    return ModelRunner(loaded.config, loaded.weights, pool, PAGE_SIZE)
 
 
 def test_chat_prompt_logits_match_transformers(loaded: LoadedModel, hf_model: Any,

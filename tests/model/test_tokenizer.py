@@ -7,7 +7,7 @@ import pytest
 from loader_fixtures import CHAT_TEMPLATE, tiny_spec
 
 from pie_ctx.errors import InvalidArgument, ModelError
-from pie_ctx.tokenizer import IncrementalDecoder, Tokenizer
+from pie_ctx.proto.tokenizer import IncrementalDecoder, Tokenizer
 from runtime.model.loader.gguf_tokenizer import build_gguf_tokenizer
 
 

@@ -11,9 +11,10 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from pie_ctx import Runtime
-from runtime.engine.engine import Engine
+from runtime.engine.boot import boot_engine
 
 _FOLDER: Path | None = None
 
@@ -34,8 +35,8 @@ def tiny_model_folder(tmp_root: Path) -> Path:
 
 @asynccontextmanager
 async def tiny_engine(folder: Path, *, page_size: int = 4, num_pages: int = 512,
-                      **kw) -> AsyncIterator[Engine]:
-    engine = Engine.boot(str(folder), page_size=page_size, num_pages=num_pages,
+                      **kw) -> AsyncIterator[Any]:
+    engine = boot_engine(str(folder), page_size=page_size, num_pages=num_pages,
                          progress=False, **kw)
     async with engine:
         yield engine

@@ -15,11 +15,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from pie_ctx import protocol as P
+from pie_ctx.proto import messages as P
+from pie_ctx.proto import wire
+from pie_ctx.proto.address import parse_address
+from pie_ctx.proto.framing import FrameReader, FrameWriter
 from pie_ctx.socket_transport import SocketTransport
-from runtime.server import wire
-from runtime.server.endpoint import parse_address
-from runtime.server.framing import FrameReader, FrameWriter
 from tests.engine.fake import FakeTokenizer, make_engine
 
 
@@ -42,9 +42,9 @@ def fake_engine(**kw: Any) -> Any:
     return engine
 
 
-async def connect(address: str, **kw: Any) -> SocketTransport:
-    return await SocketTransport.connect(address, tokenizer_factory=WireFakeTokenizer.from_wire,
-                                         **kw)
+def connect(address: str, **kw: Any) -> Any:
+    """``async with connect(address) as t``: a SocketTransport to a fake-engine server."""
+    return SocketTransport.open(address, tokenizer_factory=WireFakeTokenizer.from_wire, **kw)
 
 
 async def collect(stream: Any) -> tuple[list[int], Any]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pie_ctx import protocol as P
 from pie_ctx.errors import ProtocolError
+from pie_ctx.proto import messages as P
 from pie_ctx.socket_transport import SocketTransport
 from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
 
@@ -66,7 +66,7 @@ class _Serve:
 
 
 def _stats(tmp_path: Path, *args: str) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-m", "runtime.server", "stats", *args, "--json"],
+    out = subprocess.run([sys.executable, "-m", "pie_ctx.cli", "stats", *args, "--json"],
                          capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -82,17 +82,16 @@ def test_serve_on_unix_socket_exits_0_on_sigterm_mid_generation(tmp_path):
         assert stats["num_pages_total"] == 64 and stats["num_contexts"] == 0
 
         async def client() -> None:
-            t = await SocketTransport.connect(f"unix:{sock}")
-            assert t.tokenizer.encode("hello") and t.info.page_size == 16
-            ctx = (await t.request(P.CreateContext())).ctx
-            stream = await t.generate(P.Generate(ctx=ctx, tokens=[5, 6, 7], max_tokens=200,
-                                                 stop_token_ids=[]))
-            assert isinstance(await stream.__anext__(), P.GenerateChunk)
-            srv.proc.send_signal(signal.SIGTERM)
-            with pytest.raises(ProtocolError), anyio.fail_after(30):
-                async for _ in stream:
-                    pass
-            await t.aclose()
+            async with SocketTransport.open(f"unix:{sock}") as t:
+                assert t.tokenizer.encode("hello") and t.info.page_size == 16
+                ctx = (await t.request(P.CreateContext())).ctx
+                stream = await t.generate(P.Generate(ctx=ctx, tokens=[5, 6, 7], max_tokens=200,
+                                                     stop_token_ids=[]))
+                assert isinstance(await stream.__anext__(), P.GenerateChunk)
+                srv.proc.send_signal(signal.SIGTERM)
+                with pytest.raises(ProtocolError), anyio.fail_after(30):
+                    async for _ in stream:
+                        pass
 
         anyio.run(client)
         assert srv.proc.wait(30) == 0
@@ -108,7 +107,7 @@ def test_serve_on_tcp_writes_a_0600_token_file_and_stops_on_sigint(tmp_path):
     try:
         address = srv.wait_for(r"serving .* on (tcp:127\.0\.0\.1:\d+)").group(1)
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-        refused = subprocess.run([sys.executable, "-m", "runtime.server", "stats", address],
+        refused = subprocess.run([sys.executable, "-m", "pie_ctx.cli", "stats", address],
                                  capture_output=True, text=True, env=_env(tmp_path), cwd=REPO)
         assert refused.returncode == 2 and "token" in refused.stderr
         assert _stats(tmp_path, address, "--token-file", str(token_file))["page_size"] == 16
@@ -119,7 +118,7 @@ def test_serve_on_tcp_writes_a_0600_token_file_and_stops_on_sigint(tmp_path):
 
 
 def test_imports_stay_light():
-    code = ("import sys, argparse, pie_ctx.socket_transport, runtime.server.cli, "
+    code = ("import sys, argparse, pie_ctx.cli, pie_ctx.socket_transport, runtime.server.cli, "
             "runtime.server.testing\n"
             "p = argparse.ArgumentParser(); runtime.server.cli.register(p.add_subparsers())\n"
             "print(sorted(m for m in ('torch', 'numpy', 'runtime.engine.engine') "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 
-from pie_ctx import protocol as P
+from pie_ctx.proto import messages as P
 from pie_ctx.transport import LocalTransport
 from runtime.server.testing import serve_in_background
 from tests.server.helpers import collect, connect, fake_engine, wait_settled
@@ -58,10 +58,9 @@ async def test_64_clients_with_a_third_vanishing_match_solo_runs():
         assert srv.address.startswith("tcp:127.0.0.1:")
 
         async def run(i: int) -> None:
-            t = await connect(srv.address, token=srv.token)
-            results[i] = await _client_script(t, i, abort_after=3 + i % 4 if i % 3 == 0 else None)
-            if i % 3 != 0:
-                await t.aclose()
+            async with connect(srv.address, token=srv.token) as t:
+                results[i] = await _client_script(t, i,
+                                                  abort_after=3 + i % 4 if i % 3 == 0 else None)
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:

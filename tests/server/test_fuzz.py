@@ -18,14 +18,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pie_ctx import protocol as P
-from runtime.server import wire
-from runtime.server.endpoint import parse_address
+from pie_ctx.proto import messages as P
+from pie_ctx.proto import wire
+from pie_ctx.proto.address import parse_address
 from runtime.server.testing import serve_in_background
 from tests.server.helpers import SyncRawClient, fake_engine, sync_frame, wait_settled
 
 MARKER = 10**9
 SEEN: collections.Counter[str] = collections.Counter()  # reply kinds, to show coverage
+ERRORS: collections.Counter[str] = collections.Counter()  # error replies, for diagnosis
+
+def _unchecked_sampler(**fields: object) -> P.SamplerSpec:
+    """A SamplerSpec with any field values: what a client that skips construction checks
+    could put on the wire (the server must refuse it, not break)."""
+    spec = P.SamplerSpec()
+    for name, value in fields.items():
+        msgspec.structs.force_setattr(spec, name, value)
+    return spec
+
 
 ints = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**63 - 1, -(2**63)]))
 small_lists = st.one_of(st.lists(st.integers(0, 62), max_size=8), st.lists(ints, max_size=8))
@@ -36,7 +46,7 @@ samplers = st.one_of(
     st.builds(P.SamplerSpec),
     st.builds(P.SamplerSpec, temperature=st.floats(0.1, 2.0), top_k=st.integers(0, 10),
               seed=st.one_of(st.none(), st.integers(0, 2**40))),
-    st.builds(P.SamplerSpec, temperature=st.one_of(st.just(0.0), floats), top_k=ints,
+    st.builds(_unchecked_sampler, temperature=st.one_of(st.just(0.0), floats), top_k=ints,
               top_p=floats, min_p=floats, seed=st.one_of(st.none(), ints)),
 )
 masks = st.one_of(st.none(), st.none(), st.lists(st.lists(st.booleans(), max_size=6), max_size=4))
@@ -119,7 +129,7 @@ def live_server():
             portal.call(wait_settled, engine)
             assert portal.call(engine.stats).num_pages_used == 0
     # The fuzzing reached the engine's real work, not only the decoders.
-    assert SEEN["ForwardReply"] and SEEN["ErrorReply"], SEEN
+    assert SEEN["ForwardReply"] and SEEN["ErrorReply"], (SEEN, ERRORS.most_common(12))
 
 
 async def _delete_snapshots(engine) -> None:
@@ -134,6 +144,7 @@ def _check_reply(payload: bytes) -> wire.Response:
     SEEN[type(msg.reply).__name__ if msg.id != 0 else "connection-error"] += 1
     if isinstance(msg.reply, P.ErrorReply):
         assert "internal server error" not in msg.reply.message, msg.reply.message
+        ERRORS[f"{msg.reply.kind}: {msg.reply.message[:70]}"] += 1
     return msg
 
 

@@ -6,11 +6,11 @@ import anyio
 import msgspec
 import pytest
 
-from pie_ctx import protocol as P
 from pie_ctx.errors import ContextClosed, InvalidArgument, ProtocolError, SnapshotNotFound
+from pie_ctx.proto import messages as P
+from pie_ctx.proto import wire
+from pie_ctx.proto.framing import FrameReader, FramingError, encode_frame
 from pie_ctx.transport import LocalTransport
-from runtime.server import wire
-from runtime.server.framing import FrameReader, FramingError, encode_frame
 from runtime.server.testing import serve_in_background
 from tests.server.helpers import HELLO, RawClient, collect, connect, fake_engine, wait_settled
 
@@ -54,14 +54,12 @@ async def test_bad_frames_are_framing_errors():
 async def test_handshake_reports_engine_info_and_tokenizer():
     engine = fake_engine()
     async with serve_in_background(engine) as srv:
-        t = await connect(srv.address)
-        assert t.info == engine.info()
-        assert t.namespace == "default"
-        assert t.tokenizer.decode([0, 1, 2]) == "abc"
-        await t.aclose()
-        sub = await connect(srv.address, namespace="team-a")
-        assert sub.namespace == "default/team-a"
-        await sub.aclose()
+        async with connect(srv.address) as t:
+            assert t.info == engine.info()
+            assert t.namespace == "default"
+            assert t.tokenizer.decode([0, 1, 2]) == "abc"
+        async with connect(srv.address, namespace="team-a") as sub:
+            assert sub.namespace == "default/team-a"
 
 
 async def test_handshake_refusals():
@@ -75,12 +73,13 @@ async def test_handshake_refusals():
         await raw.call(1, P.GetInfo())  # no Hello first
         assert "expected Hello" in (await raw.receive()).reply.message
         with pytest.raises(ProtocolError, match="namespace"):
-            await connect(srv.address, namespace="../other")
+            async with connect(srv.address, namespace="../other"):
+                pass
         srv.server.handshake_timeout = 0.2
         silent = await RawClient.open(srv.address)
         assert await silent.receive(timeout=3) is None  # dropped after the timeout
-        t = await connect(srv.address)  # the server still serves others
-        await t.aclose()
+        async with connect(srv.address) as t:  # the server still serves others
+            assert t.info == srv.server.engine.info()
 
 # ------------------------------------------------------------------- every request type
 
@@ -137,9 +136,8 @@ async def test_every_request_matches_in_process():
         await local.aclose()
     engine = fake_engine()
     async with serve_in_background(engine) as srv:
-        t = await connect(srv.address)
-        got = await _script(t)
-        await t.aclose()
+        async with connect(srv.address) as t:
+            got = await _script(t)
         await wait_settled(engine)
     assert got == expected
     assert any(isinstance(x, tuple) and x[0] == "SnapshotExists" for x in got)
@@ -148,24 +146,23 @@ async def test_every_request_matches_in_process():
 async def test_cancel_leaves_context_unchanged():
     engine = fake_engine(num_pages=1024)
     async with serve_in_background(engine) as srv:
-        t = await connect(srv.address)
-        a = (await t.request(P.CreateContext())).ctx
-        await t.request(P.Forward(ctx=a, tokens=[1, 2, 3]))
-        before = (await t.request(P.GetState(ctx=a))).state
-        stream = await t.generate(P.Generate(ctx=a, tokens=[4], max_tokens=3000,
-                                             stop_token_ids=[]))
-        first = await stream.__anext__()
-        assert isinstance(first, P.GenerateChunk)
-        await stream.aclose()
-        with anyio.fail_after(5):  # the context is usable again once the job is gone
-            state = (await t.request(P.GetState(ctx=a))).state
-            while state != before:
-                await anyio.sleep(0.01)
+        async with connect(srv.address) as t:
+            a = (await t.request(P.CreateContext())).ctx
+            await t.request(P.Forward(ctx=a, tokens=[1, 2, 3]))
+            before = (await t.request(P.GetState(ctx=a))).state
+            stream = await t.generate(P.Generate(ctx=a, tokens=[4], max_tokens=3000,
+                                                 stop_token_ids=[]))
+            first = await stream.__anext__()
+            assert isinstance(first, P.GenerateChunk)
+            await stream.aclose()
+            with anyio.fail_after(5):  # the context is usable again once the job is gone
                 state = (await t.request(P.GetState(ctx=a))).state
-        tokens, done = await collect(await t.generate(P.Generate(ctx=a, tokens=[4], max_tokens=4,
-                                                                 stop_token_ids=[])))
-        assert isinstance(done, P.GenerateDone) and len(tokens) == 4
-        await t.aclose()
+                while state != before:
+                    await anyio.sleep(0.01)
+                    state = (await t.request(P.GetState(ctx=a))).state
+            tokens, done = await collect(await t.generate(P.Generate(ctx=a, tokens=[4], max_tokens=4,
+                                                                     stop_token_ids=[])))
+            assert isinstance(done, P.GenerateDone) and len(tokens) == 4
         await wait_settled(engine)
 
 # ---------------------------------------------------------------------------- bad input
@@ -204,29 +201,27 @@ async def test_bad_messages_get_named_errors_and_connection_survives():
 async def test_oversize_frame_closes_only_that_connection():
     engine = fake_engine()
     async with serve_in_background(engine, max_frame_bytes=1024) as srv:
-        other = await connect(srv.address)
-        ctx = (await other.request(P.CreateContext())).ctx
-        raw = await RawClient.open(srv.address, HELLO)
-        await raw.call(1, P.Tokenize(text="a" * 2000))
-        r = await raw.receive()
-        assert r.id == 0 and "exceeds the limit of 1024" in r.reply.message
-        assert await raw.receive() is None
-        assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
-        with pytest.raises(InvalidArgument, match="frame limit of 1024"):  # refused client-side
-            await other.request(P.Tokenize(text="a" * 2000))
-        assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
-        await other.aclose()
+        async with connect(srv.address) as other:
+            ctx = (await other.request(P.CreateContext())).ctx
+            raw = await RawClient.open(srv.address, HELLO)
+            await raw.call(1, P.Tokenize(text="a" * 2000))
+            r = await raw.receive()
+            assert r.id == 0 and "exceeds the limit of 1024" in r.reply.message
+            assert await raw.receive() is None
+            assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
+            with pytest.raises(InvalidArgument, match="frame limit of 1024"):  # refused client-side
+                await other.request(P.Tokenize(text="a" * 2000))
+            assert (await other.request(P.GetState(ctx=ctx))).state.seq_len == 0
         await wait_settled(engine)
 
 
 async def test_errors_raise_typed_exceptions_over_the_socket():
     async with serve_in_background(fake_engine()) as srv:
-        t = await connect(srv.address)
-        with pytest.raises(ContextClosed):
-            await t.request(P.ForkContext(ctx=42))
-        with pytest.raises(SnapshotNotFound):
-            await t.request(P.OpenSnapshot(name="nope"))
-        await t.aclose()
+        async with connect(srv.address) as t:
+            with pytest.raises(ContextClosed):
+                await t.request(P.ForkContext(ctx=42))
+            with pytest.raises(SnapshotNotFound):
+                await t.request(P.OpenSnapshot(name="nope"))
         with pytest.raises(ProtocolError, match="closed"):
             await t.request(P.GetInfo())
 
@@ -234,30 +229,29 @@ async def test_errors_raise_typed_exceptions_over_the_socket():
 
 
 async def _many_on_one_connection(address: str) -> tuple[list[list[int]], list[list[int]]]:
-    t = await connect(address)
-    base = (await t.request(P.CreateContext())).ctx
-    await t.request(P.Forward(ctx=base, tokens=list(range(1, 9))))
+    async with connect(address) as t:
+        base = (await t.request(P.CreateContext())).ctx
+        await t.request(P.Forward(ctx=base, tokens=list(range(1, 9))))
 
-    async def one(i: int) -> list[int]:
-        fork = (await t.request(P.ForkContext(ctx=base))).ctx
-        sampler = P.SamplerSpec(temperature=0.9, seed=i)
-        tokens, done = await collect(await t.generate(P.Generate(
-            ctx=fork, tokens=[i % 60], sampler=sampler, max_tokens=10, stop_token_ids=[])))
-        assert isinstance(done, P.GenerateDone)
-        await t.request(P.ReleaseContext(ctx=fork))
-        return tokens
+        async def one(i: int) -> list[int]:
+            fork = (await t.request(P.ForkContext(ctx=base))).ctx
+            sampler = P.SamplerSpec(temperature=0.9, seed=i)
+            tokens, done = await collect(await t.generate(P.Generate(
+                ctx=fork, tokens=[i % 60], sampler=sampler, max_tokens=10, stop_token_ids=[])))
+            assert isinstance(done, P.GenerateDone)
+            await t.request(P.ReleaseContext(ctx=fork))
+            return tokens
 
-    sequential = [await one(i) for i in range(20)]
-    concurrent: list[list[int]] = [[] for _ in range(20)]
+        sequential = [await one(i) for i in range(20)]
+        concurrent: list[list[int]] = [[] for _ in range(20)]
 
-    async def store(i: int) -> None:
-        concurrent[i] = await one(i)
+        async def store(i: int) -> None:
+            concurrent[i] = await one(i)
 
-    async with anyio.create_task_group() as tg:
-        for i in range(20):
-            tg.start_soon(store, i)
-            tg.start_soon(t.request, P.GetStats())  # unrelated replies interleave
-    await t.aclose()
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(store, i)
+                tg.start_soon(t.request, P.GetStats())  # unrelated replies interleave
     return sequential, concurrent
 
 

@@ -7,9 +7,9 @@ import stat
 
 import pytest
 
-from pie_ctx import protocol as P
 from pie_ctx.errors import AuthError, InvalidArgument, SnapshotNotFound
-from runtime.server import endpoint
+from pie_ctx.proto import address as endpoint
+from pie_ctx.proto import messages as P
 from runtime.server.run import open_listener, settle_token
 from runtime.server.server import Server
 from runtime.server.testing import serve_in_background
@@ -35,15 +35,17 @@ async def test_tcp_refuses_missing_and_wrong_tokens_before_the_engine():
         spy = _Spy(engine)
         srv.server.engine = spy
         with pytest.raises(AuthError, match="requires a token"):
-            await connect(srv.address)
+            async with connect(srv.address):
+                pass
         with pytest.raises(AuthError, match="wrong token"):
-            await connect(srv.address, token=srv.token + "x")
+            async with connect(srv.address, token=srv.token + "x"):
+                pass
         with pytest.raises(AuthError, match="wrong token"):
-            await connect(srv.address, token="")
+            async with connect(srv.address, token=""):
+                pass
         assert spy.calls == 0
-        t = await connect(srv.address, token=srv.token)
-        assert (await t.request(P.CreateContext())).ctx > 0
-        await t.aclose()
+        async with connect(srv.address, token=srv.token) as t:
+            assert (await t.request(P.CreateContext())).ctx > 0
         await wait_settled(engine)
 
 
@@ -55,27 +57,27 @@ def test_tcp_server_cannot_run_without_a_token():
 async def test_namespaces_are_isolated():
     engine = fake_engine()
     async with serve_in_background(engine, tcp=True, extra_tokens=("bob-token",)) as srv:
-        alice = await connect(srv.address, token=srv.token)
-        bob = await connect(srv.address, token="bob-token")
-        alice_sub = await connect(srv.address, token=srv.token, namespace="experiments")
-        assert len({alice.namespace, bob.namespace, alice_sub.namespace}) == 3
-        assert srv.token not in alice.namespace  # the namespace never reveals the token
-        a = (await alice.request(P.CreateContext())).ctx
-        await alice.request(P.Forward(ctx=a, tokens=[1, 2, 3]))
-        await alice.request(P.SaveSnapshot(ctx=a, name="secret"))
-        for other in (bob, alice_sub):
-            assert (await other.request(P.ListSnapshots())).names == []
-            for req in (P.OpenSnapshot(name="secret"), P.TakeSnapshot(name="secret"),
-                        P.DeleteSnapshot(name="secret")):
-                with pytest.raises(SnapshotNotFound):
-                    await other.request(req)
-        b = (await bob.request(P.CreateContext())).ctx
-        await bob.request(P.SaveSnapshot(ctx=b, name="secret"))  # same name, own namespace
-        assert (await alice.request(P.OpenSnapshot(name="secret"))).state.seq_len == 3
-        for t in (alice, bob, alice_sub):
-            await t.aclose()
-        assert sorted(engine.store.list(alice.namespace)) == ["secret"]
-        assert sorted(engine.store.list(bob.namespace)) == ["secret"]
+        async with connect(srv.address, token=srv.token) as alice, \
+                connect(srv.address, token="bob-token") as bob, \
+                connect(srv.address, token=srv.token, namespace="experiments") as alice_sub:
+            assert len({alice.namespace, bob.namespace, alice_sub.namespace}) == 3
+            assert srv.token not in alice.namespace  # the namespace never reveals the token
+            a = (await alice.request(P.CreateContext())).ctx
+            await alice.request(P.Forward(ctx=a, tokens=[1, 2, 3]))
+            await alice.request(P.SaveSnapshot(ctx=a, name="secret"))
+            for other in (bob, alice_sub):
+                assert (await other.request(P.ListSnapshots())).names == []
+                for req in (P.OpenSnapshot(name="secret"), P.TakeSnapshot(name="secret"),
+                            P.DeleteSnapshot(name="secret")):
+                    with pytest.raises(SnapshotNotFound):
+                        await other.request(req)
+            b = (await bob.request(P.CreateContext())).ctx
+            await bob.request(P.SaveSnapshot(ctx=b, name="secret"))  # same name, own namespace
+            assert (await alice.request(P.OpenSnapshot(name="secret"))).state.seq_len == 3
+            for t in (alice, bob, alice_sub):
+                await t.aclose()
+            assert sorted(engine.store.list_snapshots(alice.namespace)) == ["secret"]
+            assert sorted(engine.store.list_snapshots(bob.namespace)) == ["secret"]
 
 
 def test_token_file_is_created_0600_and_loose_files_are_refused(tmp_path):

@@ -16,14 +16,13 @@ REPO = str(Path(__file__).resolve().parents[2])
 
 CLIENT = """
 import json, sys, anyio
-from pie_ctx import protocol as P
+from pie_ctx.proto import messages as P
 from pie_ctx.socket_transport import SocketTransport
 
 async def main(address, tokens):
-    t = await SocketTransport.connect(address)
-    ctx = (await t.request(P.CreateContext())).ctx
-    reply = await t.request(P.Forward(ctx=ctx, tokens=tokens, reuse_prefix=True))
-    await t.aclose()
+    async with SocketTransport.open(address) as t:
+        ctx = (await t.request(P.CreateContext())).ctx
+        reply = await t.request(P.Forward(ctx=ctx, tokens=tokens, reuse_prefix=True))
     r = reply.report
     print(json.dumps({"reused": r.pages_reused, "computed": r.pages_computed,
                       "tokens_computed": r.tokens_computed}))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.model.attention import AttentionMetadata, consecutive_run
+from runtime.model.attention.base import AttentionMetadata, consecutive_run
 
 __all__ = ["CascadeGroup", "run_prefix_len", "shared_prefix_clusters"]
 

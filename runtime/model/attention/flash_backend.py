@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from runtime.model.attention import AttentionMetadata, write_kv
+from runtime.model.attention.base import AttentionMetadata, write_kv
 from runtime.model.attention.torch_backend import TorchAttention
 
 __all__ = ["FlashAttention", "flash_available"]

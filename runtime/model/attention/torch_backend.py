@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.model.attention import AttentionMetadata, consecutive_run, write_kv
+from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
 
 __all__ = ["TorchAttention"]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from pie_ctx.errors import InvalidArgument, ModelError
-from pie_ctx.tokenizer import IncrementalDecoder, Tokenizer
+from pie_ctx.proto.errors import InvalidArgument, ModelError
+from pie_ctx.proto.tokenizer import IncrementalDecoder, Tokenizer
 
 from ..config import ModelConfig
 from . import cache

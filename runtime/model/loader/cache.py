@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 __all__ = [
     "MANIFEST", "cache_root", "models_dir", "downloads_dir", "entry_lock", "staging_dir",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 from . import cache
 from .gguf_file import GGUFModel

@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 from . import cache
 from .convert import ensure_converted

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 __all__ = [
     "GGUFModel", "hf_tensor_name", "permute_qk", "unpermute_qk", "gguf_config_dict",

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from pie_ctx.errors import ModelError
+from pie_ctx.proto.errors import ModelError
 
 __all__ = ["GGUFTokenizerSpec", "build_gguf_tokenizer", "byte_to_unicode", "PRE_TOKENIZER_SPLITS"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pie_ctx.errors import ModelError
-from pie_ctx.tokenizer import Tokenizer
+from pie_ctx.proto.errors import ModelError
+from pie_ctx.proto.tokenizer import Tokenizer
 
 __all__ = ["read_json", "read_config", "weight_files", "load_weights", "load_tokenizer"]
 

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pie_ctx.errors import InvalidArgument
+from pie_ctx.proto.errors import InvalidArgument
 
 __all__ = [
     "Address",

@@ -26,7 +26,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from pie_ctx.errors import InvalidArgument, ModelError
+from pie_ctx.proto.errors import InvalidArgument, ModelError
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "END_OF_TURN_TOKENS"]
 

@@ -1,8 +1,8 @@
 """The wire protocol: the messages that travel in frames between a client and the server.
 
-Every frame (``runtime.server.framing``) holds one MessagePack-encoded msgspec Struct. The
+Every frame (``pie_ctx.proto.framing``) holds one MessagePack-encoded msgspec Struct. The
 structs here are envelopes around the plain-data requests and replies of
-``pie_ctx.protocol``; the engine never sees these envelopes.
+``pie_ctx.proto.messages``; the engine never sees these envelopes.
 
 Conversation::
 
@@ -15,7 +15,8 @@ Conversation::
     Call{id, Generate}                       ->
                                              <-  Response{id, GenerateChunk} ... then
                                              <-  Response{id, GenerateDone | ErrorReply}
-    Cancel{id}                               ->  (stops request ``id``; no reply)
+    Cancel{id}                               ->
+                                             <-  Cancelled{id} (if ``id`` had not ended)
     Bye{id}                                  ->
                                              <-  Response{id, Ok}, then the server closes
 
@@ -25,8 +26,14 @@ order. Id 0 is reserved for connection-level errors (a message that could not be
 a request). ``Call.request`` is kept as raw MessagePack so that a request with a bad field
 still gets an ``ErrorReply`` under its own id.
 
+Every ``Call`` ends with exactly one final message: its reply (for a generation, the
+``GenerateDone`` or ``ErrorReply`` after the chunks), or ``Cancelled`` if a ``Cancel``
+stopped it first. A request stops counting against ``Welcome.max_inflight`` before its
+final message is sent, so a client that keeps at most that many calls open (counting each
+until its final message arrives) is never refused for having too many in flight.
+
 Versioning: ``Hello.protocol_version`` must equal the server's ``PROTOCOL_VERSION`` (from
-``pie_ctx.protocol``); otherwise the server refuses the connection with a
+``pie_ctx.proto.messages``); otherwise the server refuses the connection with a
 ``ProtocolError`` naming both versions. New optional fields may be added without a bump.
 
 This module imports neither torch nor the engine.
@@ -38,8 +45,8 @@ from typing import Any
 
 import msgspec
 
-from pie_ctx import protocol as P
-from pie_ctx.errors import ProtocolError
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -50,6 +57,7 @@ __all__ = [
     "Bye",
     "Welcome",
     "Response",
+    "Cancelled",
     "ClientMessage",
     "ServerMessage",
     "encode",
@@ -72,7 +80,7 @@ class Hello(msgspec.Struct, tag=True, kw_only=True, frozen=True):
 
 
 class Call(msgspec.Struct, tag=True, kw_only=True, frozen=True):
-    """One request: ``request`` is a ``pie_ctx.protocol.Request`` as raw MessagePack."""
+    """One request: ``request`` is a ``pie_ctx.proto.messages.Request`` as raw MessagePack."""
 
     id: int
     request: msgspec.Raw
@@ -107,8 +115,14 @@ class Response(msgspec.Struct, tag=True, kw_only=True):
     reply: P.Reply
 
 
+class Cancelled(msgspec.Struct, tag=True, kw_only=True):
+    """The final message of request ``id``, which a ``Cancel`` stopped before it ended."""
+
+    id: int
+
+
 ClientMessage = Hello | Call | Cancel | Bye
-ServerMessage = Welcome | Response
+ServerMessage = Welcome | Response | Cancelled
 
 # msgspec raises DecodeError for most bad input, but a str with invalid UTF-8 surfaces as
 # UnicodeDecodeError (a ValueError) and absurd nesting as RecursionError.
@@ -137,7 +151,7 @@ def decode_client(payload: bytes) -> Hello | Call | Cancel | Bye:
         raise ProtocolError(f"malformed message: {err}") from None
 
 
-def decode_server(payload: bytes) -> Welcome | Response:
+def decode_server(payload: bytes) -> Welcome | Response | Cancelled:
     """Decode a server-to-client message.
 
     Raises:

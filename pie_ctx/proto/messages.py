@@ -1,8 +1,7 @@
 """Plain-data messages between the SDK and the runtime.
 
 The same msgspec Structs travel in-process (passed as objects to ``Engine.handle``) and over
-a socket (MessagePack frames, see ``runtime/server``). This module is pure Python: the SDK
-imports it without torch.
+a socket (MessagePack frames, see ``pie_ctx.proto.wire``). Part of the torch-free contract.
 
 Requests are a tagged union (``Request``); each request has exactly one reply type, or an
 ``ErrorReply`` carrying the typed error's class name and message. ``Generate`` is the one
@@ -11,9 +10,14 @@ streaming request: it yields ``GenerateChunk`` messages and ends with ``Generate
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import msgspec
 
-PROTOCOL_VERSION = 1
+from pie_ctx.proto.errors import InvalidArgument, PieError, error_from_name, known_name
+
+PROTOCOL_VERSION = 2
 
 
 class SamplerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,13 +26,40 @@ class SamplerSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``temperature == 0`` means greedy (the other fields are ignored). Filters apply in the
     order temperature, top-k, top-p, min-p. ``seed`` makes sampling reproducible and
     independent of whatever else shares the batch.
+
+    A value can only exist if it is valid: construction (and decoding from the wire)
+    checks every field, so neither side checks a sampler again.
+
+    Raises:
+        InvalidArgument: a field is out of range or of the wrong type.
     """
 
     temperature: float = 0.0
-    top_k: int = 0
+    top_k: int = 0  # 0 = no limit
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgument(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < 1:
+            raise InvalidArgument(f"min_p must be in [0, 1), got {m!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**63):
+            raise InvalidArgument(f"seed must be an int in [0, 2**63) or None, got {seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
 
 
 class ContextState(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +292,8 @@ class TokenIds(_Reply):
 
 
 class EngineInfo(_Reply):
+    """The engine's fixed facts and the limits every request must respect."""
+
     protocol_version: int
     model_name: str
     page_size: int
@@ -269,6 +302,9 @@ class EngineInfo(_Reply):
     max_seq_len: int
     stop_token_ids: list[int]
     max_step_tokens: int
+    max_reply_bytes: int = 16 * 2**20  # the largest reply one request may produce
+    max_mask_entries: int = 2**26  # rows x columns of one custom attention mask
+    max_pages_per_owner: int = 0  # the page share of one owner (client); 0 = the whole pool
 
 
 class EngineStats(_Reply):
@@ -286,6 +322,7 @@ class EngineStats(_Reply):
     hit_rate: float
     model_seconds: float
     scheduler_seconds: float
+    num_isolated_failures: int = 0  # requests failed alone because their rows broke a step
 
 
 class ErrorReply(_Reply):
@@ -306,3 +343,22 @@ Reply = (
     | EngineStats
     | ErrorReply
 )
+
+
+def error_reply(err: BaseException) -> ErrorReply:
+    """The reply that carries ``err`` to a client of either transport.
+
+    A ``PieError`` keeps the nearest class clients know (a subclass defined elsewhere maps
+    to its closest ancestor in ``pie_ctx.errors``); anything else is a bug on the engine's
+    side and reaches the client as a plain ``PieError`` that says so.
+    """
+    if isinstance(err, PieError):
+        return ErrorReply(kind=known_name(err), message=str(err))
+    return ErrorReply(kind="PieError", message=f"internal error: {type(err).__name__}: {err}")
+
+
+def raise_if_error(reply: Any) -> Any:
+    """Turn an ``ErrorReply`` into its typed exception; pass other replies through."""
+    if isinstance(reply, ErrorReply):
+        raise error_from_name(reply.kind, reply.message)
+    return reply

@@ -1,7 +1,7 @@
 """Length-prefixed frames over a byte stream (the lowest layer of the wire protocol).
 
 A frame is a 4-byte unsigned big-endian length ``n`` followed by ``n`` bytes of payload
-(one MessagePack message, see ``runtime.server.wire``). Both ends refuse frames longer
+(one MessagePack message, see ``pie_ctx.proto.wire``). Both ends refuse frames longer
 than their ``max_frame_bytes``; a refused, truncated or zero-length frame is a framing
 error after which the stream cannot be resynchronised, so the connection must be closed.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from pie_ctx.errors import ProtocolError
+from pie_ctx.proto.errors import ProtocolError
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

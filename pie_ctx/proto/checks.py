@@ -1,0 +1,256 @@
+"""One check per input kind, shared by the SDK (early) and the engine (authoritative).
+
+The SDK calls these before a request leaves the process, so bad input fails the same way
+on every transport (a socket would otherwise turn some of it into encoding or decoding
+errors). The engine calls them once, at its boundary, for everything a request carries,
+because a client may speak the protocol without the SDK. Layers below the engine trust
+what they are given. Every function raises ``InvalidArgument`` with a message that says
+what to pass instead, and returns the value normalised (plain ``int``/``list``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from pie_ctx.proto import messages as M
+from pie_ctx.proto.errors import ContextTooLong, InvalidArgument
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "MAX_NAME_CHARS",
+    "count",
+    "positive",
+    "token_ids",
+    "positions",
+    "indices",
+    "snapshot_name",
+    "text",
+    "stop",
+    "mask",
+    "finite",
+    "is_int",
+    "reply_bytes",
+    "forward",
+    "generate",
+]
+
+MAX_NAME_CHARS = 256
+_INT64 = 2**63
+
+
+def is_int(x: Any) -> bool:
+    """True for a Python int that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def count(value: Any, what: str) -> int:
+    """A count ``>= 0`` (an int, not a bool)."""
+    if not is_int(value) or not 0 <= value < _INT64:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {value!r}")
+    return value
+
+
+def positive(value: Any, what: str) -> int:
+    """An int ``>= 1``."""
+    if not is_int(value) or not 1 <= value < _INT64:
+        raise InvalidArgument(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def finite(value: Any, what: str) -> float:
+    """A finite real number (int or float, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidArgument(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _items(values: Any, what: str) -> list[Any]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"{what} must be a list of ints, got {type(values).__name__}")
+    return list(values)
+
+
+def token_ids(tokens: Any, vocab_size: int, what: str) -> list[int]:
+    """A list copy of ``tokens`` after checking each is an int id in ``[0, vocab_size)``."""
+    ids = _items(tokens, what)
+    for t in ids:
+        if not is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{what}: token id {t!r} is not in [0, {vocab_size}) for this model")
+    return ids
+
+
+def positions(values: Any, num_tokens: int, max_seq_len: int) -> list[int]:
+    """One rotary position per token, each in ``[0, max_seq_len)``."""
+    out = _items(values, "positions")
+    if len(out) != num_tokens:
+        raise InvalidArgument(f"{len(out)} positions for {num_tokens} tokens; give one each")
+    for p in out:
+        if not is_int(p) or not 0 <= p < max_seq_len:
+            raise InvalidArgument(f"position {p!r} is not in [0, {max_seq_len})")
+    return out
+
+
+def indices(values: Any, num_tokens: int, what: str) -> list[int]:
+    """Indices into a pass's input tokens, each in ``[0, num_tokens)``."""
+    out = _items(values, f"{what} indices")
+    for i in out:
+        if not is_int(i) or not 0 <= i < num_tokens:
+            raise InvalidArgument(
+                f"{what} index {i!r} is not in [0, {num_tokens}) (the pass's input tokens)")
+    return out
+
+
+def snapshot_name(name: Any) -> str:
+    """A snapshot name: a non-empty str of at most 256 characters."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise InvalidArgument(
+            f"snapshot names are non-empty str of at most {MAX_NAME_CHARS} chars, got {name!r}")
+    return name
+
+
+def text(value: Any, what: str) -> str:
+    """A str that a tokenizer can encode (valid Unicode: no lone surrogates)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} takes a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgument(
+            f"{what}: the text holds a lone surrogate at index {err.start}; pass valid "
+            "Unicode (e.g. decode bytes with errors='replace')") from None
+    return value
+
+
+def stop(value: Any, vocab_size: int) -> tuple[list[int], list[str]]:
+    """Stop conditions: None, one str, one token id, or a list of ids and non-empty strs.
+
+    Returns:
+        ``(token_ids, strings)``.
+    """
+    if value is None:
+        return [], []
+    items = [value] if isinstance(value, str) or is_int(value) else _items(value, "stop")
+    ids = [s for s in items if not isinstance(s, str)]
+    strings = [text(s, "stop") for s in items if isinstance(s, str)]
+    if any(not s for s in strings):
+        raise InvalidArgument("stop strings must be non-empty")
+    return token_ids(ids, vocab_size, "stop"), strings
+
+
+def mask(rows: Any, seq_len: int, num_tokens: int, max_entries: int) -> np.ndarray:
+    """A custom attention mask: ``num_tokens`` rows of ``seq_len + num_tokens`` booleans,
+    each row attending to at least one entry (an all-False row has no defined output).
+
+    Returns:
+        The mask as a bool array ``[num_tokens, seq_len + num_tokens]``.
+
+    Raises:
+        InvalidArgument: wrong shape or types, an empty row, or more than ``max_entries``.
+    """
+    import numpy as np
+
+    width = seq_len + num_tokens
+    if num_tokens * width > max_entries:
+        raise InvalidArgument(
+            f"attention_mask of {num_tokens} x {width} entries exceeds the engine's limit of "
+            f"{max_entries}; split the pass")
+    shape = (num_tokens, width)
+    try:
+        arr = np.asarray(rows)
+    except ValueError:  # ragged rows
+        arr = None
+    if arr is None or arr.shape != shape:
+        raise InvalidArgument(
+            f"attention_mask needs {num_tokens} rows (one per new token) of {width} booleans "
+            f"(every KV entry: the context's {seq_len} plus the {num_tokens} new ones)")
+    if arr.dtype != np.bool_:
+        raise InvalidArgument(f"attention_mask holds {arr.dtype} values; give booleans")
+    empty = np.flatnonzero(~arr.any(axis=1))
+    if empty.size:
+        raise InvalidArgument(
+            f"attention_mask row {int(empty[0])} attends to nothing; every token must see at "
+            "least one entry (e.g. itself)")
+    return arr
+
+
+def reply_bytes(req: M.Forward, vocab_size: int) -> int:
+    """An upper bound on the size of a ``Forward``'s reply, encoded."""
+    n = 256 + 9 * len(req.sample) + (4 * vocab_size + 8) * len(req.logits)
+    n += sum(18 * d.top_k + 16 for d in req.distributions)
+    n += sum(9 * len(lp.token_ids) + 8 for lp in req.logprobs)
+    return n
+
+
+def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | None:
+    """Everything about a ``Forward`` that does not depend on the pool's state right now.
+
+    Args:
+        req: the request.
+        info: the engine's facts and limits.
+        seq_len: the context's length before the pass.
+
+    Returns:
+        The custom mask as a bool array, or None.
+
+    Raises:
+        InvalidArgument: any field is malformed or out of range (the message says which).
+        ContextTooLong: the pass would run past the model's maximum length.
+    """
+    n = len(token_ids(req.tokens, info.vocab_size, "forward input"))
+    if n == 0:
+        raise InvalidArgument("forward: give at least one input token")
+    if seq_len + n > info.max_seq_len:
+        raise ContextTooLong(
+            f"{seq_len} tokens in the context + {n} new exceed the model's {info.max_seq_len}; "
+            "truncate, or start a new context")
+    if req.positions is not None:
+        positions(req.positions, n, info.max_seq_len)
+    for s in req.sample:
+        indices([s.index], n, "sample")
+        if not isinstance(s.sampler, M.SamplerSpec):
+            raise InvalidArgument(f"a sampler must be a SamplerSpec (from Sampler.*), got {s.sampler!r}")
+    indices(req.logits, n, "logits")
+    for d in req.distributions:
+        indices([d.index], n, "distribution")
+        if not is_int(d.top_k) or not 1 <= d.top_k <= info.vocab_size:
+            raise InvalidArgument(f"distribution top_k must be in [1, {info.vocab_size}], got {d.top_k!r}")
+    for lp in req.logprobs:
+        indices([lp.index], n, "logprobs")
+        token_ids(lp.token_ids, info.vocab_size, "logprobs")
+    if not isinstance(req.commit, bool) or not isinstance(req.reuse_prefix, bool):
+        raise InvalidArgument("commit and reuse_prefix are booleans")
+    size = reply_bytes(req, info.vocab_size)
+    if size > info.max_reply_bytes:
+        raise InvalidArgument(
+            f"this pass asks for a reply of about {size} bytes, over the engine's limit of "
+            f"{info.max_reply_bytes}: ask for fewer logits rows (distribution() or logprobs() "
+            "return much less), or split it into several passes")
+    return None if req.mask is None else mask(req.mask, seq_len, n, info.max_mask_entries)
+
+
+def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
+    """Everything about a ``Generate`` that does not depend on the pool's state right now.
+
+    Raises:
+        InvalidArgument: any field is malformed or out of range.
+        ContextTooLong: prompt + ``max_tokens`` would run past the model's maximum length.
+    """
+    n = len(token_ids(req.tokens, info.vocab_size, "generate prompt"))
+    positive(req.max_tokens, "max_tokens")
+    if not isinstance(req.sampler, M.SamplerSpec):
+        raise InvalidArgument(f"a sampler must be a SamplerSpec (from Sampler.*), got {req.sampler!r}")
+    if req.stop_token_ids is not None:
+        token_ids(req.stop_token_ids, info.vocab_size, "stop")
+    strings = _items(req.stop_strings, "stop strings")
+    if any(not isinstance(x, str) or not x for x in strings):
+        raise InvalidArgument("stop strings must be non-empty str")
+    for x in strings:
+        text(x, "stop")
+    if seq_len + n + req.max_tokens > info.max_seq_len:
+        raise ContextTooLong(
+            f"{seq_len} + {n} prompt + max_tokens {req.max_tokens} exceed the model's "
+            f"{info.max_seq_len} tokens; lower max_tokens")

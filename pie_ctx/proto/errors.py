@@ -1,0 +1,110 @@
+"""Typed errors shared by the SDK and the runtime (public name: ``pie_ctx.errors``).
+
+Pure Python, part of the contract both sides import. Three tiers, as in docs/design.md:
+
+* expected back-pressure is not an error: functions return ``None``/``False``;
+* caller misuse raises a subclass of :class:`PieError`, whose message says what to do;
+* a broken internal invariant raises :class:`RuntimeError` (a bug, never the caller's fault).
+
+Every call that raises a :class:`PieError` leaves all state exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PieError",
+    "InvalidArgument",
+    "ContextClosed",
+    "SnapshotNotFound",
+    "SnapshotExists",
+    "OutOfPages",
+    "ContextTooLong",
+    "ModelError",
+    "ProtocolError",
+    "AuthError",
+    "error_from_name",
+    "known_name",
+    "single_exception",
+]
+
+
+class PieError(Exception):
+    """Base class of every error pie-ctx raises for caller misuse or unmet requests."""
+
+
+class InvalidArgument(PieError, ValueError):
+    """An argument is out of range or of the wrong kind; the message says which and why."""
+
+
+class ContextClosed(PieError):
+    """The context (or raw handle) was released; create, fork or open a new one."""
+
+
+class SnapshotNotFound(PieError, KeyError):
+    """No snapshot has this name (in this namespace); see ``list()`` for the saved names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SnapshotExists(PieError):
+    """A snapshot with this name already exists; delete it first or pick another name."""
+
+
+class OutOfPages(PieError):
+    """The request needs more KV pages than the pool can ever provide."""
+
+
+class ContextTooLong(PieError):
+    """The context would exceed the model's maximum sequence length."""
+
+
+class ModelError(PieError):
+    """A model file is missing, corrupt or unsupported; the message names the file."""
+
+
+class ProtocolError(PieError):
+    """A malformed or unexpected message on the wire."""
+
+
+class AuthError(PieError):
+    """The server refused the connection: missing or wrong token."""
+
+
+_BY_NAME: dict[str, type[PieError]] = {
+    cls.__name__: cls
+    for cls in (
+        PieError,
+        InvalidArgument,
+        ContextClosed,
+        SnapshotNotFound,
+        SnapshotExists,
+        OutOfPages,
+        ContextTooLong,
+        ModelError,
+        ProtocolError,
+        AuthError,
+    )
+}
+
+
+def known_name(err: PieError) -> str:
+    """The name of the nearest class of ``err`` defined here (what a client can rebuild)."""
+    return next(c.__name__ for c in type(err).__mro__ if c.__name__ in _BY_NAME)
+
+
+def error_from_name(name: str, message: str) -> PieError:
+    """Rebuild a typed error from its class name (used by transports that carry errors)."""
+    return _BY_NAME.get(name, PieError)(message)
+
+
+def single_exception(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside nested single-member groups, else the group itself.
+
+    Task groups wrap whatever their body raised; callers of the SDK and the engine get the
+    inferlet's own exception back.
+    """
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,170 @@
+"""Request handlers: every non-streaming request of ``pie_ctx.proto.messages``.
+
+Owns nothing but its dependencies, given at construction: the page store, the context
+table, the passes (``Forward``) and the engine's facts. Bookkeeping requests (create, fork,
+release, raw page operations, snapshots) answer at once from the store; ``Forward`` goes
+to :class:`~runtime.engine.passes.Passes`. Every input is checked here, once, through the
+contract's ``pie_ctx.proto.checks`` (the store checks its own state-dependent rules), and a
+``PieError`` becomes an ``ErrorReply`` that changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pie_ctx.proto import checks
+from pie_ctx.proto import messages as P
+from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
+from runtime.engine.passes import Passes
+from runtime.engine.records import ContextRecord, ContextTable
+
+__all__ = ["Handlers"]
+
+Handler = Callable[[Any, Any, str], Awaitable[Any]]
+
+
+class Handlers:
+    """Answers requests for one engine.
+
+    Args:
+        store: the page store.
+        records: the context table.
+        passes: runs ``Forward`` requests.
+        info: the engine's facts (``GetInfo``).
+        stats: builds the engine's counters (``GetStats``).
+        tokenizer: encodes text (``Tokenize``).
+        on_pages_freed: called when a request gave pages back (a waiting job may run).
+    """
+
+    def __init__(self, store: Any, records: ContextTable, passes: Passes, info: P.EngineInfo,
+                 stats: Callable[[], P.EngineStats], tokenizer: Any,
+                 on_pages_freed: Callable[[], None]) -> None:
+        self._store = store
+        self._records = records
+        self._passes = passes
+        self._info = info
+        self._stats = stats
+        self._tokenizer = tokenizer
+        self._on_pages_freed = on_pages_freed
+        self._table: dict[type, Handler] = {
+            P.CreateContext: self._create,
+            P.ForkContext: self._fork,
+            P.ReleaseContext: self._release,
+            P.GetState: self._get_state,
+            P.ReservePages: self._raw,
+            P.CommitPages: self._raw,
+            P.ReleasePages: self._raw,
+            P.TruncateTokens: self._raw,
+            P.SaveSnapshot: self._save,
+            P.OpenSnapshot: self._open,
+            P.TakeSnapshot: self._take,
+            P.DeleteSnapshot: self._delete,
+            P.ListSnapshots: self._list,
+            P.Forward: self._forward,
+            P.Tokenize: self._tokenize,
+            P.GetInfo: self._get_info,
+            P.GetStats: self._get_stats,
+        }
+
+    async def handle(self, req: Any, owner: Any, namespace: str) -> Any:
+        """The reply to ``req``; a ``PieError`` is returned as an ``ErrorReply``."""
+        handler = self._table.get(type(req))
+        try:
+            if handler is None:
+                raise InvalidArgument(f"unknown request type {type(req).__name__}")
+            return await handler(req, owner, namespace)
+        except PieError as err:
+            return P.error_reply(err)
+
+    # ------------------------------------------------------------------------ contexts
+
+    def _reply(self, record: ContextRecord, meta: str = "") -> P.ContextReply:
+        return P.ContextReply(ctx=record.handle, state=self._store.state(record.cid), meta=meta)
+
+    async def _create(self, req: P.CreateContext, owner: Any, ns: str) -> P.ContextReply:
+        return self._reply(self._records.add(self._store.create_context(), owner))
+
+    async def _fork(self, req: P.ForkContext, owner: Any, ns: str) -> P.ContextReply:
+        parent = self._records.get(req.ctx, owner)
+        async with parent.lock:
+            cid = self._store.fork(parent.cid)
+        return self._reply(self._records.add(cid, owner, parent.last_logits))
+
+    async def _release(self, req: P.ReleaseContext, owner: Any, ns: str) -> P.Ok:
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            self._records.release(record)
+        return P.Ok()
+
+    async def _get_state(self, req: P.GetState, owner: Any, ns: str) -> P.StateReply:
+        return P.StateReply(state=self._store.state(self._records.get(req.ctx, owner).cid))
+
+    async def _raw(self, req: Any, owner: Any, ns: str) -> P.StateReply:
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            ok = True
+            cid = record.cid
+            if isinstance(req, P.ReservePages):
+                n = checks.count(req.num_pages, "num_pages")
+                if n > self._store.num_pages_total:
+                    raise OutOfPages(f"cannot reserve {n} pages: the pool has only "
+                                     f"{self._store.num_pages_total}")
+                ok = self._store.reserve_working_pages(cid, n)
+            elif isinstance(req, P.CommitPages):
+                self._store.commit_working_pages(cid, req.num_pages)
+            elif isinstance(req, P.ReleasePages):
+                self._store.release_working_pages(cid, req.num_pages)
+                record.last_logits = None
+                self._on_pages_freed()
+            else:
+                self._store.truncate_working_page_tokens(cid, req.num_tokens)
+                if req.num_tokens:
+                    record.last_logits = None
+            return P.StateReply(state=self._store.state(cid), ok=ok)
+
+    async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
+        return await self._passes.forward(req, owner)
+
+    # ----------------------------------------------------------------------- snapshots
+
+    async def _save(self, req: P.SaveSnapshot, owner: Any, ns: str) -> P.Ok:
+        record = self._records.get(req.ctx, owner)
+        name = checks.snapshot_name(req.name)
+        if not isinstance(req.meta, str):
+            raise InvalidArgument("snapshot meta must be a str")
+        async with record.lock:
+            self._store.save_snapshot(record.cid, name, ns, meta=req.meta,
+                                      last_logits=record.last_logits)
+        return P.Ok()
+
+    async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
+        name = checks.snapshot_name(req.name)
+        snap = self._store.snapshot(name, ns)
+        cid = self._store.open_snapshot(name, ns)
+        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
+
+    async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
+        name = checks.snapshot_name(req.name)
+        snap = self._store.snapshot(name, ns)
+        cid = self._store.take_snapshot(name, ns)
+        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
+
+    async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:
+        self._store.delete_snapshot(checks.snapshot_name(req.name), ns)
+        self._on_pages_freed()
+        return P.Ok()
+
+    async def _list(self, req: P.ListSnapshots, owner: Any, ns: str) -> P.SnapshotList:
+        return P.SnapshotList(names=self._store.list_snapshots(ns))
+
+    # ------------------------------------------------------------------------- engine
+
+    async def _tokenize(self, req: P.Tokenize, owner: Any, ns: str) -> P.TokenIds:
+        return P.TokenIds(token_ids=list(self._tokenizer.encode(checks.text(req.text, "tokenize"))))
+
+    async def _get_info(self, req: P.GetInfo, owner: Any, ns: str) -> P.EngineInfo:
+        return self._info
+
+    async def _get_stats(self, req: P.GetStats, owner: Any, ns: str) -> P.EngineStats:
+        return self._stats()

@@ -1,0 +1,121 @@
+"""The import graph of ``pie_ctx`` and ``runtime``: one-way arrows, no circles.
+
+Every import counts: at module level, inside functions, and under ``TYPE_CHECKING``. An
+edge goes to the module named (``from a.b import c`` names ``a.b.c`` when that is a module,
+else ``a.b``), as import linters count them. That ``import a.b.c`` first runs the package
+``a``'s ``__init__`` is checked separately: ``pie_ctx/__init__`` imports nothing when it
+runs, so importing the contract never loads the SDK's client classes. See docs/design.md
+for the layers these rules keep apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pie_ctx", "runtime")
+
+# The only places the SDK reaches into the runtime package (both documented):
+ALLOWED_SDK_TO_RUNTIME = {
+    "pie_ctx.runtime": {"runtime.engine.boot"},  # Runtime.local boots an engine lazily
+    "pie_ctx.cli": {"runtime.server.cli", "runtime.model.loader"},  # the program's entry point
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.append(sub if sub in modules else node.module)
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    sys.setrecursionlimit(10_000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
+    for name, targets in _graph().items():
+        if not name.startswith("pie_ctx"):
+            continue
+        into_runtime = {t for t in targets if t.split(".")[0] == "runtime"}
+        assert into_runtime <= ALLOWED_SDK_TO_RUNTIME.get(name, set()), (name, into_runtime)
+
+
+def test_the_runtime_depends_only_on_the_contract():
+    for name, targets in _graph().items():
+        if not name.startswith("runtime"):
+            continue
+        sdk = {t for t in targets if t.split(".")[0] == "pie_ctx" and t != "pie_ctx"}
+        outside = {t for t in sdk if not t.startswith("pie_ctx.proto")}
+        assert not outside, (name, outside)
+
+
+def test_importing_the_contract_loads_no_client_class_and_no_torch():
+    code = ("import sys, pie_ctx.proto.messages, pie_ctx.proto.checks, pie_ctx.proto.wire, "
+            "pie_ctx.proto.framing, pie_ctx.proto.address\n"
+            "print(sorted(m for m in sys.modules if m.startswith('pie_ctx') and "
+            "not m.startswith('pie_ctx.proto') or m in ('torch', 'runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['pie_ctx']"
