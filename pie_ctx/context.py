@@ -90,6 +90,7 @@ class Context(Counters):
     @property
     def pending_tokens(self) -> list[int]:
         """Tokens filled in but not yet written to the KV cache (a copy)."""
+        self._core.check_open()
         return list(self._core.pending)
 
     @property

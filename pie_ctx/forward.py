@@ -93,10 +93,19 @@ class Forward:
         return self
 
     def attention_mask(self, rows: Sequence[Sequence[bool]]) -> Forward:
-        """Custom mask, one row per input token (see the module docstring)."""
-        if isinstance(rows, str | bytes) or not hasattr(rows, "__iter__"):
-            raise InvalidArgument("attention_mask takes a list of rows of booleans")
-        self._mask = [[bool(x) for x in row] for row in rows]
+        """Custom mask, one row per input token (see the module docstring); ``rows`` is a
+        list of lists of bools, or a bool numpy array."""
+        import numpy as np
+
+        try:
+            arr = np.asarray(rows)
+        except ValueError:  # ragged rows: the shape check at execute() names the problem
+            arr = None
+        if arr is not None and arr.dtype != np.bool_:
+            raise InvalidArgument(f"attention_mask takes booleans (True = attend), got "
+                                  f"{arr.dtype} values")
+        self._mask = arr.tolist() if arr is not None else [
+            list(r) if isinstance(r, Sequence) else r for r in rows]
         return self
 
     def sample(self, indices: Sequence[int], sampler: P.SamplerSpec) -> Forward:
@@ -143,14 +152,16 @@ class Forward:
         core = self._core
 
         async def body() -> ForwardOutput:
-            await core.write_pending()
             fields: dict[str, Any] = {
                 "tokens": self._tokens, "positions": self._positions, "mask": self._mask,
                 "commit": self._commit, "sample": self._sample, "logits": self._logits,
                 "distributions": self._dists, "logprobs": self._logprobs,
             }
-            # The engine's own check, here too: the same error on every transport.
-            checks.forward(P.Forward(ctx=0, **fields), core.rt.info, core.state.seq_len)
+            # The engine's own check, here too and before anything is written (the pending
+            # tokens included): the same error on every transport, and nothing changed.
+            seq_len = core.state.seq_len + len(core.pending)
+            checks.forward(P.Forward(ctx=0, **fields), core.rt.info, seq_len)
+            await core.write_pending()
             reply = await core.request(P.Forward, **fields)
             core.set_state(reply.state)
             core.chat.synced = False  # the KV now holds tokens the conversation does not

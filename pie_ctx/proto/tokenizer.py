@@ -26,6 +26,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument, ModelError
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "END_OF_TURN_TOKENS"]
@@ -147,10 +148,9 @@ class Tokenizer:
             The token ids.
 
         Raises:
-            InvalidArgument: ``text`` is not a string.
+            InvalidArgument: ``text`` is not a string, or not valid Unicode.
         """
-        if not isinstance(text, str):
-            raise InvalidArgument(f"encode() takes a str, got {type(text).__name__}")
+        checks.text(text, "encode()")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

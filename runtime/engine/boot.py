@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pie_ctx.proto import checks
+from pie_ctx.proto.errors import InvalidArgument
 from runtime.engine.engine import Engine
 from runtime.kv.store import PageStore
 from runtime.model.loader import load_model
@@ -28,7 +29,7 @@ def pool_pages_for(config: Any, page_size: int, dtype: torch.dtype, kv_memory_gb
 def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int | None = None,
                 kv_memory_gb: float = 2.0, dtype: Any = None, device: Any = None,
                 max_step_tokens: int = 1024, progress: bool = True,
-                **engine_kw: Any) -> Engine:
+                owner_share: float | None = None, **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -39,6 +40,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         dtype, device: model/pool dtype and device (defaults: fp32 on CPU, bf16 on CUDA).
         max_step_tokens: token budget of one model call.
         progress: progress bars while fetching/converting.
+        owner_share: the fraction of the pool one owner (client) may hold, in (0, 1];
+            None = no limit (see docs/scheduling.md).
         **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
@@ -49,6 +52,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     if num_pages is not None:
         checks.positive(num_pages, "num_pages")
     checks.positive(max_step_tokens, "max_step_tokens")
+    if owner_share is not None and not 0 < checks.finite(owner_share, "owner_share") <= 1:
+        raise InvalidArgument(f"owner_share must be in (0, 1], got {owner_share!r}")
 
     def build() -> tuple[Any, Any, Any]:
         loaded = load_model(model, dtype=dtype, device=device, progress=progress)
@@ -67,6 +72,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         thread.shutdown(wait=False)
         raise
     cfg = loaded.config
+    if owner_share is not None:
+        engine_kw["max_pages_per_owner"] = max(1, int(owner_share * store.num_pages_total))
     return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
                   vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
                   max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
@@ -85,6 +86,8 @@ class Engine:
             free keeps waiting before it fails with ``OutOfPages``.
         max_reply_bytes: the largest reply one request may ask for (``EngineInfo``).
         max_mask_entries: the largest custom attention mask of one pass.
+        max_pages_per_owner: the page share of one owner (a client): its contexts may hold
+            at most this many pages (see docs/scheduling.md); None = the whole pool.
         model_thread: the single-thread executor every model step runs on (``boot`` passes
             the one that loaded the model); shut down when the engine exits.
     """
@@ -102,12 +105,14 @@ class Engine:
         stall_timeout: float = 5.0,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_mask_entries: int = DEFAULT_MAX_MASK_ENTRIES,
+        max_pages_per_owner: int | None = None,
         model_thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
         self.executor = StepExecutor(runner)
-        self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens)
+        self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
+                                   max_pages_per_owner=max_pages_per_owner)
         self.stall_timeout = stall_timeout
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,
@@ -115,11 +120,11 @@ class Engine:
             max_seq_len=max_seq_len,
             stop_token_ids=sorted(getattr(tokenizer, "stop_token_ids", []) or []),
             max_step_tokens=max_step_tokens, max_reply_bytes=max_reply_bytes,
-            max_mask_entries=max_mask_entries,
+            max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
         )
         self.records = ContextTable(store, on_release=self._kick)
-        self.passes = Passes(store, self.records, self, self._info, tokenizer)
-        self.handlers = Handlers(store, self.records, self.passes, self._info, self.stats,
+        self.passes = Passes(store, self.records, self, self.info, tokenizer)
+        self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
                                  tokenizer, on_pages_freed=self._kick)
         self._wake = anyio.Event()
         self._task_group: Any = None
@@ -152,9 +157,11 @@ class Engine:
         except BaseExceptionGroup as group:
             raise single_exception(group) from None
         finally:
-            # Whoever still waits for a job hears that it will never run.
+            # Whoever still waits for a job hears that it will never run; then the contexts
+            # those jobs held are free to go.
             for job in self.scheduler.abort_all(ProtocolError("the engine stopped")):
                 self._notify(job)
+            self.records.collect_garbage()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
 
     def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -193,12 +200,24 @@ class Engine:
         self.records.release_soon(handle)
 
     def release_owner(self, owner: Any) -> int:
-        """Release every context of one owner (a disconnected client, an exited inferlet)."""
+        """Release every context of one owner (a disconnected client, an exited inferlet).
+
+        Its jobs still queued or running are cancelled first (a job inside the step being
+        computed ends with that step), so its contexts go now or right after.
+        """
+        for job in self.scheduler.jobs_of(owner):
+            self.cancel(job)
         return self.records.release_owner(owner)
 
     def info(self) -> P.EngineInfo:
         """The engine's fixed facts and limits."""
         return self._info
+
+    def cap_reply_bytes(self, limit: int) -> None:
+        """Lower ``max_reply_bytes`` to ``limit`` (a server whose frames are smaller calls
+        this before it accepts clients, so no request can ask for a reply it cannot send)."""
+        if limit < self._info.max_reply_bytes:
+            self._info = msgspec.structs.replace(self._info, max_reply_bytes=limit)
 
     def stats(self) -> P.EngineStats:
         """Engine-wide counters."""
@@ -248,6 +267,8 @@ class Engine:
             plan = self.scheduler.plan()
             while self.scheduler.dropped:
                 self._notify(self.scheduler.dropped.pop())
+            for job in self.scheduler.fail_over_share(self.stall_timeout):
+                self._notify(job)
             self.counters.scheduler_seconds += time.perf_counter() - t0
             if plan is None:
                 stalled = self.scheduler.stalled

@@ -31,19 +31,20 @@ class Handlers:
         store: the page store.
         records: the context table.
         passes: runs ``Forward`` requests.
-        info: the engine's facts (``GetInfo``).
+        info: returns the engine's facts and limits (``GetInfo``).
         stats: builds the engine's counters (``GetStats``).
         tokenizer: encodes text (``Tokenize``).
         on_pages_freed: called when a request gave pages back (a waiting job may run).
     """
 
-    def __init__(self, store: Any, records: ContextTable, passes: Passes, info: P.EngineInfo,
+    def __init__(self, store: Any, records: ContextTable, passes: Passes,
+                 info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
                  on_pages_freed: Callable[[], None]) -> None:
         self._store = store
         self._records = records
         self._passes = passes
-        self._info = info
+        self._info = info  # a callable: the limits may be lowered by a server
         self._stats = stats
         self._tokenizer = tokenizer
         self._on_pages_freed = on_pages_freed
@@ -82,12 +83,24 @@ class Handlers:
     def _reply(self, record: ContextRecord, meta: str = "") -> P.ContextReply:
         return P.ContextReply(ctx=record.handle, state=self._store.state(record.cid), meta=meta)
 
+    def _check_share(self, owner: Any, more: int) -> None:
+        """Refuse to give ``owner`` ``more`` pages beyond its share of the pool."""
+        share = self._info().max_pages_per_owner
+        if not share or more <= 0:
+            return
+        held = self._store.owner_pages(owner)
+        if held + more > share:
+            raise OutOfPages(
+                f"this needs {more} more pages but your contexts already hold {held} of your "
+                f"{share}-page share of the KV pool: release contexts you no longer need")
+
     async def _create(self, req: P.CreateContext, owner: Any, ns: str) -> P.ContextReply:
-        return self._reply(self._records.add(self._store.create_context(), owner))
+        return self._reply(self._records.add(self._store.create_context(owner), owner))
 
     async def _fork(self, req: P.ForkContext, owner: Any, ns: str) -> P.ContextReply:
         parent = self._records.get(req.ctx, owner)
         async with parent.lock:
+            self._check_share(owner, self._store.state(parent.cid).num_working_pages)
             cid = self._store.fork(parent.cid)
         return self._reply(self._records.add(cid, owner, parent.last_logits))
 
@@ -110,6 +123,7 @@ class Handlers:
                 if n > self._store.num_pages_total:
                     raise OutOfPages(f"cannot reserve {n} pages: the pool has only "
                                      f"{self._store.num_pages_total}")
+                self._check_share(owner, n)
                 ok = self._store.reserve_working_pages(cid, n)
             elif isinstance(req, P.CommitPages):
                 self._store.commit_working_pages(cid, req.num_pages)
@@ -141,13 +155,14 @@ class Handlers:
     async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
         snap = self._store.snapshot(name, ns)
-        cid = self._store.open_snapshot(name, ns)
+        self._check_share(owner, len(snap.state.working))
+        cid = self._store.open_snapshot(name, ns, owner)
         return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
 
     async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
         snap = self._store.snapshot(name, ns)
-        cid = self._store.take_snapshot(name, ns)
+        cid = self._store.take_snapshot(name, ns, owner)
         return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
 
     async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:
@@ -164,7 +179,7 @@ class Handlers:
         return P.TokenIds(token_ids=list(self._tokenizer.encode(checks.text(req.text, "tokenize"))))
 
     async def _get_info(self, req: P.GetInfo, owner: Any, ns: str) -> P.EngineInfo:
-        return self._info
+        return self._info()
 
     async def _get_stats(self, req: P.GetStats, owner: Any, ns: str) -> P.EngineStats:
         return self._stats()

@@ -88,6 +88,7 @@ class Job:
     error: BaseException | None = None
     cancelled: bool = False
     num_preemptions: int = 0
+    share_blocked_since: float | None = None  # held back by its owner's page share since
 
     @property
     def prompt_remaining(self) -> int:

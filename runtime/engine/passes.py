@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -36,16 +37,16 @@ class Passes:
         store: the page store.
         records: the context table.
         jobs: where jobs go (``submit``/``cancel``).
-        info: the engine's facts and limits (vocabulary, lengths, reply size...).
+        info: returns the engine's facts and limits (vocabulary, lengths, reply size...).
         tokenizer: decodes generated text for stop strings and streaming.
     """
 
-    def __init__(self, store: Any, records: ContextTable, jobs: JobQueue, info: P.EngineInfo,
-                 tokenizer: Any) -> None:
+    def __init__(self, store: Any, records: ContextTable, jobs: JobQueue,
+                 info: Callable[[], P.EngineInfo], tokenizer: Any) -> None:
         self._store = store
         self._records = records
         self._jobs = jobs
-        self._info = info
+        self._info = info  # a callable: the limits may be lowered by a server
         self._tokenizer = tokenizer
         self._next_job = 1
 
@@ -56,7 +57,7 @@ class Passes:
         record = self._records.get(req.ctx, owner)
         async with record.lock:
             seq_len = self._store.state(record.cid).seq_len
-            mask = checks.forward(req, self._info, seq_len)
+            mask = checks.forward(req, self._info(), seq_len)
             tokens = list(req.tokens)
             n = len(tokens)
             self._check_fits(seq_len + n, "this pass")
@@ -146,7 +147,7 @@ class Passes:
 
     async def _generate_job(self, record: ContextRecord, req: P.Generate) -> Job:
         state = self._store.state(record.cid)
-        checks.generate(req, self._info, state.seq_len)
+        checks.generate(req, self._info(), state.seq_len)
         tokens = list(req.tokens)
         self._check_fits(state.seq_len + len(tokens) + req.max_tokens,
                          "prompt + max_tokens", "lower max_tokens or ")
@@ -159,7 +160,7 @@ class Passes:
                 # Unknown after a truncation or a raw page operation: compute them again.
                 record.last_logits = await self._last_logits(record)
             first_logits = record.last_logits
-        stops = self._info.stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
+        stops = self._info().stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         sampler = _seeded(req.sampler)
         return self._new_job(
             JobKind.GENERATE, record, tokens, self._default_positions(record, len(tokens)),
@@ -198,11 +199,16 @@ class Passes:
     # ------------------------------------------------------------------------ helpers
 
     def _check_fits(self, num_tokens: int, what: str, hint: str = "") -> None:
+        """Refuse at once what could never fit: the pool, or the owner's share of it."""
         needed = math.ceil(num_tokens / self._store.page_size)
         total = self._store.num_pages_total
         if needed > total:
             raise OutOfPages(f"{what} need {needed} pages; the pool has {total}: {hint}"
                              "split the work or start the engine with more pages")
+        share = self._info().max_pages_per_owner
+        if share and needed > share:
+            raise OutOfPages(f"{what} need {needed} pages; one client's share of the pool is "
+                             f"{share}: {hint}split the work")
 
     def _default_positions(self, record: ContextRecord, n: int) -> list[int]:
         start = self._store.next_position(record.cid)

@@ -19,12 +19,20 @@ then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md
    (its committed pages stay cached, so re-admission mostly re-attaches them) and it goes
    back to the queue front. A lone job that cannot run is ``stalled``; the engine fails it
    with ``OutOfPages`` if no release frees pages in time.
+5. Shares: with ``max_pages_per_owner`` set, a job whose owner already holds its share of
+   the pool does not get more pages. It waits (it never blocks other owners' jobs behind
+   it in the queue), its owner's own most recent job is the one preempted for it, and if
+   it is still held back by its share after the stall timeout it fails with an
+   ``OutOfPages`` that names its owner's usage (``fail_over_share``).
 """
 
 from __future__ import annotations
 
+import enum
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +40,14 @@ from pie_ctx.proto.errors import OutOfPages
 from pie_ctx.proto.messages import Distribution
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.model.batch import SeqInput
+
+
+class Room(enum.Enum):
+    """Whether a job got the pages it asked for."""
+
+    OK = "ok"
+    NO_PAGES = "no_pages"  # the pool is full (of other jobs', contexts' or snapshots' pages)
+    OVER_SHARE = "over_share"  # its owner already holds its share of the pool
 
 
 @dataclass(slots=True)
@@ -95,12 +111,16 @@ class RowResult:
 class Scheduler:
     """Continuous batching over every job of every context, within a token budget."""
 
-    def __init__(self, store: Any, *, max_step_tokens: int = 1024) -> None:
+    def __init__(self, store: Any, *, max_step_tokens: int = 1024,
+                 max_pages_per_owner: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
         self.store = store
         self.page_size: int = store.page_size
         self.max_step_tokens = max_step_tokens
+        self.max_pages_per_owner = max_pages_per_owner
+        self._clock = clock
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
         self._rr = 0  # round-robin cursor over active prefills
@@ -132,6 +152,10 @@ class Scheduler:
         self._drop(job)
         return True
 
+    def jobs_of(self, owner: Any) -> list[Job]:
+        """Every queued or running job on a context of ``owner``."""
+        return [j for j in (*self.waiting, *self.active) if _owner(j) == owner]
+
     def _drop(self, job: Job) -> None:
         if job.status is JobStatus.WAITING and job in self.waiting:
             self.waiting.remove(job)
@@ -148,15 +172,22 @@ class Scheduler:
     # ------------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        """Admit waiting jobs in FIFO order while their whole prompt fits in the pool."""
-        while self.waiting:
-            job = self.waiting[0]
+        """Admit waiting jobs in FIFO order while their whole prompt fits in the pool.
+
+        A job held back by the pool stops admission (so a large request is never starved
+        by small ones); a job held back by its owner's share is skipped (it must not hold
+        up other owners).
+        """
+        i = 0
+        while i < len(self.waiting):
+            job = self.waiting[i]
             if job in self._held:
                 return  # preempted during this plan(): let the others run first
             try:
                 shadow = self.store.fork(job.record.cid)
             except OutOfPages:
                 shadow = None
+            room = Room.NO_PAGES
             if shadow is not None:
                 job.shadow = shadow
                 job.base_working_pages = self.store.state(shadow).num_working_pages
@@ -164,8 +195,9 @@ class Scheduler:
                     self._attach_prefix(job)
                 # The whole prompt's pages up front: a prompt never stalls half-written.
                 extra = 1 if job.kind is JobKind.GENERATE else 0
-                if self._ensure_room(job, job.prompt_remaining + extra):
-                    self.waiting.popleft()
+                room = self._ensure_room(job, job.prompt_remaining + extra)
+                if room is Room.OK:
+                    del self.waiting[i]
                     job.status = JobStatus.ACTIVE
                     self._admitted += 1
                     job.admitted_order = self._admitted
@@ -173,6 +205,9 @@ class Scheduler:
                     continue
                 self.store.release(job.shadow)
                 job.reset_progress()
+            if room is Room.OVER_SHARE:
+                i += 1
+                continue
             if not self.active:
                 self.stalled = job  # only a release elsewhere can help it
             return
@@ -216,9 +251,9 @@ class Scheduler:
             if len(self.active) == 1:
                 self.stalled = self.active[0]
                 return None
-            # The pool is full of running jobs' pages: preempt the most recently admitted.
-            # Its committed pages stay cached, so re-admission mostly re-attaches them.
-            victim = max(self.active, key=lambda j: j.admitted_order)
+            victim = self._victim()
+            if victim is None:
+                return None  # held back by their owners' shares only: fail_over_share decides
             self.active.remove(victim)
             self._release_shadow(victim)
             victim.reset_progress()
@@ -238,20 +273,50 @@ class Scheduler:
             job.fail(error)
         return jobs
 
+    def _victim(self) -> Job | None:
+        """The job to preempt when nothing can run.
+
+        The pool is full of running jobs' pages: the most recently admitted is preempted
+        (its committed pages stay cached, so re-admission mostly re-attaches them). When
+        jobs are held back by their owner's share instead, only a job of that owner can
+        make room for it.
+        """
+        over = [j for j in self.active if j.share_blocked_since is not None]
+        if over:
+            mine = [j for j in self.active if _owner(j) == _owner(over[0])]
+            return max(mine, key=lambda j: j.admitted_order) if len(mine) > 1 else None
+        return max(self.active, key=lambda j: j.admitted_order)
+
+    def fail_over_share(self, timeout: float) -> list[Job]:
+        """Fail the jobs held back by their owner's share for longer than ``timeout``."""
+        now = self._clock()
+        failed = []
+        for job in [*self.waiting, *self.active]:
+            since = job.share_blocked_since
+            if since is None or now - since < timeout or job in self.in_flight:
+                continue
+            self._fail(job, OutOfPages(self._share_message(job)))
+            failed.append(job)
+        return failed
+
     def fail_stalled(self) -> Job | None:
         """Fail the stalled job (called when pages did not come back in time)."""
         job = self.stalled
         if job is None or job.status is JobStatus.DONE:
             return None
         self.stalled = None
+        self._fail(job, OutOfPages(self._oom_message(job)))
+        return job
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        """Take a job out of the queues, roll it back, and fail it."""
         if job in self.waiting:
             self.waiting.remove(job)
         if job in self.active:
             self.active.remove(job)
         self._release_shadow(job)
         job.reset_progress()
-        job.fail(OutOfPages(self._oom_message(job)))
-        return job
+        job.fail(error)
 
     def _compose(self) -> StepPlan:
         plan = StepPlan()
@@ -289,13 +354,22 @@ class Scheduler:
                     budget -= used
         return plan
 
-    def _ensure_room(self, job: Job, num_tokens: int) -> bool:
+    def _ensure_room(self, job: Job, num_tokens: int) -> Room:
+        """Reserve working pages in the job's shadow for ``num_tokens`` more tokens."""
         state = self.store.state(job.shadow)
         capacity = state.num_working_pages * self.page_size - state.num_working_tokens
         need = num_tokens - capacity
-        if need <= 0:
-            return True
-        return bool(self.store.reserve_working_pages(job.shadow, math.ceil(need / self.page_size)))
+        if need > 0:
+            pages = math.ceil(need / self.page_size)
+            share = self.max_pages_per_owner
+            if share is not None and self.store.owner_pages(_owner(job)) + pages > share:
+                if job.share_blocked_since is None:
+                    job.share_blocked_since = self._clock()
+                return Room.OVER_SHARE
+            if not self.store.reserve_working_pages(job.shadow, pages):
+                return Room.NO_PAGES
+        job.share_blocked_since = None
+        return Room.OK
 
     def _add_prefill(self, plan: StepPlan, job: Job, budget: int, *, first: bool) -> int:
         remaining = job.prompt_remaining
@@ -306,7 +380,7 @@ class Scheduler:
             length = remaining
         else:
             length = min(remaining, budget)
-        if not self._ensure_room(job, length):
+        if self._ensure_room(job, length) is not Room.OK:
             return 0
         start = job.num_written
         probes = sorted(i - start for i in job.probe_indices() if start <= i < start + length)
@@ -319,7 +393,7 @@ class Scheduler:
         return length
 
     def _add_decode(self, plan: StepPlan, job: Job) -> bool:
-        if not self._ensure_room(job, 1):
+        if self._ensure_room(job, 1) is not Room.OK:
             return False
         token = job.generated[-1]
         position = self.store.next_position(job.shadow)
@@ -463,10 +537,20 @@ class Scheduler:
 
     def _oom_message(self, job: Job) -> str:
         total = self.store.num_pages_total
+        mine = self.store.owner_pages(_owner(job))
         return (
             f"the KV pool ({total} pages of {self.page_size} tokens) cannot hold this request "
-            f"next to the contexts and snapshots that are alive: release contexts or snapshots "
-            f"you no longer need, lower max_tokens, or start the engine with more pages"
+            f"next to the contexts and snapshots that are alive ({mine} of them are held by "
+            f"your contexts): release contexts or snapshots you no longer need, lower "
+            f"max_tokens, or start the engine with more pages"
+        )
+
+    def _share_message(self, job: Job) -> str:
+        mine = self.store.owner_pages(_owner(job))
+        return (
+            f"your contexts hold {mine} pages of your {self.max_pages_per_owner}-page share of "
+            f"the KV pool, and this request needs more: release contexts you no longer need "
+            f"or lower max_tokens (other clients' pages are not yours to free)"
         )
 
 
@@ -492,3 +576,7 @@ def _need(rows: dict[int, RowResult], index: int) -> RowResult:
     if index not in rows:
         raise RuntimeError(f"probe row for token index {index} was never computed")
     return rows[index]
+
+
+def _owner(job: Job) -> Any:
+    return getattr(job.record, "owner", None)

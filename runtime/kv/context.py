@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.kv.trie import Node
 from runtime.kv.types import PageId
@@ -47,6 +48,7 @@ class PageState:
     extras: list[int] = field(default_factory=list)
     committed_ids: list[PageId] | None = field(default_factory=list)
     ids_shared: bool = False
+    owner: Any = None  # whose page share this state counts against (None: nobody's)
 
     @property
     def num_committed_pages(self) -> int:
@@ -89,6 +91,7 @@ class PageState:
             extras=self.extras.copy(),
             committed_ids=self.committed_ids,
             ids_shared=self.committed_ids is not None,
+            owner=self.owner,
         )
         if self.committed_ids is not None:
             self.ids_shared = True

@@ -16,7 +16,9 @@ Checked:
 * registration: ``by_hash[h]`` is a node with hash ``h``; each node's hash recomputes from
   its parent's hash and contents; private nodes have only private descendants;
 * per state: token/position/extra lists aligned and within the working pages' capacity;
-  the committed-id cache equals the chain.
+  the committed-id cache equals the chain;
+* per owner: ``owner_pages`` equals its states' working pages plus the distinct committed
+  pages on their chains, and every node's ``owner_pins`` matches.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class StoreView(Protocol):
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]: ...
 
     def stats(self) -> StoreStats: ...
+
+    def owners(self) -> list[Any]: ...
+
+    def owner_pages(self, owner: Any) -> int: ...
 
 
 def _fail(message: str) -> None:
@@ -175,6 +181,37 @@ def check_invariants(store: StoreView) -> None:
     num_working = sum(len(state.working) for _, state in holders)
     if stats.num_pages_working != num_working:
         _fail(f"stats working {stats.num_pages_working} != {num_working}")
+    _check_owners(store, holders, nodes, children)
+
+
+def _check_owners(store: StoreView, holders: list[tuple[str, PageState]], nodes: list[Node],
+                  children: dict[int, list[Node]]) -> None:
+    """Per-owner page counts, recomputed from the holders' chains."""
+    working: dict[Any, int] = {}
+    chains: dict[Any, set[int]] = {}
+    at_node: dict[tuple[int, Any], int] = {}
+    for _, state in holders:
+        if state.owner is None:
+            continue
+        working[state.owner] = working.get(state.owner, 0) + len(state.working)
+        pinned = chains.setdefault(state.owner, set())
+        pinned.update(id(n) for n in chain_nodes(state.tip))
+        if state.tip is not None:
+            key = (id(state.tip), state.owner)
+            at_node[key] = at_node.get(key, 0) + 1
+    for owner in {*store.owners(), *working, *chains}:
+        expect = working.get(owner, 0) + len(chains.get(owner, ()))
+        if store.owner_pages(owner) != expect:
+            _fail(f"owner {owner!r}: owner_pages {store.owner_pages(owner)} != {expect}")
+    for node in nodes:
+        expect_pins: dict[Any, int] = {}
+        for owner, pinned in chains.items():
+            n = at_node.get((id(node), owner), 0)
+            n += sum(1 for k in children[id(node)] if id(k) in pinned)
+            if n:
+                expect_pins[owner] = n
+        if (node.owner_pins or {}) != expect_pins:
+            _fail(f"node page {node.page_id}: owner pins {node.owner_pins} != {expect_pins}")
 
 
 def describe_state(store: StoreView) -> dict[str, Any]:

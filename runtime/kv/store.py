@@ -87,6 +87,7 @@ class PageStore:
         self.trie = PageTrie(self.pool)
         self.snapshots = SnapshotRegistry()
         self._contexts: dict[ContextId, PageState] = {}
+        self._working_of: dict[Any, int] = {}  # owner -> working pages of its states
         self._next_id = 1
         self._num_commits = 0
         self._num_dedup_hits = 0
@@ -112,6 +113,25 @@ class PageStore:
             self.trie.evict(short)
         return self.pool.allocate(n)
 
+    def owner_pages(self, owner: Any) -> int:
+        """Pages ``owner``'s contexts hold: their working pages plus every distinct committed
+        page on their chains (a page shared with another owner counts for both)."""
+        return self._working_of.get(owner, 0) + self.trie.pages_of.get(owner, 0)
+
+    def owners(self) -> list[Any]:
+        """Every owner holding at least one page."""
+        return list({*self._working_of, *self.trie.pages_of})
+
+    def _count_working(self, state: PageState, n: int) -> None:
+        """``n`` working pages joined (or, negative, left) ``state``: keep its owner's count."""
+        if state.owner is None or n == 0:
+            return
+        left = self._working_of.get(state.owner, 0) + n
+        if left:
+            self._working_of[state.owner] = left
+        else:
+            del self._working_of[state.owner]
+
     def _ctx(self, cid: ContextId) -> PageState:
         try:
             state = self._contexts.get(cid)
@@ -131,16 +151,21 @@ class PageStore:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def create_context(self) -> ContextId:
+    def create_context(self, owner: Any = None) -> ContextId:
         """Create an empty context (no pages).
+
+        Args:
+            owner: whose page share it counts against (see ``owner_pages``); inherited by
+                its forks. None counts against nobody.
 
         Returns:
             Its id; ids are never reused within a store.
         """
-        return self._register(PageState())
+        return self._register(PageState(owner=owner))
 
-    def _fork_state(self, state: PageState) -> PageState:
-        """Copy of ``state`` sharing its chain (one reference) with fresh working pages.
+    def _fork_state(self, state: PageState, owner: Any) -> PageState:
+        """Copy of ``state`` owned by ``owner``, sharing its chain (one reference), with
+        fresh working pages.
 
         Raises:
             OutOfPages: the working copies cannot be allocated even after eviction.
@@ -155,16 +180,19 @@ class PageStore:
             )
         child = state.share_bookkeeping()
         child.working = new_pages
+        child.owner = owner
+        self._count_working(child, n)
         if child.tip is not None:
-            self.trie.add_holder(child.tip)
+            self.trie.add_holder(child.tip, owner)
         num_used = -(-len(state.tokens) // self.page_size)
         self.pool.copy_pages(new_pages[:num_used], state.working[:num_used])
         return child
 
     def _release_state(self, state: PageState) -> None:
         if state.tip is not None:
-            self.trie.drop_holder(state.tip)
+            self.trie.drop_holder(state.tip, state.owner)
             state.tip = None
+        self._count_working(state, -len(state.working))
         self.pool.free(state.working)
         state.working = []
         state.tokens.clear()
@@ -189,7 +217,8 @@ class PageStore:
             ContextClosed: ``cid`` is unknown or released.
             OutOfPages: the working copies cannot be allocated even after eviction.
         """
-        return self._register(self._fork_state(self._ctx(cid)))
+        state = self._ctx(cid)
+        return self._register(self._fork_state(state, state.owner))
 
     def release(self, cid: ContextId) -> None:
         """Drop every reference and free every working page of ``cid``; the id dies.
@@ -223,6 +252,7 @@ class PageStore:
         if pages is None:
             return False
         state.working.extend(pages)
+        self._count_working(state, n)
         return True
 
     def release_working_pages(self, cid: ContextId, n: int) -> None:
@@ -249,6 +279,7 @@ class PageStore:
             del state.tokens[capacity:], state.positions[capacity:], state.extras[capacity:]
         released = state.working[keep:]
         del state.working[keep:]
+        self._count_working(state, -n)
         self.pool.free(released)
 
     def truncate_working_page_tokens(self, cid: ContextId, n: int) -> None:
@@ -330,8 +361,10 @@ class PageStore:
             return
         ps = self.page_size
         tip, new_ids, duplicates = self.trie.advance_pages(
-            state.tip, state.working[:k], state.tokens, state.positions, state.extras, ps
+            state.tip, state.working[:k], state.tokens, state.positions, state.extras, ps,
+            state.owner,
         )
+        self._count_working(state, -k)  # committed now: counted through the trie
         state.tip = tip
         state.extend_committed_ids(new_ids)
         del state.working[:k], state.tokens[: k * ps], state.positions[: k * ps]
@@ -396,9 +429,9 @@ class PageStore:
             )
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         if hits:
-            self.trie.add_holder(hits[-1])
+            self.trie.add_holder(hits[-1], state.owner)
             if state.tip is not None:
-                self.trie.drop_holder(state.tip)
+                self.trie.drop_holder(state.tip, state.owner)
             state.tip = hits[-1]
             state.extend_committed_ids([node.page_id for node in hits])
             self._num_prefix_hits += len(hits)
@@ -489,7 +522,7 @@ class PageStore:
         """
         state = self._ctx(cid)
         key = self.snapshots.check_free(name, namespace)
-        self.snapshots.put(key, Snapshot(self._fork_state(state), meta, last_logits))
+        self.snapshots.put(key, Snapshot(self._fork_state(state, None), meta, last_logits))
 
     def snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> Snapshot:
         """The snapshot saved under ``name`` (read-only: its meta and last logits).
@@ -499,22 +532,33 @@ class PageStore:
         """
         return self.snapshots.get(name, namespace)
 
-    def open_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
-        """A new context forked from the snapshot; the snapshot is unchanged.
+    def open_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
+                      owner: Any = None) -> ContextId:
+        """A new context (of ``owner``) forked from the snapshot; the snapshot is unchanged.
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
             OutOfPages: working copies do not fit.
         """
-        return self._register(self._fork_state(self.snapshots.get(name, namespace).state))
+        state = self.snapshots.get(name, namespace).state
+        return self._register(self._fork_state(state, owner))
 
-    def take_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> ContextId:
-        """Open the snapshot and delete it, moving its pages to the new context in O(1).
+    def take_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
+                      owner: Any = None) -> ContextId:
+        """Open the snapshot (for ``owner``) and delete it, moving its pages to the new
+        context in O(1).
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
         """
-        return self._register(self.snapshots.pop(name, namespace).state)
+        state = self.snapshots.pop(name, namespace).state
+        if owner is not None:  # snapshots count against nobody: the new owner takes them on
+            if state.tip is not None:
+                self.trie.add_holder(state.tip, owner)
+                self.trie.drop_holder(state.tip)
+            state.owner = owner
+            self._count_working(state, len(state.working))
+        return self._register(state)
 
     def delete_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Delete the snapshot, dropping its references and working pages.

@@ -13,6 +13,12 @@ Pinning. A node is *pinned* when some holder's chain runs through it:
 propagate up only on a 0 <-> 1 transition, so the cost is the number of pages whose state
 changes. Unpinned registered nodes are *cached*: findable by ``lookup`` and evictable.
 
+Owners. A holder may carry an owner (the engine's client that holds the context); the trie
+then also counts, per owner, the distinct committed pages its holders' chains run
+through (``owner_pins``/``pages_of``), with the same 0 <-> 1 propagation as pins. This is
+what per-owner page shares are measured in: a page shared by two contexts of one owner
+counts once for it, and once for every other owner that uses it too.
+
 LRU. ``lru`` holds exactly the cached nodes that have no children (the only ones that can
 be evicted without breaking a chain), least recently used first. A node whose last holder
 leaves is appended (most recent); a parent left childless by an eviction is put at the
@@ -32,6 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.kv.hashing import fold_extras, hash_page
 from runtime.kv.pool import PagePool
@@ -55,6 +62,8 @@ class Node:
     holders: int = 0
     num_children: int = 0
     pins: int = 0
+    # owner -> that owner's holders here + children its chains run through (None: none yet)
+    owner_pins: dict[Any, int] | None = None
 
     @property
     def refcount(self) -> int:
@@ -80,7 +89,8 @@ class Node:
 class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
-    __slots__ = ("pool", "by_hash", "lru", "num_nodes", "num_pinned", "num_evictions")
+    __slots__ = ("pool", "by_hash", "lru", "num_nodes", "num_pinned", "num_evictions",
+                 "pages_of")
 
     def __init__(self, pool: PagePool) -> None:
         """Create an empty trie that frees evicted pages into ``pool``."""
@@ -90,6 +100,7 @@ class PageTrie:
         self.num_nodes = 0
         self.num_pinned = 0
         self.num_evictions = 0
+        self.pages_of: dict[Any, int] = {}  # owner -> distinct committed pages it pins
 
     @property
     def num_cached(self) -> int:
@@ -121,6 +132,7 @@ class PageTrie:
         tokens: Sequence[int],
         positions: Sequence[int],
         extras: Sequence[int],
+        owner: Any = None,
     ) -> tuple[Node, bool]:
         """Commit one full page after ``tip`` and move one holder from ``tip`` to it.
 
@@ -128,6 +140,7 @@ class PageTrie:
             tip: the holder's current tip (``None`` for an empty chain); the caller holds it.
             page_id: the working page whose KV holds these tokens.
             tokens, positions, extras: the page contents (exactly ``page_size`` each).
+            owner: the holder's owner (None: not counted per owner).
 
         Returns:
             ``(new_tip, deduped)``. When ``deduped`` is True an identical page already
@@ -137,9 +150,9 @@ class PageTrie:
         h = hash_page(parent_hash, tokens, positions, fold_extras(extras))
         existing = self.by_hash.get(h)
         if existing is not None and existing.matches(tip, tokens, positions, extras):
-            self.add_holder(existing)
+            self.add_holder(existing, owner)
             if tip is not None:
-                self.drop_holder(tip)
+                self.drop_holder(tip, owner)
             return existing, True
         registered = existing is None and (tip is None or tip.registered)
         node = Node(
@@ -157,9 +170,9 @@ class PageTrie:
             self.by_hash[h] = node
         if tip is not None:
             tip.num_children += 1
-        self.add_holder(node)
+        self.add_holder(node, owner)
         if tip is not None:
-            self.drop_holder(tip)
+            self.drop_holder(tip, owner)
         return node, False
 
     def advance_pages(
@@ -170,6 +183,7 @@ class PageTrie:
         positions: Sequence[int],
         extras: Sequence[int],
         page_size: int,
+        owner: Any = None,
     ) -> tuple[Node | None, list[PageId], list[PageId]]:
         """Commit ``len(page_ids)`` consecutive full pages after ``tip`` (see ``advance``).
 
@@ -185,7 +199,7 @@ class PageTrie:
         for i, page_id in enumerate(page_ids):
             lo, hi = i * page_size, (i + 1) * page_size
             tip, deduped = self.advance(
-                tip, page_id, tokens[lo:hi], positions[lo:hi], extras[lo:hi]
+                tip, page_id, tokens[lo:hi], positions[lo:hi], extras[lo:hi], owner
             )
             new_ids.append(tip.page_id)
             if deduped:
@@ -216,17 +230,57 @@ class PageTrie:
 
     # -- holders and pins --------------------------------------------------------------
 
-    def add_holder(self, node: Node) -> None:
-        """A context or snapshot now has ``node`` as its tip."""
+    def add_holder(self, node: Node, owner: Any = None) -> None:
+        """A context or snapshot (of ``owner``, if any) now has ``node`` as its tip."""
         node.holders += 1
         self._pin(node)
+        if owner is not None:
+            self._pin_owner(node, owner)
 
-    def drop_holder(self, node: Node) -> None:
-        """A context or snapshot no longer has ``node`` as its tip."""
+    def drop_holder(self, node: Node, owner: Any = None) -> None:
+        """A context or snapshot (of ``owner``, if any) no longer has ``node`` as its tip."""
         if node.holders <= 0:
             raise RuntimeError(f"PageTrie: page {node.page_id} dropped with no holder")
         node.holders -= 1
+        if owner is not None:
+            self._unpin_owner(node, owner)
         self._unpin(node)
+
+    def _pin_owner(self, node: Node | None, owner: Any) -> None:
+        added = 0
+        while node is not None:
+            counts = node.owner_pins
+            if counts is None:
+                counts = node.owner_pins = {}
+            n = counts.get(owner, 0) + 1
+            counts[owner] = n
+            if n > 1:
+                break
+            added += 1
+            node = node.parent
+        if added:
+            self.pages_of[owner] = self.pages_of.get(owner, 0) + added
+
+    def _unpin_owner(self, node: Node | None, owner: Any) -> None:
+        removed = 0
+        while node is not None:
+            counts = node.owner_pins
+            n = (counts or {}).get(owner, 0) - 1
+            if n < 0:
+                raise RuntimeError(f"PageTrie: page {node.page_id} unpinned by an owner "
+                                   "that did not pin it")
+            if n:
+                counts[owner] = n  # type: ignore[index]
+                break
+            del counts[owner]  # type: ignore[union-attr]
+            removed += 1
+            node = node.parent
+        if removed:
+            left = self.pages_of[owner] - removed
+            if left:
+                self.pages_of[owner] = left
+            else:
+                del self.pages_of[owner]
 
     def _pin(self, node: Node | None) -> None:
         while node is not None:

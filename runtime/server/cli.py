@@ -19,7 +19,11 @@ from pie_ctx.proto.address import Address, default_socket_path
 from pie_ctx.proto.errors import PieError
 from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["register", "serve_main"]
+__all__ = ["register", "serve_main", "DEFAULT_CLIENT_SHARE"]
+
+# A client's contexts may hold at most half of the pool, so one client can never take all
+# of it from the others (docs/scheduling.md).
+DEFAULT_CLIENT_SHARE = 0.5
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +40,9 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=None, help="TCP port (0 = pick a free one)")
     serve.add_argument("--token-file", default=None,
                        help="file holding the client token; generated 0600 if missing")
+    serve.add_argument("--client-share", type=float, default=DEFAULT_CLIENT_SHARE,
+                       help="fraction of the KV pool one client's contexts may hold "
+                            f"(default {DEFAULT_CLIENT_SHARE}; 1 = no limit)")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
@@ -62,14 +69,17 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
-        engine = boot_engine(args.model, page_size=args.page_size, num_pages=args.num_pages)
+        engine = boot_engine(args.model, page_size=args.page_size, num_pages=args.num_pages,
+                             owner_share=None if args.client_share >= 1 else args.client_share)
     except PieError as err:
         _say(f"error: {err}")
         return 2
 
     def ready(bound: Address) -> None:
+        share = engine.info().max_pages_per_owner
         _say(f"serving {engine.model_name} on {bound} "
-             f"({engine.store.num_pages_total} pages of {engine.store.page_size} tokens)")
+             f"({engine.store.num_pages_total} pages of {engine.store.page_size} tokens"
+             f"{f', at most {share} per client' if share else ''})")
         if token_file is not None:
             _say(f"clients need the token in {token_file}")
 

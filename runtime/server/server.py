@@ -43,6 +43,7 @@ log = logging.getLogger("pie_ctx.server")
 
 DEFAULT_NAMESPACE = "default"
 _SUB_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_REPLY_ENVELOPE = 1024  # bytes a Response adds around the largest reply, with room to spare
 _GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError)
 
 
@@ -94,6 +95,8 @@ class Server:
         if require_token and not tokens:
             raise ValueError("require_token=True needs at least one token")
         self.engine = engine
+        # No request may ask for a reply this server could not send in one frame.
+        engine.cap_reply_bytes(max_frame_bytes - _REPLY_ENVELOPE)
         self._token_digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
         self._token_namespaces = [namespace_for_token(t) for t in tokens]
         self.require_token = require_token

@@ -33,6 +33,7 @@ from .reference import DenseReference, Entry, RefContext
 SLOW = os.environ.get("PIE_CTX_SLOW") == "1"
 NAMES = ["a", "b", "c"]
 NAMESPACES = ["default", "other"]
+OWNERS = [None, "alice", "bob"]  # per-owner page counts are checked after every step
 TOKENS = st.integers(0, 2)  # a small alphabet so prefixes collide and dedup often
 EXTRAS = st.sampled_from([0, 0, 0, 1])
 
@@ -77,9 +78,9 @@ class PageStoreMachine(RuleBasedStateMachine):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    @rule()
-    def create(self) -> None:
-        self._new_id(self.store.create_context(), RefContext())
+    @rule(owner=st.sampled_from(OWNERS))
+    def create(self, owner: str | None) -> None:
+        self._new_id(self.store.create_context(owner), RefContext())
 
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
@@ -244,22 +245,26 @@ class PageStoreMachine(RuleBasedStateMachine):
             call()
             self.ref.snapshots[(ns, name)] = ctx.copy()
 
-    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
-    def open(self, name: str, ns: str) -> None:
+    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES),
+          owner=st.sampled_from(OWNERS))
+    def open(self, name: str, ns: str, owner: str | None) -> None:
         snap = self.ref.snapshots.get((ns, name))
+        call = lambda: self.store.open_snapshot(name, ns, owner)  # noqa: E731
         if snap is None:
-            self._fails(SnapshotNotFound, lambda: self.store.open_snapshot(name, ns))
+            self._fails(SnapshotNotFound, call)
         elif snap.num_working_pages > self.ref.num_available():
-            self._fails(OutOfPages, lambda: self.store.open_snapshot(name, ns))
+            self._fails(OutOfPages, call)
         else:
-            self._new_id(self.store.open_snapshot(name, ns), snap.copy())
+            self._new_id(call(), snap.copy())
 
-    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
-    def take(self, name: str, ns: str) -> None:
+    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES),
+          owner=st.sampled_from(OWNERS))
+    def take(self, name: str, ns: str, owner: str | None) -> None:
         if (ns, name) not in self.ref.snapshots:
-            self._fails(SnapshotNotFound, lambda: self.store.take_snapshot(name, ns))
+            self._fails(SnapshotNotFound, lambda: self.store.take_snapshot(name, ns, owner))
         else:
-            self._new_id(self.store.take_snapshot(name, ns), self.ref.snapshots.pop((ns, name)))
+            cid = self.store.take_snapshot(name, ns, owner)
+            self._new_id(cid, self.ref.snapshots.pop((ns, name)))
 
     @rule(name=st.sampled_from(NAMES + [""]), ns=st.sampled_from(NAMESPACES))
     def delete(self, name: str, ns: str) -> None:

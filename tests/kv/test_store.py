@@ -445,3 +445,27 @@ def test_children_of_a_private_page_are_never_registered(monkeypatch: pytest.Mon
     assert store.attach_prefix(d, [1, 2, 5, 6], [0, 1, 2, 3]) == 2
     assert store.page_table(d) == [0, 4]
     store.check_invariants()
+
+
+def test_owner_pages_count_each_owners_distinct_pages() -> None:
+    store = make_store(num_pages=16, page_size=4)
+    a = store.create_context("alice")
+    fill(store, a, list(range(10)))  # 2 full pages + 2 tokens in a working page
+    store.commit_full_pages(a)
+    assert store.owner_pages("alice") == 3 and store.owner_pages("bob") == 0
+    a2 = store.fork(a)  # same owner: the committed pages count once, the tail copy twice
+    assert store.owner_pages("alice") == 4
+    b = store.create_context("bob")
+    assert store.attach_prefix(b, list(range(8)), list(range(8))) == 2
+    assert store.owner_pages("bob") == 2  # shared with alice, counted for bob too
+    store.save_snapshot(a, "s")  # snapshots count against nobody
+    assert store.owner_pages("alice") == 4
+    store.release(a)
+    store.release(a2)
+    assert store.owner_pages("alice") == 0 and store.owner_pages("bob") == 2
+    taken = store.take_snapshot("s", owner="alice")  # whoever takes it takes its pages on
+    assert store.owner_pages("alice") == 3
+    store.release(taken)
+    store.release(b)
+    assert store.owners() == []
+    store.check_invariants()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,30 @@ async def tiny_runtime(folder: Path, **kw) -> AsyncIterator[Runtime]:
 @asynccontextmanager
 async def sdk_runtime(folder: Path, transport: str = "local", **kw):
     """Yield ``(rt, engine)`` with the SDK talking to the engine in-process or over a socket."""
-    async with tiny_engine(folder, **kw) as engine:
-        if transport == "local":
-            async with Runtime.local(engine=engine) as rt:
-                yield rt, engine
-            return
-        from runtime.server.testing import serve_in_background
+    async with sdk_owners(folder, transport, 1, **kw) as (rts, engine):
+        yield rts[0], engine
 
-        async with serve_in_background(engine, run_engine=False) as srv, \
-                Runtime.connect(srv.address, token=srv.token) as rt:
-            yield rt, engine
+
+@asynccontextmanager
+async def sdk_owners(folder: Path, transport: str = "local", n: int = 2, **kw):
+    """Yield ``([rt, ...], engine)``: ``n`` runtimes, each its own owner on one engine
+    (in-process, or each over its own connection to a server)."""
+    async with tiny_engine(folder, **kw) as engine, AsyncExitStack() as stack:
+        if transport != "local":
+            from runtime.server.testing import serve_in_background
+
+            srv = await stack.enter_async_context(serve_in_background(engine, run_engine=False))
+            _ADDRESSES[id(engine)] = srv.address
+        rts = [await stack.enter_async_context(new_runtime(engine, transport)) for _ in range(n)]
+        yield rts, engine
+        _ADDRESSES.pop(id(engine), None)
+
+
+_ADDRESSES: dict[int, str] = {}  # engine -> the address it is served on (sdk_owners)
+
+
+def new_runtime(engine: Any, transport: str) -> Any:
+    """Another owner on an engine of ``sdk_owners``: ``async with new_runtime(...) as rt``."""
+    if transport == "local":
+        return Runtime.local(engine=engine)
+    return Runtime.connect(_ADDRESSES[id(engine)])
