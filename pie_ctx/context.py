@@ -20,12 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pie_ctx.constrain import Constraint, constraint_spec
 from pie_ctx.core import ContextCore
 from pie_ctx.counters import Counters
 from pie_ctx.ops import Op, OpChain
 from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.rounds import Rounds
+from pie_ctx.selection import SELECT_METHODS, select_scores
+from pie_ctx.speculate import Speculator
 
 if TYPE_CHECKING:
     from pie_ctx.forward import Forward
@@ -165,7 +169,10 @@ class Context(Counters):
 
     def generate(self, sampler: P.SamplerSpec | None = None, *, max_tokens: int = 256,
                  stop: Sequence[int | str] | str | int | None = (),
-                 ignore_eos: bool = False) -> Generator:
+                 ignore_eos: bool = False, constrain: Any = None,
+                 logit_bias: dict[int, float] | None = None,
+                 allowed_tokens: Sequence[int] | None = None, top_logprobs: int = 0,
+                 speculator: Speculator | str | None = None, cue: bool = True) -> Generator:
         """Generate from this context; returns a :class:`Generator` (nothing runs until it
         is iterated or collected).
 
@@ -176,23 +183,107 @@ class Context(Counters):
                 string). A matched stop string is excluded from the text. The model's
                 end-of-turn tokens always stop unless ``ignore_eos``.
             ignore_eos: do not stop at the model's end-of-turn tokens.
+            constrain: a constraint from ``pie_ctx.constrain`` (``Regex``, ``JsonSchema``,
+                ``AnyJson``, ``Grammar``, ``Choice``), applied in the engine, or a
+                ``Constraint`` object of yours (asked before every token: one round trip
+                per token).
+            logit_bias: ``{token id: bias}`` added to the logits before sampling.
+            allowed_tokens: only these token ids may be sampled.
+            top_logprobs: per generated token, also report the ``k`` most likely tokens
+                with their log-probabilities and the entropy (``k <= 20``).
+            speculator: ``"prompt_lookup"`` or a ``pie_ctx.speculate.Speculator``: draft
+                tokens are verified in one pass per round, losslessly (docs/decoding.md).
+            cue: after a system or user turn, open the assistant turn first (as
+                ``cue()`` does); ``False`` generates right after the turn.
 
         Raises:
-            InvalidArgument: a bad sampler, ``max_tokens`` or stop condition.
+            InvalidArgument: a bad argument (the message says which).
         """
         from pie_ctx.generator import Generator
 
         core = self._core
         core.check_open()
-        sampler = P.SamplerSpec() if sampler is None else sampler
-        if not isinstance(sampler, P.SamplerSpec):
-            raise InvalidArgument(f"sampler must come from Sampler.* (a SamplerSpec), got {sampler!r}")
+        info = core.rt.info
+        sampler = checks.sampler(P.SamplerSpec() if sampler is None else sampler)
         checks.positive(max_tokens, "max_tokens")
-        ids, strings = checks.stop(stop, core.rt.info.vocab_size)
-        if not isinstance(ignore_eos, bool):
-            raise InvalidArgument(f"ignore_eos must be a bool, got {ignore_eos!r}")
-        defaults = [] if ignore_eos else list(core.rt.info.stop_token_ids)
-        return Generator(core, sampler, max_tokens, sorted(set(defaults + ids)), strings)
+        ids, strings = checks.stop(stop, info.vocab_size)
+        for flag, name in ((ignore_eos, "ignore_eos"), (cue, "cue")):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"{name} must be a bool, got {flag!r}")
+        constraint = constraint_spec(constrain)
+        rounds = None
+        if speculator is not None:
+            if speculator != "prompt_lookup" and not isinstance(speculator, Speculator):
+                raise InvalidArgument("speculator takes 'prompt_lookup' or an object with "
+                                      "draft(), accept(tokens) and rollback(n)")
+            if isinstance(constraint, P.ConstraintSpec):
+                raise InvalidArgument("a speculator cannot be combined with an engine "
+                                      "constraint; constrain the drafts yourself")
+            rounds = Rounds(speculator=speculator)
+        if isinstance(constraint, Constraint):
+            rounds = Rounds(speculator=rounds.speculator if rounds else None,
+                            constraint=constraint)
+            constraint = None
+        defaults = [] if ignore_eos else list(info.stop_token_ids)
+        req = P.Generate(
+            ctx=0, tokens=[], sampler=sampler, max_tokens=max_tokens,
+            stop_token_ids=sorted(set(defaults + ids)), stop_strings=strings,
+            constraint=constraint, logit_bias=checks.logit_bias(logit_bias, info.vocab_size),
+            allowed_tokens=checks.allowed_tokens(
+                None if allowed_tokens is None else list(allowed_tokens), info.vocab_size),
+            top_logprobs=checks.top_logprobs_k(top_logprobs, info.max_top_logprobs))
+        if constraint is not None and not info.can_constrain:
+            raise InvalidArgument("this engine cannot compile constraints (its tokenizer is "
+                                  "not a Hugging Face tokenizer.json)")
+        return Generator(core, req, rounds, cue=cue)
+
+    async def select(self, options: Sequence[str | Sequence[int]], *,
+                     method: str = "token_length_normalized") -> tuple[int, list[float]]:
+        """Score each option as a continuation of this context; the context is unchanged.
+
+        All options are scored in one pass that reads the context's pages; options that
+        start with the same tokens share them (computed once). Text options are tokenized
+        as they are (include the leading space a continuation needs).
+
+        Args:
+            options: strings or token id lists.
+            method: how to score (SGLang's three choices methods, see docs/decoding.md):
+                ``"token_length_normalized"`` (mean token log-probability),
+                ``"greedy_token"`` (the first token's log-probability, ties broken by the
+                next tokens), ``"unconditional_likelihood_normalized"`` (mean of each
+                token's log-probability minus its log-probability without the context).
+
+        Returns:
+            ``(best, scores)``: the index of the best option and every option's score.
+            Idiom: ``best, _ = await ctx.select(opts); ctx.assistant(opts[best])``.
+
+        Raises:
+            InvalidArgument: no options, an empty option, an unknown method.
+        """
+        core = self._core
+        core.check_open()
+        if method not in SELECT_METHODS:
+            raise InvalidArgument(f"method must be one of {', '.join(SELECT_METHODS)}, "
+                                  f"got {method!r}")
+        if isinstance(options, str) or not options:
+            raise InvalidArgument("select takes a non-empty list of options")
+        token_lists = [list(core.rt.tokenizer.encode(checks.text(o, "select option")))
+                       if isinstance(o, str) else checks.token_ids(o, core.rt.info.vocab_size,
+                                                                   "select option")
+                       for o in options]
+        if any(not t for t in token_lists):
+            raise InvalidArgument("every option needs at least one token")
+        unconditional = method == "unconditional_likelihood_normalized"
+
+        async def body() -> tuple[int, list[float]]:
+            req = P.Select(ctx=0, options=token_lists, unconditional=unconditional)
+            checks.select(req, core.rt.info, core.state.seq_len + len(core.pending))
+            await core.write_pending()
+            reply = await core.request(P.Select, options=token_lists,
+                                       unconditional=unconditional)
+            return select_scores(method, reply.logprobs, reply.unconditional)
+
+        return await core.run(body)
 
     def fork(self) -> Context:
         """A new context sharing this one's committed pages (its working tail is copied).

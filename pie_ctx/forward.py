@@ -53,6 +53,9 @@ class ForwardOutput:
     logits: list[np.ndarray] = field(default_factory=list)  # float32 [vocab] per index
     distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # one per entropy() index, nats
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    hidden_states: list[np.ndarray] = field(default_factory=list)  # float32 [hidden] each
     report: P.PassReport | None = None
     state: P.ContextState | None = None
 
@@ -69,6 +72,9 @@ class Forward:
         self._logits: list[int] = []
         self._dists: list[P.DistributionSpec] = []
         self._logprobs: list[P.LogprobSpec] = []
+        self._entropy: list[int] = []
+        self._top_logprobs: list[P.TopLogprobSpec] = []
+        self._hidden: list[int] = []
         self._commit = True
         self._done = False
 
@@ -108,11 +114,34 @@ class Forward:
             list(r) if isinstance(r, Sequence) else r for r in rows]
         return self
 
-    def sample(self, indices: Sequence[int], sampler: P.SamplerSpec) -> Forward:
-        """Sample a token after each of these input indices."""
-        if not isinstance(sampler, P.SamplerSpec):
-            raise InvalidArgument(f"sampler must come from Sampler.* (a SamplerSpec), got {sampler!r}")
-        self._sample.extend(P.SampleSpec(index=_index(i), sampler=sampler) for i in indices)
+    def sample(self, indices: Sequence[int], sampler: P.SamplerSpec, *,
+               logit_bias: dict[int, float] | None = None,
+               allowed_tokens: Sequence[int] | None = None) -> Forward:
+        """Sample a token after each of these input indices (with ``logit_bias`` added and
+        the draw restricted to ``allowed_tokens``, when given)."""
+        vocab = self._core.rt.info.vocab_size
+        spec = dict(sampler=checks.sampler(sampler),
+                    logit_bias=checks.logit_bias(logit_bias, vocab),
+                    allowed_tokens=checks.allowed_tokens(
+                        None if allowed_tokens is None else list(allowed_tokens), vocab))
+        self._sample.extend(P.SampleSpec(index=_index(i), **spec) for i in indices)
+        return self
+
+    def entropy(self, indices: Sequence[int]) -> Forward:
+        """The entropy (nats) of the next-token distribution after each of these indices."""
+        self._entropy.extend(_index(i) for i in indices)
+        return self
+
+    def top_logprobs(self, indices: Sequence[int], k: int) -> Forward:
+        """The ``k`` most likely next tokens and their log-probabilities after each index."""
+        checks.positive(k, "k")
+        self._top_logprobs.extend(P.TopLogprobSpec(index=_index(i), k=k) for i in indices)
+        return self
+
+    def hidden_states(self, indices: Sequence[int]) -> Forward:
+        """The model's final-norm hidden state (the lm_head's input) at each index: for
+        value heads or reward models of your own."""
+        self._hidden.extend(_index(i) for i in indices)
         return self
 
     def logits(self, indices: Sequence[int]) -> Forward:
@@ -156,6 +185,8 @@ class Forward:
                 "tokens": self._tokens, "positions": self._positions, "mask": self._mask,
                 "commit": self._commit, "sample": self._sample, "logits": self._logits,
                 "distributions": self._dists, "logprobs": self._logprobs,
+                "entropy": self._entropy, "top_logprobs": self._top_logprobs,
+                "hidden": self._hidden,
             }
             # The engine's own check, here too and before anything is written (the pending
             # tokens included): the same error on every transport, and nothing changed.
@@ -170,7 +201,11 @@ class Forward:
                 tokens=list(reply.sampled),
                 logits=[_floats(b) for b in reply.logits],
                 distributions=[(d.token_ids, d.probs) for d in reply.distributions],
-                logprobs=list(reply.logprobs), report=reply.report, state=reply.state,
+                logprobs=list(reply.logprobs), entropies=list(reply.entropy),
+                top_logprobs=[list(zip(t.token_ids, t.logprobs, strict=True))
+                              for t in reply.top_logprobs],
+                hidden_states=[_floats(b) for b in reply.hidden],
+                report=reply.report, state=reply.state,
             )
 
         try:

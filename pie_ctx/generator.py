@@ -16,45 +16,51 @@ Usage::
     gen = ctx.generate(Sampler.greedy(), max_tokens=64, stop=["\\n\\n"])
     async for delta in gen:
         print(delta.text, end="", flush=True)
-    print(gen.finish_reason)       # "stop_token" | "stop_string" | "length"
+    print(gen.finish_reason)   # "stop_token" | "stop_string" | "length" | "constraint"
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Generator as SyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 
 from pie_ctx.core import Cancellable, ContextCore
 from pie_ctx.ops import Op
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, error_from_name
+from pie_ctx.rounds import Rounds, RoundStream
+from pie_ctx.speculate import PromptLookup
 
 __all__ = ["Generator", "Delta"]
 
 
 @dataclass(slots=True, frozen=True)
 class Delta:
-    """What one step of a generation produced."""
+    """What one step of a generation produced (one token, or several in a speculative
+    round). ``logprobs``, ``top_logprobs`` and ``entropy`` have one entry per token; the
+    last two are filled when ``generate(top_logprobs=k)`` asked for them."""
 
     tokens: list[int]
     text: str
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
 
 
 class Generator(Cancellable):
     """One generation on one context; single use."""
 
-    def __init__(self, core: ContextCore, sampler: P.SamplerSpec, max_tokens: int,
-                 stop_token_ids: list[int], stop_strings: list[str]) -> None:
+    def __init__(self, core: ContextCore, req: P.Generate, rounds: Rounds | None = None,
+                 cue: bool = True) -> None:
         self._core = core
-        self._sampler = sampler
-        self._max_tokens = max_tokens
-        self._stop_ids = stop_token_ids
-        self._stop_strings = stop_strings
+        self._req = req  # the settings; ``ctx`` and ``tokens`` are filled in when it starts
+        self._rounds = rounds
+        self._cue = cue
         self._stream: Any = None
         self._op: Op | None = None
         self._started = False
@@ -63,8 +69,11 @@ class Generator(Cancellable):
         self._deltas: collections.deque[Delta] = collections.deque()
         self._read_lock = anyio.Lock()
         self._prompt: list[int] = []
+        self._undo_cue: tuple[Any, int] | None = None  # (conversation, pending length) before
         self.tokens_out: list[int] = []
         self.logprobs: list[float] = []  # the model's log-probability of each token
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per token, with top_logprobs=
+        self.entropies: list[float] = []  # per token, with top_logprobs=
         self.text_out = ""
         self.finish_reason: str | None = None  # ... or "cancelled"
         self.report: P.PassReport | None = None
@@ -103,15 +112,28 @@ class Generator(Cancellable):
             core.raise_unobserved()
             if core.handle is None:
                 await core.request(P.GetState)  # raises why the context does not exist
+            if self._cue and core.chat.awaits_answer:  # a system/user turn wants its answer
+                self._undo_cue = (core.chat.copy(), len(core.pending))
+                core.pending.extend(core.chat.cue(core.rt.tokenizer))
             self._prompt = list(core.pending)
-            req = P.Generate(ctx=core.handle, tokens=self._prompt, sampler=self._sampler,
-                             max_tokens=self._max_tokens, stop_token_ids=self._stop_ids,
-                             stop_strings=self._stop_strings)
-            self._stream = await core.transport.generate(req)
+            req = msgspec.structs.replace(self._req, ctx=core.handle, tokens=self._prompt)
+            if self._rounds is None:
+                self._stream = await core.transport.generate(req)
+            else:
+                self._stream = await self._round_stream(req)
         except BaseException as exc:
             self._end(exc if isinstance(exc, Exception) else None)
             self._error = None  # raised right here, not again later
             raise
+
+    async def _round_stream(self, req: P.Generate) -> RoundStream:
+        core = self._core
+        rounds = self._rounds
+        if rounds.speculator == "prompt_lookup":  # built on the context's own tokens
+            history = (await core.request(P.GetTokens)).token_ids + self._prompt
+            rounds = Rounds(speculator=PromptLookup(history), constraint=rounds.constraint)
+        return RoundStream(core.transport, core.handle, core.state, self._prompt, req, rounds,
+                           core.rt.tokenizer)
 
     async def _drain(self) -> None:
         """Read the stream to its end (for an operation queued behind this one)."""
@@ -140,11 +162,15 @@ class Generator(Cancellable):
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, P.GenerateChunk):
+            tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs]
             self.tokens_out.extend(msg.tokens)
             self.logprobs.extend(msg.logprobs)
+            self.top_logprobs.extend(tops)
+            self.entropies.extend(msg.entropy)
             self.text_out += msg.text
             self._deltas.append(Delta(tokens=list(msg.tokens), text=msg.text,
-                                      logprobs=list(msg.logprobs)))
+                                      logprobs=list(msg.logprobs), top_logprobs=tops,
+                                      entropy=list(msg.entropy)))
         elif isinstance(msg, P.GenerateDone):
             self._done(msg)
         elif isinstance(msg, P.ErrorReply):
@@ -172,12 +198,24 @@ class Generator(Cancellable):
             return
         self._finished = True
         self._error = error
+        if self.finish_reason in (None, "cancelled"):
+            self._take_back_cue()
         self._core.ended(self)
         if self._op is not None:
             self._op.drain = None  # nothing to read any more (and no reference cycle)
             self._op.finish(error)
 
     # ------------------------------------------------------------------ stopping
+
+    def _take_back_cue(self) -> None:
+        """A generation that did not happen did not open the assistant turn either."""
+        if self._undo_cue is None:
+            return
+        chat, n = self._undo_cue
+        self._undo_cue = None
+        core = self._core
+        del core.pending[n:len(self._prompt)]  # the cue's tokens, right after what was there
+        core.chat = chat
 
     def cancel(self, reason: BaseException) -> None:
         """Stop now (the context is being released): the stream ends with ``reason``."""
@@ -215,6 +253,7 @@ class Generator(Cancellable):
                 if state.seq_len != before:  # it finished before the cancel: prompt in KV
                     del core.pending[: len(self._prompt)]
                     core.chat.synced = False
+                    self._undo_cue = None  # the turn it opened is in the context now
         except PieError:
             pass  # best effort; the next reply refreshes the counters
 

@@ -24,7 +24,8 @@ import torch
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 
-__all__ = ["make_generator", "sample_rows", "logprobs", "top_k_distribution"]
+__all__ = ["make_generator", "sample_rows", "filtered_probs", "draw", "logprobs",
+           "top_k_distribution"]
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -79,6 +80,56 @@ CANDIDATES = 1024
 def _sample(x: torch.Tensor, params: list[SamplerSpec],
             generators: list[torch.Generator | None]) -> list[int]:
     """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V]."""
+    m = x.shape[0]
+    dev = x.device
+    probs, order, keep = _filtered(x, params)
+    width = probs.shape[1]
+    cdf = torch.cumsum(probs, dim=-1)  # [m, W] (unnormalised after min-p)
+    u = torch.empty(m, device=dev)
+    for i, gen in enumerate(generators):  # one draw per row from the row's own generator
+        u[i] = draw(gen, dev)
+    target = u[:, None] * cdf[:, -1:]  # [m, 1]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [m, 1]
+    # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
+    idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
+    return order.gather(1, idx).squeeze(1).tolist()
+
+
+def draw(gen: torch.Generator | None, device: torch.device | str = "cpu") -> float:
+    """One uniform number in [0, 1) from a row's own generator (None: torch's global one)."""
+    if gen is None:
+        return float(torch.rand((), device=device))
+    return float(torch.rand((), generator=gen, device=device))
+
+
+def filtered_probs(x: torch.Tensor, params: list[SamplerSpec]) -> torch.Tensor:
+    """The distribution each row is sampled from: Tensor[m, V] of probabilities.
+
+    Greedy rows are one-hot on their argmax; the others apply temperature, top-k, top-p
+    and min-p exactly as :func:`sample_rows` does (speculative verification needs the
+    very distribution a plain draw would use).
+    """
+    m, vocab = x.shape
+    out = torch.zeros((m, vocab), dtype=torch.float32, device=x.device)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    for i in greedy:
+        out[i, int(x[i].argmax())] = 1.0
+    rest = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rest:
+        probs, order, _ = _filtered(x[rest].float(), [params[i] for i in rest])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        out[rest] = out[rest].scatter(1, order, probs)
+    return out
+
+
+def _filtered(x: torch.Tensor, params: list[SamplerSpec],
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filtered distribution of m rows of fp32 logits ``x`` [m, V], in sorted order.
+
+    Returns:
+        ``(probs, order, keep)``: ``probs[m, W]`` (unnormalised after min-p) over the
+        tokens ``order[m, W]``, most likely first, and which of them the filters kept.
+    """
     m, vocab = x.shape
     dev = x.device
     temp = torch.tensor([p.temperature for p in params], device=dev)  # [m]
@@ -120,16 +171,7 @@ def _sample(x: torch.Tensor, params: list[SamplerSpec],
     probs = torch.softmax(torch.where(keep, sorted_logits, neg_inf), dim=-1)
     keep &= probs >= min_p[:, None] * probs[:, :1]  # min-p relative to the top token
     probs = torch.where(keep, probs, torch.zeros((), device=dev))  # [m, W]
-    cdf = torch.cumsum(probs, dim=-1)  # [m, W] (unnormalised after min-p)
-
-    u = torch.empty(m, device=dev)
-    for i, gen in enumerate(generators):  # one draw per row from the row's own generator
-        u[i] = torch.rand((), generator=gen, device=dev) if gen is not None else torch.rand(())
-    target = u[:, None] * cdf[:, -1:]  # [m, 1]
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [m, 1]
-    # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
-    idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-    return order.gather(1, idx).squeeze(1).tolist()
+    return probs, order, keep
 
 
 def logprobs(logits_row: torch.Tensor, token_ids: list[int]) -> list[float]:

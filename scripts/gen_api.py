@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pie_ctx  # noqa: E402
-from pie_ctx import errors  # noqa: E402
+from pie_ctx import constrain, errors, speculate  # noqa: E402
 
 SECTIONS = [
     ("Runtime", pie_ctx.Runtime),
@@ -25,6 +25,14 @@ SECTIONS = [
     ("ForwardOutput", pie_ctx.ForwardOutput),
     ("RawContext", pie_ctx.RawContext),
     ("Sampler", pie_ctx.Sampler),
+    ("constrain.Regex", constrain.Regex),
+    ("constrain.JsonSchema", constrain.JsonSchema),
+    ("constrain.AnyJson", constrain.AnyJson),
+    ("constrain.Grammar", constrain.Grammar),
+    ("constrain.Choice", constrain.Choice),
+    ("constrain.Constraint", constrain.Constraint),
+    ("speculate.Speculator", speculate.Speculator),
+    ("speculate.PromptLookup", speculate.PromptLookup),
     ("SamplerSpec", pie_ctx.SamplerSpec),
     ("PassReport", pie_ctx.PassReport),
     ("ContextState", pie_ctx.ContextState),

@@ -1,9 +1,10 @@
-"""The first three examples on the real default model (SmolLM2-135M-Instruct)."""
+"""The first examples on the real default model (SmolLM2-135M-Instruct)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from pie_ctx import Runtime
@@ -26,3 +27,13 @@ async def test_first_three_examples_on_the_default_model(capsys):
         assert out.count("pages shared from the snapshot") == 3
         stats = await rt.stats()
         assert stats.num_contexts == 0 and stats.num_snapshots == 1
+
+
+async def test_structured_output_and_speculation_on_the_default_model():
+    async with Runtime.local(None, num_pages=2048) as rt:
+        structured = load_inferlet(EXAMPLES / "structured_output.py")
+        person = await structured.main(rt, inferlet_args(structured, [], prog="s"))
+        jsonschema.validate(person, structured.SCHEMA)
+        assert person["age"] == 85
+        speculative = load_inferlet(EXAMPLES / "speculative.py")
+        assert await speculative.main(rt, inferlet_args(speculative, [], prog="s")) is True

@@ -9,7 +9,8 @@ Both sides import only this package from each other's world. It owns:
   at its boundary; inner layers trust their callers;
 * ``framing`` and ``wire``: frames and envelopes on a socket;
 * ``address``: server addresses, the runtime folder and token files;
-* ``tokenizer``: the model's tokenizer (the SDK's fillers tokenize; the engine decodes).
+* ``tokenizer``: the model's tokenizer (the SDK's fillers tokenize; the engine decodes);
+* ``stops``: streamed text and stop strings (whoever drives a generation uses it).
 
 Importing this package imports none of its modules and nothing of the SDK's client classes.
 """

@@ -34,8 +34,15 @@ __all__ = [
     "finite",
     "is_int",
     "reply_bytes",
+    "sampler",
+    "logit_bias",
+    "allowed_tokens",
+    "top_logprobs_k",
+    "constraint",
     "forward",
     "generate",
+    "verify",
+    "select",
 ]
 
 MAX_NAME_CHARS = 256
@@ -177,12 +184,65 @@ def mask(rows: Any, seq_len: int, num_tokens: int, max_entries: int) -> np.ndarr
     return arr
 
 
-def reply_bytes(req: M.Forward, vocab_size: int) -> int:
+CONSTRAINT_KINDS = ("regex", "json_schema", "lark", "gbnf", "choice")
+
+
+def reply_bytes(req: M.Forward, vocab_size: int, hidden_size: int) -> int:
     """An upper bound on the size of a ``Forward``'s reply, encoded."""
     n = 256 + 9 * len(req.sample) + (4 * vocab_size + 8) * len(req.logits)
     n += sum(18 * d.top_k + 16 for d in req.distributions)
     n += sum(9 * len(lp.token_ids) + 8 for lp in req.logprobs)
+    n += sum(18 * t.k + 16 for t in req.top_logprobs) + 9 * len(req.entropy)
+    n += (4 * hidden_size + 8) * len(req.hidden)
     return n
+
+
+def sampler(value: Any) -> M.SamplerSpec:
+    """A ``SamplerSpec`` (it checked its own fields when it was built)."""
+    if not isinstance(value, M.SamplerSpec):
+        raise InvalidArgument(f"a sampler must be a SamplerSpec (from Sampler.*), got {value!r}")
+    return value
+
+
+def logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
+    """None, or ``{token id: finite additive bias}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"logit_bias must be a dict of token id -> bias, got "
+                              f"{type(value).__name__}")
+    token_ids(list(value), vocab_size, "logit_bias")
+    return {t: finite(b, f"logit_bias[{t}]") for t, b in value.items()}
+
+
+def allowed_tokens(value: Any, vocab_size: int) -> list[int] | None:
+    """None, or a non-empty list of token ids the draw is restricted to."""
+    if value is None:
+        return None
+    ids = token_ids(value, vocab_size, "allowed_tokens")
+    if not ids:
+        raise InvalidArgument("allowed_tokens must name at least one token (or be None)")
+    return ids
+
+
+def top_logprobs_k(value: Any, limit: int) -> int:
+    """How many top log-probabilities per token: 0 (none) to ``limit``."""
+    if not is_int(value) or not 0 <= value <= limit:
+        raise InvalidArgument(f"top_logprobs must be an int in [0, {limit}], got {value!r}")
+    return value
+
+
+def constraint(value: Any) -> M.ConstraintSpec | None:
+    """None, or a ``ConstraintSpec`` of a known kind (its source compiles in the engine)."""
+    if value is None:
+        return None
+    if not isinstance(value, M.ConstraintSpec):
+        raise InvalidArgument("constrain= takes Regex(...), JsonSchema(...), AnyJson(), "
+                              f"Grammar(...) or Choice(...) from pie_ctx.constrain, got {value!r}")
+    if value.kind not in CONSTRAINT_KINDS or not isinstance(value.source, str):
+        raise InvalidArgument(f"unknown constraint kind {value.kind!r}; one of "
+                              f"{', '.join(CONSTRAINT_KINDS)}")
+    return value
 
 
 def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | None:
@@ -211,9 +271,16 @@ def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | No
         positions(req.positions, n, info.max_seq_len)
     for s in req.sample:
         indices([s.index], n, "sample")
-        if not isinstance(s.sampler, M.SamplerSpec):
-            raise InvalidArgument(f"a sampler must be a SamplerSpec (from Sampler.*), got {s.sampler!r}")
+        sampler(s.sampler)
+        logit_bias(s.logit_bias, info.vocab_size)
+        allowed_tokens(s.allowed_tokens, info.vocab_size)
     indices(req.logits, n, "logits")
+    indices(req.entropy, n, "entropy")
+    indices(req.hidden, n, "hidden_states")
+    for t in req.top_logprobs:
+        indices([t.index], n, "top_logprobs")
+        if not is_int(t.k) or not 1 <= t.k <= info.vocab_size:
+            raise InvalidArgument(f"top_logprobs k must be in [1, {info.vocab_size}], got {t.k!r}")
     for d in req.distributions:
         indices([d.index], n, "distribution")
         if not is_int(d.top_k) or not 1 <= d.top_k <= info.vocab_size:
@@ -223,7 +290,7 @@ def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | No
         token_ids(lp.token_ids, info.vocab_size, "logprobs")
     if not isinstance(req.commit, bool) or not isinstance(req.reuse_prefix, bool):
         raise InvalidArgument("commit and reuse_prefix are booleans")
-    size = reply_bytes(req, info.vocab_size)
+    size = reply_bytes(req, info.vocab_size, info.hidden_size)
     if size > info.max_reply_bytes:
         raise InvalidArgument(
             f"this pass asks for a reply of about {size} bytes, over the engine's limit of "
@@ -241,8 +308,13 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
     """
     n = len(token_ids(req.tokens, info.vocab_size, "generate prompt"))
     positive(req.max_tokens, "max_tokens")
-    if not isinstance(req.sampler, M.SamplerSpec):
-        raise InvalidArgument(f"a sampler must be a SamplerSpec (from Sampler.*), got {req.sampler!r}")
+    sampler(req.sampler)
+    logit_bias(req.logit_bias, info.vocab_size)
+    allowed_tokens(req.allowed_tokens, info.vocab_size)
+    top_logprobs_k(req.top_logprobs, info.max_top_logprobs)
+    if constraint(req.constraint) is not None and not info.can_constrain:
+        raise InvalidArgument("this engine cannot compile constraints (its tokenizer is not "
+                              "a Hugging Face tokenizer.json)")
     if req.stop_token_ids is not None:
         token_ids(req.stop_token_ids, info.vocab_size, "stop")
     strings = _items(req.stop_strings, "stop strings")
@@ -254,3 +326,48 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
         raise ContextTooLong(
             f"{seq_len} + {n} prompt + max_tokens {req.max_tokens} exceed the model's "
             f"{info.max_seq_len} tokens; lower max_tokens")
+
+
+def verify(req: M.Verify, info: M.EngineInfo, seq_len: int) -> None:
+    """Everything about a ``Verify`` round that does not depend on the pool right now.
+
+    Raises:
+        InvalidArgument: a malformed field. ContextTooLong: no room for the round.
+    """
+    n = len(token_ids(req.tokens, info.vocab_size, "verify tokens"))
+    if not is_int(req.num_draft) or not 0 <= req.num_draft <= n:
+        raise InvalidArgument(f"num_draft must be in [0, {n}], got {req.num_draft!r}")
+    sampler(req.sampler)
+    token_ids(req.stop_token_ids, info.vocab_size, "stop")
+    logit_bias(req.logit_bias, info.vocab_size)
+    allowed_tokens(req.allowed_tokens, info.vocab_size)
+    top_logprobs_k(req.top_logprobs, info.max_top_logprobs)
+    if seq_len + n + 1 > info.max_seq_len:
+        raise ContextTooLong(f"{seq_len} tokens in the context + {n} new + 1 exceed the "
+                             f"model's {info.max_seq_len}; stop generating or truncate")
+
+
+def select(req: M.Select, info: M.EngineInfo, seq_len: int) -> int:
+    """A ``Select``'s options; returns the number of tokens its one pass writes.
+
+    Raises:
+        InvalidArgument: no options, an empty option, a bad token id, too large a pass.
+        ContextTooLong: an option would run past the model's maximum length.
+    """
+    options = _items(req.options, "options")
+    if not options:
+        raise InvalidArgument("select needs at least one option")
+    for i, option in enumerate(options):
+        if not token_ids(option, info.vocab_size, f"option {i}"):
+            raise InvalidArgument(f"option {i} is empty; every option needs a token")
+    longest = max(len(o) for o in options)
+    if seq_len + longest > info.max_seq_len:
+        raise ContextTooLong(f"an option of {longest} tokens after {seq_len} exceeds the "
+                             f"model's {info.max_seq_len}")
+    if not isinstance(req.unconditional, bool):
+        raise InvalidArgument("unconditional is a bool")
+    n = sum(len(o) for o in options) * (2 if req.unconditional else 1)
+    if n * (seq_len + n) > info.max_mask_entries:
+        raise InvalidArgument(f"these options need a pass of {n} tokens over {seq_len}, over "
+                              "the engine's mask limit; score fewer or shorter options at once")
+    return n

@@ -148,8 +148,30 @@ class ListSnapshots(_Request):
 
 
 class SampleSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Sample a token after input ``index``; ``logit_bias`` is added to the logits and
+    ``allowed_tokens`` (when given) restricts the draw to those ids."""
+
     index: int
     sampler: SamplerSpec
+    logit_bias: dict[int, float] | None = None
+    allowed_tokens: list[int] | None = None
+
+
+class TopLogprobSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    k: int
+
+
+class ConstraintSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on generated text, compiled by the engine's grammar library.
+
+    ``kind`` is ``"regex"``, ``"json_schema"`` (``source`` is the schema as JSON text),
+    ``"lark"``, ``"gbnf"`` (a grammar) or ``"choice"`` (``source`` is a JSON list of
+    strings). Built by the classes of ``pie_ctx.constrain``.
+    """
+
+    kind: str
+    source: str
 
 
 class DistributionSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,6 +204,9 @@ class Forward(_Request):
     logits: list[int] = []
     distributions: list[DistributionSpec] = []
     logprobs: list[LogprobSpec] = []
+    entropy: list[int] = []  # indices whose next-token distribution's entropy is wanted
+    top_logprobs: list[TopLogprobSpec] = []
+    hidden: list[int] = []  # indices whose final-norm hidden state is wanted
 
 
 class Generate(_Request):
@@ -198,6 +223,47 @@ class Generate(_Request):
     max_tokens: int = 256
     stop_token_ids: list[int] | None = None
     stop_strings: list[str] = []
+    constraint: ConstraintSpec | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_tokens: list[int] | None = None
+    top_logprobs: int = 0  # per generated token: the k most likely tokens and the entropy
+
+
+class Verify(_Request):
+    """One round of a generation the client drives (speculation, client-side constraints).
+
+    Writes ``tokens`` (pending tokens, then ``draft``) without committing, verifies the
+    draft by speculative rejection sampling under ``sampler`` (exact for every sampler,
+    greedy included), drops the rejected draft tokens, and samples one more token after
+    the last accepted one (it is not written: it is the new pending token). With no
+    ``tokens`` at all the round samples from the logits of the context's last token. An
+    accepted draft token in ``stop_token_ids`` ends the round there (no new token).
+    """
+
+    ctx: int
+    tokens: list[int]
+    num_draft: int = 0  # the last num_draft of ``tokens`` are the draft
+    sampler: SamplerSpec = SamplerSpec()
+    stop_token_ids: list[int] = []
+    logit_bias: dict[int, float] | None = None
+    allowed_tokens: list[int] | None = None
+    top_logprobs: int = 0
+
+
+class Select(_Request):
+    """Score continuations of the context: every option's token log-probabilities (and,
+    with ``unconditional``, the same tokens' log-probabilities with no context before
+    them), in one pass that leaves the context unchanged."""
+
+    ctx: int
+    options: list[list[int]]
+    unconditional: bool = False
+
+
+class GetTokens(_Request):
+    """The token ids in a context's KV cache (committed and working)."""
+
+    ctx: int
 
 
 class Tokenize(_Request):
@@ -228,6 +294,9 @@ Request = (
     | ListSnapshots
     | Forward
     | Generate
+    | Verify
+    | Select
+    | GetTokens
     | Tokenize
     | GetInfo
     | GetStats
@@ -264,6 +333,13 @@ class Distribution(msgspec.Struct, kw_only=True):
     probs: list[float]
 
 
+class TopLogprobs(msgspec.Struct, kw_only=True):
+    """The k most likely next tokens (most likely first) and their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class ForwardReply(_Reply):
     state: ContextState
     report: PassReport
@@ -271,12 +347,36 @@ class ForwardReply(_Reply):
     logits: list[bytes] = []  # float32 little-endian rows of vocab_size values
     distributions: list[Distribution] = []
     logprobs: list[list[float]] = []
+    entropy: list[float] = []
+    top_logprobs: list[TopLogprobs] = []
+    hidden: list[bytes] = []  # float32 little-endian rows of hidden_size values
 
 
 class GenerateChunk(_Reply):
     tokens: list[int]
     text: str
     logprobs: list[float] = []  # the model's log-probability of each token (temperature 1)
+    top_logprobs: list[TopLogprobs] = []  # one per token, when asked for
+    entropy: list[float] = []  # one per token, when top_logprobs was asked for
+
+
+class VerifyReply(_Reply):
+    """A round's result: ``accepted`` draft tokens stayed, then ``token`` (None when an
+    accepted draft token was a stop token) was sampled; per emitted token (the accepted
+    drafts, then the new one) the model's log-probability and the asked-for probes."""
+
+    accepted: int
+    token: int | None
+    logprobs: list[float]
+    state: ContextState
+    report: PassReport
+    top_logprobs: list[TopLogprobs] = []
+    entropy: list[float] = []
+
+
+class SelectReply(_Reply):
+    logprobs: list[list[float]]  # per option, per token: log p(token | context, option so far)
+    unconditional: list[list[float]] = []  # the same without the context (first token: 0)
 
 
 class GenerateDone(_Reply):
@@ -305,6 +405,9 @@ class EngineInfo(_Reply):
     max_reply_bytes: int = 16 * 2**20  # the largest reply one request may produce
     max_mask_entries: int = 2**26  # rows x columns of one custom attention mask
     max_pages_per_owner: int = 0  # the page share of one owner (client); 0 = the whole pool
+    hidden_size: int = 0  # size of one hidden_states() row
+    max_top_logprobs: int = 20  # the most top_logprobs one generated token may carry
+    can_constrain: bool = False  # the engine compiles constraints (its tokenizer allows it)
 
 
 class EngineStats(_Reply):
@@ -336,6 +439,8 @@ Reply = (
     | StateReply
     | SnapshotList
     | ForwardReply
+    | VerifyReply
+    | SelectReply
     | GenerateChunk
     | GenerateDone
     | TokenIds

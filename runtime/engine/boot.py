@@ -76,4 +76,5 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         engine_kw["max_pages_per_owner"] = max(1, int(owner_share * store.num_pages_total))
     return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
                   vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
+                  hidden_size=cfg.hidden_size,
                   max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)

@@ -43,6 +43,7 @@ import msgspec
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
+from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
 from runtime.engine.handlers import Handlers
 from runtime.engine.jobs import Job, JobStatus
@@ -88,6 +89,7 @@ class Engine:
         max_mask_entries: the largest custom attention mask of one pass.
         max_pages_per_owner: the page share of one owner (a client): its contexts may hold
             at most this many pages (see docs/scheduling.md); None = the whole pool.
+        hidden_size: size of one ``hidden_states`` row (reported in ``EngineInfo``).
         model_thread: the single-thread executor every model step runs on (``boot`` passes
             the one that loaded the model); shut down when the engine exits.
     """
@@ -106,6 +108,7 @@ class Engine:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_mask_entries: int = DEFAULT_MAX_MASK_ENTRIES,
         max_pages_per_owner: int | None = None,
+        hidden_size: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
     ) -> None:
         self.store = store
@@ -114,16 +117,18 @@ class Engine:
         self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
                                    max_pages_per_owner=max_pages_per_owner)
         self.stall_timeout = stall_timeout
+        stop_token_ids = sorted(getattr(tokenizer, "stop_token_ids", []) or [])
+        grammars = Grammars(tokenizer, vocab_size, stop_token_ids)
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,
             page_size=store.page_size, num_pages=store.num_pages_total, vocab_size=vocab_size,
-            max_seq_len=max_seq_len,
-            stop_token_ids=sorted(getattr(tokenizer, "stop_token_ids", []) or []),
+            max_seq_len=max_seq_len, stop_token_ids=stop_token_ids,
             max_step_tokens=max_step_tokens, max_reply_bytes=max_reply_bytes,
             max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
+            hidden_size=hidden_size, can_constrain=grammars.available,
         )
         self.records = ContextTable(store, on_release=self._kick)
-        self.passes = Passes(store, self.records, self, self.info, tokenizer)
+        self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
                                  tokenizer, on_pages_freed=self._kick)
         self._wake = anyio.Event()

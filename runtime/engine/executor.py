@@ -8,18 +8,24 @@ was, so the engine can re-run part of it (see ``Engine._run_isolated``).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from runtime.engine import decoding
 from runtime.engine.scheduler import RowResult, StepPlan
 from runtime.model.batch import SeqInput
 from runtime.sampling import logprobs, make_generator, sample_rows, top_k_distribution
 
 
 class Runner(Protocol):
-    def forward(self, batch: list[SeqInput]) -> torch.Tensor: ...
+    def forward(self, batch: list[SeqInput], *,
+                return_hidden: bool = False) -> Any: ...
+
+
+Saved = list[tuple[int, torch.Generator | None, torch.Tensor | None]]
 
 
 class StepExecutor:
@@ -29,6 +35,8 @@ class StepExecutor:
         self.runner = runner
         self._generators: dict[int, torch.Generator] = {}
         self.num_model_calls = 0
+        self.mask_seconds = 0.0  # time spent building constraint/bias masks
+        self.num_masked_steps = 0
 
     def forget(self, job_key: int) -> None:
         """Drop a finished job's generator."""
@@ -38,9 +46,13 @@ class StepExecutor:
         batch = plan.chunks
         given = [i for i, r in enumerate(plan.rows) if r.given_logits is not None]
         computed = [i for i, r in enumerate(plan.rows) if r.given_logits is None]
-        logits = None
+        logits, hidden = None, None
         if batch:
-            logits = self.runner.forward(batch).float()  # [num_computed_rows, vocab]
+            if any(r.hidden for r in plan.rows):
+                logits, hidden = self.runner.forward(batch, return_hidden=True)
+            else:
+                logits = self.runner.forward(batch)
+            logits = logits.float()  # [num_computed_rows, vocab]
             self.num_model_calls += 1
             if logits.shape[0] != len(computed):
                 raise RuntimeError(f"runner returned {logits.shape[0]} rows, expected {len(computed)}")
@@ -53,23 +65,36 @@ class StepExecutor:
                 full[computed] = logits
                 full[given] = rows
                 logits = full
-        saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]] = []
+        saved: Saved = []
         try:
-            return self._outputs(plan, logits, saved)
+            results = self._outputs(plan, logits, saved)
         except BaseException:
             self._restore(saved)
             raise
+        if hidden is not None:  # hidden rows come in computed-row order
+            for j, i in enumerate(computed):
+                if plan.rows[i].hidden:
+                    results[i].hidden = hidden[j].float().numpy().astype("<f4").tobytes()
+        return results
 
-    def _outputs(self, plan: StepPlan, logits: torch.Tensor,
-                 saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
-                 ) -> list[RowResult]:
-        """Every row's answer from the step's logits ``[rows, vocab]``."""
-        results = [RowResult() for _ in plan.rows]
-        sample_at: list[int] = []
-        params: list[Any] = []
-        gens: list[torch.Generator | None] = []
-        for i, req in enumerate(plan.rows):
-            if req.sample is not None:
+    def _outputs(self, plan: StepPlan, logits: torch.Tensor, saved: Saved) -> list[RowResult]:
+        """Every row's answer from the step's raw logits ``[rows, vocab]``."""
+        rows = plan.rows
+        results = [RowResult() for _ in rows]
+        t0 = time.perf_counter()
+        adjusted, empty = decoding.adjust(logits, rows)
+        if adjusted is not logits:
+            self.mask_seconds += time.perf_counter() - t0
+            self.num_masked_steps += 1
+        for i in empty:
+            results[i].error = ("no token is allowed here: the constraint (or allowed_tokens) "
+                                "rules out every token this model can produce")
+        lp = None
+        sample_at, params, gens = [], [], []
+        for i, req in enumerate(rows):
+            if req.verify is not None:
+                self._verify(i, req, logits, adjusted, results, saved)
+            elif req.sample is not None and i not in empty:
                 sample_at.append(i)
                 params.append(req.sample)
                 gens.append(self._generator(req.job_key, req.generator_seed, req.sample, saved))
@@ -82,16 +107,44 @@ class StepExecutor:
                 results[i].logprob_ids = list(req.logprob_ids)
                 results[i].logprobs = list(logprobs(logits[i], req.logprob_ids))
         if sample_at:
-            rows = logits[sample_at]
-            tokens = sample_rows(rows, params, gens)
-            picked = torch.log_softmax(rows, dim=-1)[torch.arange(len(tokens)), tokens]
-            for i, token, lp in zip(sample_at, tokens, picked.tolist(), strict=True):
+            tokens = sample_rows(adjusted[sample_at], params, gens)
+            lp = torch.log_softmax(logits[sample_at], dim=-1)  # the model's own (temperature 1)
+            picked = lp[torch.arange(len(tokens)), tokens]
+            for i, token, value in zip(sample_at, tokens, picked.tolist(), strict=True):
                 results[i].sampled = int(token)
-                results[i].sampled_logprob = float(lp)
+                results[i].sampled_logprob = float(value)
+        self._probes(rows, logits, results)
         return results
 
-    def _generator(self, key: int, seed: int | None, spec: Any,
-                   saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
+    def _verify(self, first: int, req: Any, logits: torch.Tensor, adjusted: torch.Tensor,
+                results: list[RowResult], saved: Saved) -> None:
+        """One speculative group: rows ``first .. first + len(draft)``."""
+        draft = req.verify
+        span = slice(first, first + len(draft) + 1)
+        gen = self._generator(req.job_key, req.generator_seed, req.sample, saved)
+        accepted, token = decoding.verify(adjusted[span], draft, req.sample, gen, req.stops)
+        emitted = list(draft[:accepted]) + ([] if token is None else [token])
+        lp = torch.log_softmax(logits[span], dim=-1)
+        results[first].accepted = accepted
+        for j, t in enumerate(emitted):
+            results[first + j].sampled = t
+            results[first + j].sampled_logprob = float(lp[j, t])
+
+    def _probes(self, rows: list[Any], logits: torch.Tensor, results: list[RowResult]) -> None:
+        """Top log-probabilities and entropy, batched over the rows asking for them."""
+        wanted = [i for i, r in enumerate(rows) if r.top_logprobs or r.entropy]
+        if not wanted:
+            return
+        k = max(max(rows[i].top_logprobs for i in wanted), 1)
+        tops, entropies = decoding.probes(logits[wanted], k)
+        for i, top, ent in zip(wanted, tops, entropies, strict=True):
+            n = rows[i].top_logprobs
+            if n:
+                results[i].top_logprobs = type(top)(token_ids=top.token_ids[:n],
+                                                    logprobs=top.logprobs[:n])
+            results[i].entropy = ent
+
+    def _generator(self, key: int, seed: int | None, spec: Any, saved: Saved,
                    ) -> torch.Generator | None:
         """The job's generator (a fresh one when ``seed`` is given); its previous state is
         recorded in ``saved`` so a failing step can put it back."""
@@ -103,8 +156,7 @@ class StepExecutor:
             self._generators[key] = make_generator(seed)
         return self._generators[key]
 
-    def _restore(self, saved: list[tuple[int, torch.Generator | None, torch.Tensor | None]],
-                 ) -> None:
+    def _restore(self, saved: Saved) -> None:
         for key, gen, state in reversed(saved):
             if gen is None:
                 self._generators.pop(key, None)

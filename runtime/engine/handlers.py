@@ -63,6 +63,9 @@ class Handlers:
             P.DeleteSnapshot: self._delete,
             P.ListSnapshots: self._list,
             P.Forward: self._forward,
+            P.Verify: self._verify,
+            P.Select: self._select,
+            P.GetTokens: self._get_tokens,
             P.Tokenize: self._tokenize,
             P.GetInfo: self._get_info,
             P.GetStats: self._get_stats,
@@ -139,6 +142,15 @@ class Handlers:
 
     async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
         return await self._passes.forward(req, owner)
+
+    async def _verify(self, req: P.Verify, owner: Any, ns: str) -> P.VerifyReply:
+        return await self._passes.verify(req, owner)
+
+    async def _select(self, req: P.Select, owner: Any, ns: str) -> P.SelectReply:
+        return await self._passes.select(req, owner)
+
+    async def _get_tokens(self, req: P.GetTokens, owner: Any, ns: str) -> P.TokenIds:
+        return P.TokenIds(token_ids=self._store.tokens(self._records.get(req.ctx, owner).cid))
 
     # ----------------------------------------------------------------------- snapshots
 

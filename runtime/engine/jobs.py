@@ -22,13 +22,15 @@ from pie_ctx.proto.messages import (
     PassReport,
     SamplerSpec,
     SampleSpec,
+    TopLogprobs,
+    TopLogprobSpec,
 )
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from pie_ctx.proto.stops import StopChecker
     from runtime.engine.records import ContextRecord
-    from runtime.engine.stops import StopChecker
 
 
 class JobKind(enum.Enum):
@@ -59,6 +61,10 @@ class Job:
     logits: list[int] = field(default_factory=list)
     distributions: list[DistributionSpec] = field(default_factory=list)
     logprobs: list[LogprobSpec] = field(default_factory=list)
+    entropy: list[int] = field(default_factory=list)
+    top_logprobs: list[TopLogprobSpec] = field(default_factory=list)
+    hidden: list[int] = field(default_factory=list)
+    verify: VerifyRound | None = None  # a speculative round: its draft ends ``tokens``
     # generation
     sampler: SamplerSpec | None = None
     seed: int = 0
@@ -66,9 +72,10 @@ class Job:
     stop_token_ids: frozenset[int] = frozenset()
     stop: StopChecker | None = None
     first_logits: np.ndarray | None = None  # float32 [vocab]: sample the first token from it
+    decoding: Decoding = field(default_factory=lambda: Decoding())  # how tokens are picked
     # called once when the job ends (done, failed or cancelled), on the event loop
     waiter: Callable[[Job], None] | None = None
-    on_chunk: Callable[[list[int], str, float], None] | None = None
+    on_chunk: Callable[[Job, int, str, Any], None] | None = None  # (job, token, text, row)
 
     key: int = 0  # unique per engine; names the job's sampling generator
     status: JobStatus = JobStatus.WAITING
@@ -84,6 +91,9 @@ class Job:
     logits_out: list[bytes] = field(default_factory=list)
     distributions_out: list[Distribution] = field(default_factory=list)
     logprobs_out: list[list[float]] = field(default_factory=list)
+    entropy_out: list[float] = field(default_factory=list)
+    top_logprobs_out: list[TopLogprobs] = field(default_factory=list)
+    hidden_out: list[bytes] = field(default_factory=list)
     probe_rows: dict[int, Any] = field(default_factory=dict)  # token index -> RowResult
     error: BaseException | None = None
     cancelled: bool = False
@@ -109,6 +119,12 @@ class Job:
         wanted.update(self.logits)
         wanted.update(d.index for d in self.distributions)
         wanted.update(lp.index for lp in self.logprobs)
+        wanted.update(self.entropy)
+        wanted.update(t.index for t in self.top_logprobs)
+        wanted.update(self.hidden)
+        if self.verify is not None:  # one row per draft token, and one after them
+            k = len(self.verify.draft)
+            wanted.update(range(len(self.tokens) - k - 1, len(self.tokens)))
         if self.kind is JobKind.GENERATE and self.tokens:
             wanted.add(len(self.tokens) - 1)
         return wanted
@@ -124,13 +140,41 @@ class Job:
         self.logits_out = []
         self.distributions_out = []
         self.logprobs_out = []
+        self.entropy_out = []
+        self.top_logprobs_out = []
+        self.hidden_out = []
         self.probe_rows = {}
         if self.stop is not None:
             self.stop.reset()
+        if self.decoding.matcher is not None:
+            self.decoding.matcher.reset()  # the replay consumes its tokens again
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.status = JobStatus.DONE
+
+
+@dataclass(slots=True)
+class Decoding:
+    """How a generation's tokens are picked beyond its sampler (docs/decoding.md)."""
+
+    logit_bias: dict[int, float] | None = None
+    allowed: list[int] | None = None
+    matcher: Any = None  # llguidance matcher of the generation's constraint
+    top_logprobs: int = 0  # per token: k most likely tokens and the entropy (0 = none)
+
+
+@dataclass(slots=True)
+class VerifyRound:
+    """A speculative round: the last ``len(draft)`` tokens of the job are the draft."""
+
+    draft: list[int]
+    sampler: SamplerSpec
+    stops: frozenset[int]
+    seed: int | None = None
+    accepted: int = 0  # results
+    token: int | None = None
+    rows: list[Any] = field(default_factory=list)  # RowResult of each emitted token
 
 
 class JobQueue(Protocol):

@@ -1,11 +1,17 @@
-"""The requests that run the model: ``Forward`` and ``Generate`` become scheduler jobs.
+"""The requests that run the model: ``Forward``, ``Generate``, ``Verify`` and ``Select``
+become scheduler jobs.
 
 Owns nothing but its dependencies: the page store (to read a context's counters), the
-context table, the job queue (the engine: scheduler plus loop) and the engine's fixed
-facts and limits (``EngineInfo``). Each request is checked completely here, through the
-contract's ``pie_ctx.proto.checks``, before its job exists: a request that passes cannot
-fail the model step it shares with other owners' rows. The job then runs under the
-context's lock and its result is read back; the scheduler does the rest.
+context table, the job queue (the engine: scheduler plus loop), the engine's facts and
+limits (``EngineInfo``), the tokenizer and the constraint compiler. Each request is checked
+completely here, through the contract's ``pie_ctx.proto.checks``, before its job exists: a
+request that passes cannot fail the model step it shares with other owners' rows. The job
+then runs under the context's lock and its result is read back; the scheduler does the
+rest.
+
+Scratch passes: recomputing the last token's logits and scoring ``Select`` options write
+tokens after the context without committing them, read what they need, then drop them
+again (``_scratch``), so the context ends exactly as it was.
 """
 
 from __future__ import annotations
@@ -22,16 +28,17 @@ import xxhash
 from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
-from runtime.engine.jobs import Job, JobKind, JobQueue
+from pie_ctx.proto.stops import StopChecker
+from runtime.engine.decoding import Grammars
+from runtime.engine.jobs import Decoding, Job, JobKind, JobQueue, VerifyRound
 from runtime.engine.records import ContextRecord, ContextTable
-from runtime.engine.stops import StopChecker
 from runtime.engine.stream import GenerationStream
 
 __all__ = ["Passes"]
 
 
 class Passes:
-    """Turns ``Forward`` and ``Generate`` requests into jobs and their results into replies.
+    """Turns model-running requests into jobs and their results into replies.
 
     Args:
         store: the page store.
@@ -39,15 +46,17 @@ class Passes:
         jobs: where jobs go (``submit``/``cancel``).
         info: returns the engine's facts and limits (vocabulary, lengths, reply size...).
         tokenizer: decodes generated text for stop strings and streaming.
+        grammars: compiles constraints.
     """
 
     def __init__(self, store: Any, records: ContextTable, jobs: JobQueue,
-                 info: Callable[[], P.EngineInfo], tokenizer: Any) -> None:
+                 info: Callable[[], P.EngineInfo], tokenizer: Any, grammars: Grammars) -> None:
         self._store = store
         self._records = records
         self._jobs = jobs
         self._info = info  # a callable: the limits may be lowered by a server
         self._tokenizer = tokenizer
+        self._grammars = grammars
         self._next_job = 1
 
     # ------------------------------------------------------------------------ forward
@@ -72,27 +81,17 @@ class Passes:
                 reuse_prefix=req.reuse_prefix and mask is None and req.positions is None,
                 sample=list(req.sample), logits=logits,
                 distributions=list(req.distributions), logprobs=list(req.logprobs),
+                entropy=list(req.entropy), top_logprobs=list(req.top_logprobs),
+                hidden=list(req.hidden),
             )
             await self._run(job)
             record.last_logits = np.frombuffer(job.logits_out[logits.index(n - 1)], dtype="<f4")
             return P.ForwardReply(
                 state=self._store.state(record.cid), report=job.report, sampled=job.sampled_out,
                 logits=job.logits_out[: len(req.logits)], distributions=job.distributions_out,
-                logprobs=job.logprobs_out,
+                logprobs=job.logprobs_out, entropy=job.entropy_out,
+                top_logprobs=job.top_logprobs_out, hidden=job.hidden_out,
             )
-
-    async def _run(self, job: Job) -> None:
-        """Submit a job and wait for it; cancellation rolls it back."""
-        done = anyio.Event()
-        job.waiter = lambda _job: done.set()
-        self._jobs.submit(job)
-        try:
-            await done.wait()
-        except BaseException:
-            self._jobs.cancel(job)
-            raise
-        if job.error is not None:
-            raise job.error
 
     # ----------------------------------------------------------------------- generate
 
@@ -117,9 +116,13 @@ class Passes:
             return GenerationStream.failed(err)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
 
-        def on_chunk(tokens: list[int], text: str, logprob: float) -> None:
+        def on_chunk(job: Job, token: int, text: str, row: Any) -> None:
+            chunk = P.GenerateChunk(
+                tokens=[token], text=text, logprobs=[row.sampled_logprob],
+                top_logprobs=[] if row.top_logprobs is None else [row.top_logprobs],
+                entropy=[] if row.entropy is None else [row.entropy])
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                send.send_nowait(P.GenerateChunk(tokens=tokens, text=text, logprobs=[logprob]))
+                send.send_nowait(chunk)
 
         def on_done(job: Job) -> None:
             try:
@@ -151,15 +154,10 @@ class Passes:
         tokens = list(req.tokens)
         self._check_fits(state.seq_len + len(tokens) + req.max_tokens,
                          "prompt + max_tokens", "lower max_tokens or ")
-        first_logits = None
-        if not tokens:
-            if state.seq_len == 0:
-                raise InvalidArgument(
-                    "generate: the context is empty; add tokens (e.g. user(...)) first")
-            if record.last_logits is None:
-                # Unknown after a truncation or a raw page operation: compute them again.
-                record.last_logits = await self._last_logits(record)
-            first_logits = record.last_logits
+        first_logits = None if tokens else await self._first_logits(record)
+        matcher = None
+        if req.constraint is not None:  # compiling may take a while: not on the loop
+            matcher = await anyio.to_thread.run_sync(self._grammars.matcher, req.constraint)
         stops = self._info().stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         sampler = _seeded(req.sampler)
         return self._new_job(
@@ -168,35 +166,148 @@ class Passes:
             max_tokens=req.max_tokens, stop_token_ids=frozenset(stops),
             first_logits=first_logits,
             stop=StopChecker(self._new_decoder, req.stop_strings),
+            decoding=Decoding(logit_bias=req.logit_bias, allowed=req.allowed_tokens,
+                              matcher=matcher, top_logprobs=req.top_logprobs),
         )
 
-    async def _last_logits(self, record: ContextRecord) -> np.ndarray:
-        """The logits after the context's last token, recomputed without changing it.
-
-        The last token is run again at its own position, written to a scratch slot after
-        the context, with a mask that shows it every entry before it and itself (its old
-        copy is hidden). The scratch token is then dropped, so the context ends exactly as
-        it was.
-        """
-        state = self._store.state(record.cid)
-        last = self._store.tokens(record.cid)[-1]
-        seq_len = state.seq_len
-        row = [True] * (seq_len + 1)
-        row[seq_len - 1] = False
-        job = self._new_job(
-            JobKind.FORWARD, record, [last], [state.next_position - 1],
-            extras=[1], mask=np.asarray([row]), commit=False, logits=[0])
-        await self._run(job)
-        self._store.truncate_working_page_tokens(record.cid, 1)
-        spare = self._store.state(record.cid).num_working_pages - state.num_working_pages
-        if spare > 0:
-            self._store.release_working_pages(record.cid, spare)
-        return np.frombuffer(job.logits_out[0], dtype="<f4")
+    async def _first_logits(self, record: ContextRecord) -> np.ndarray:
+        """The logits to sample a prompt-less generation's first token from."""
+        if self._store.state(record.cid).seq_len == 0:
+            raise InvalidArgument("generate: the context is empty; add tokens (e.g. "
+                                  "user(...)) first")
+        if record.last_logits is None:
+            # Unknown after a truncation or a raw page operation: compute them again.
+            record.last_logits = await self._last_logits(record)
+        return record.last_logits
 
     def _new_decoder(self) -> Any:
         return self._tokenizer.incremental_decoder(skip_special_tokens=True)
 
+    # -------------------------------------------------------------- verify and select
+
+    async def verify(self, req: P.Verify, owner: Any) -> P.VerifyReply:
+        """One round of a client-driven generation (see ``messages.Verify``)."""
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            state = self._store.state(record.cid)
+            checks.verify(req, self._info(), state.seq_len)
+            tokens = list(req.tokens)
+            if req.num_draft and len(tokens) == req.num_draft:
+                raise InvalidArgument("a draft needs the token before it in the same round; "
+                                      "send a round without a draft first")
+            self._check_fits(state.seq_len + len(tokens) + 1, "this round")
+            decoding = Decoding(logit_bias=req.logit_bias, allowed=req.allowed_tokens,
+                                top_logprobs=req.top_logprobs)
+            sampler = _seeded(req.sampler)
+            if not tokens:  # sample from the last token's logits: a one-token generation
+                job = self._new_job(
+                    JobKind.GENERATE, record, [], [], commit=False, sampler=sampler,
+                    seed=sampler.seed or 0, max_tokens=1,
+                    first_logits=await self._first_logits(record), decoding=decoding)
+                rows: list[Any] = []
+                job.on_chunk = lambda _job, _token, _text, row: rows.append(row)
+                await self._run(job)
+                record.last_logits = None
+                return self._verify_reply(record, job, 0, job.generated[0], rows)
+            draft = tokens[len(tokens) - req.num_draft:]
+            v = VerifyRound(draft=draft, sampler=sampler, stops=frozenset(req.stop_token_ids),
+                            seed=sampler.seed)
+            job = self._new_job(JobKind.FORWARD, record, tokens,
+                                self._default_positions(record, len(tokens)), commit=False,
+                                verify=v, decoding=decoding)
+            await self._run(job)
+            rejected = len(draft) - v.accepted
+            if rejected:  # dropped from the working pages: no trace of them is left
+                self._store.truncate_working_page_tokens(record.cid, rejected)
+            record.last_logits = None
+            return self._verify_reply(record, job, v.accepted, v.token, v.rows)
+
+    def _verify_reply(self, record: ContextRecord, job: Job, accepted: int, token: int | None,
+                      rows: list[Any]) -> P.VerifyReply:
+        """A round's reply; ``rows`` are the RowResults of the tokens it emitted."""
+        return P.VerifyReply(
+            accepted=accepted, token=token, logprobs=[r.sampled_logprob for r in rows],
+            top_logprobs=[r.top_logprobs for r in rows if r.top_logprobs is not None],
+            entropy=[r.entropy for r in rows if r.entropy is not None],
+            state=self._store.state(record.cid), report=job.report)
+
+    async def select(self, req: P.Select, owner: Any) -> P.SelectReply:
+        """Score options as continuations, in one pass that changes nothing.
+
+        The options become a tree (a shared prefix is one branch, computed once): each
+        node attends to the whole context and to its own ancestors, at the position it
+        would have in the context. With ``unconditional``, a second tree in the same pass
+        sees only its ancestors, from position 0.
+        """
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            state = self._store.state(record.cid)
+            checks.select(req, self._info(), state.seq_len)
+            first_lp = _log_softmax(await self._first_logits(record))
+            tree = _Tree(req.options)
+            tokens, positions, parents = tree.layout(state.next_position)
+            bases = [0]
+            if req.unconditional:  # the same tree again, seeing nothing before it
+                more_tokens, more_positions, more_parents = tree.layout(0)
+                tokens += more_tokens
+                positions += more_positions
+                parents += [p + tree.size if p >= 0 else -1 for p in more_parents]
+                bases.append(tree.size)
+            mask = np.zeros((len(tokens), state.seq_len + len(tokens)), dtype=bool)
+            for base in bases:
+                _tree_mask(mask, parents, state.seq_len, base, tree.size, see_context=base == 0)
+            specs = [P.LogprobSpec(index=base + node, token_ids=ids)
+                     for base in bases for node, ids in tree.children()]
+            job = await self._scratch(record, tokens, positions, mask, logprobs=specs)
+            lp = {spec.index: dict(zip(spec.token_ids, out, strict=True))
+                  for spec, out in zip(specs, job.logprobs_out, strict=True)}
+            conditional = tree.score(0, lp, lambda t: float(first_lp[t]))
+            unconditional = tree.score(tree.size, lp, lambda t: 0.0) if req.unconditional else []
+            return P.SelectReply(logprobs=conditional, unconditional=unconditional)
+
     # ------------------------------------------------------------------------ helpers
+
+    async def _run(self, job: Job) -> None:
+        """Submit a job and wait for it; cancellation rolls it back."""
+        done = anyio.Event()
+        job.waiter = lambda _job: done.set()
+        self._jobs.submit(job)
+        try:
+            await done.wait()
+        except BaseException:
+            self._jobs.cancel(job)
+            raise
+        if job.error is not None:
+            raise job.error
+
+    async def _scratch(self, record: ContextRecord, tokens: list[int], positions: list[int],
+                       mask: np.ndarray, **probes: Any) -> Job:
+        """Run a masked pass after the context without keeping it: the tokens are written
+        uncommitted, read, then dropped, and the context's pages are as before."""
+        before = self._store.state(record.cid).num_working_pages
+        job = self._new_job(JobKind.FORWARD, record, tokens, positions,
+                            extras=_mask_extras(mask), mask=mask, commit=False, **probes)
+        await self._run(job)
+        self._store.truncate_working_page_tokens(record.cid, len(tokens))
+        spare = self._store.state(record.cid).num_working_pages - before
+        if spare > 0:
+            self._store.release_working_pages(record.cid, spare)
+        return job
+
+    async def _last_logits(self, record: ContextRecord) -> np.ndarray:
+        """The logits after the context's last token, recomputed without changing it.
+
+        The last token is run again at its own position, in a scratch slot after the
+        context, with a mask that shows it every entry before it and itself (its old copy
+        is hidden).
+        """
+        state = self._store.state(record.cid)
+        last = self._store.tokens(record.cid)[-1]
+        row = [True] * (state.seq_len + 1)
+        row[state.seq_len - 1] = False
+        job = await self._scratch(record, [last], [state.next_position - 1],
+                                  np.asarray([row]), logits=[0])
+        return np.frombuffer(job.logits_out[0], dtype="<f4")
 
     def _check_fits(self, num_tokens: int, what: str, hint: str = "") -> None:
         """Refuse at once what could never fit: the pool, or the owner's share of it."""
@@ -221,6 +332,72 @@ class Passes:
                   key=self._next_job, **kw)
         self._next_job += 1
         return job
+
+
+class _Tree:
+    """Options as a token trie: a prefix shared by several options is one branch."""
+
+    def __init__(self, options: list[list[int]]) -> None:
+        self.options = options
+        self.nodes: list[tuple[int, int]] = []  # (token, parent node or -1)
+        index: dict[tuple[int, int], int] = {}
+        self.paths: list[list[int]] = []  # per option, its nodes
+        for option in options:
+            parent, path = -1, []
+            for token in option:
+                key = (parent, token)
+                if key not in index:
+                    index[key] = len(self.nodes)
+                    self.nodes.append((token, parent))
+                parent = index[key]
+                path.append(parent)
+            self.paths.append(path)
+        self.size = len(self.nodes)
+
+    def layout(self, start: int) -> tuple[list[int], list[int], list[int]]:
+        """Tokens, positions (``start`` + depth) and parents, in node order."""
+        depth: list[int] = []
+        for _, parent in self.nodes:
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+        return ([t for t, _ in self.nodes], [start + d for d in depth],
+                [p for _, p in self.nodes])
+
+    def children(self) -> list[tuple[int, list[int]]]:
+        """Per node that has children: (the node, its children's tokens)."""
+        kids: dict[int, list[int]] = {}
+        for token, parent in self.nodes:
+            if parent >= 0:
+                kids.setdefault(parent, []).append(token)
+        return sorted(kids.items())
+
+    def score(self, base: int, lp: dict[int, dict[int, float]],
+              first: Callable[[int], float]) -> list[list[float]]:
+        """Per option, per token: its log-probability after what precedes it."""
+        out = []
+        for option, path in zip(self.options, self.paths, strict=True):
+            values = [first(option[0])]
+            for j in range(1, len(option)):
+                values.append(lp[base + path[j - 1]][option[j]])
+            out.append(values)
+        return out
+
+
+def _tree_mask(mask: np.ndarray, parents: list[int], seq_len: int, base: int, size: int, *,
+               see_context: bool) -> None:
+    """Fill the rows of one tree in ``mask`` [n, seq_len + n]: each node sees itself and
+    its ancestors, and the context's ``seq_len`` entries if ``see_context``."""
+    for i in range(base, base + size):
+        mask[i, :seq_len] = see_context
+        node = i
+        while node >= 0:
+            mask[i, seq_len + node] = True
+            node = parents[node]
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    x = row.astype(np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
 
 
 def _mask_extras(mask: np.ndarray | None) -> list[int] | None:

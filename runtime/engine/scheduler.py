@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pie_ctx.proto.errors import OutOfPages
-from pie_ctx.proto.messages import Distribution
+from pie_ctx.proto.errors import InvalidArgument, OutOfPages
+from pie_ctx.proto.messages import Distribution, TopLogprobs
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.model.batch import SeqInput
 
@@ -61,6 +61,17 @@ class RowRequest:
     top_k: int = 0  # distribution size (0 = none)
     logprob_ids: list[int] | None = None
     given_logits: Any = None  # np.ndarray [vocab]: a row computed earlier (no model row)
+    # what the row is sampled from (docs/decoding.md): bias, then restrictions
+    logit_bias: dict[int, float] | None = None
+    allowed: list[int] | None = None
+    matcher: Any = None  # the generation's constraint matcher (llguidance)
+    # probes of the model's own distribution (temperature 1)
+    top_logprobs: int = 0  # k most likely tokens with their log-probabilities
+    entropy: bool = False
+    hidden: bool = False  # the final-norm hidden state of the row's token
+    # speculative verification: set on the first row of a group of len(draft) + 1 rows
+    verify: list[int] | None = None  # the draft tokens the group judges
+    stops: frozenset[int] = frozenset()  # a kept draft token in here ends the group
 
 
 @dataclass(slots=True)
@@ -99,13 +110,18 @@ class StepPlan:
 
 @dataclass(slots=True)
 class RowResult:
-    sampled: int | None = None
+    sampled: int | None = None  # for a verify group: the token emitted at this row, if any
     sampled_logprob: float = 0.0
     logits: bytes | None = None
     top_ids: list[int] | None = None
     top_probs: list[float] | None = None
     logprob_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    top_logprobs: Any = None  # TopLogprobs
+    entropy: float | None = None
+    hidden: bytes | None = None
+    accepted: int | None = None  # verify groups (first row): draft tokens kept
+    error: str | None = None  # the row's job cannot go on (e.g. no token allowed)
 
 
 class Scheduler:
@@ -323,9 +339,9 @@ class Scheduler:
         budget = self.max_step_tokens
         for job in self.active:
             if job.needs_seed_row:
-                plan.rows.append(RowRequest(sample=job.sampler, job_key=job.key,
-                                            generator_seed=job.seed,
-                                            given_logits=job.first_logits))
+                row = self._row_request(job, -1)
+                row.given_logits = job.first_logits
+                plan.rows.append(row)
                 plan.entries.append((job, -2, 0, [(-1, len(plan.rows) - 1)]))
         decoding = [j for j in self.active if j.is_decoding]
         prefilling = [j for j in self.active if j.prompt_remaining > 0]
@@ -373,8 +389,9 @@ class Scheduler:
 
     def _add_prefill(self, plan: StepPlan, job: Job, budget: int, *, first: bool) -> int:
         remaining = job.prompt_remaining
-        if job.mask is not None:
-            # A custom mask may let a token see later tokens of the same pass: never split.
+        if job.mask is not None or job.verify is not None:
+            # A custom mask may let a token see later tokens of the same pass, and a
+            # speculative round is verified in one piece: never split.
             if remaining > budget and not first:
                 return 0
             length = remaining
@@ -417,16 +434,34 @@ class Scheduler:
 
     def _row_request(self, job: Job, index: int) -> RowRequest:
         req = RowRequest(job_key=job.key)
+        d = job.decoding
         if job.kind is JobKind.GENERATE and (index == -1 or index == len(job.tokens) - 1):
             req.sample = job.sampler
             req.generator_seed = job.seed if not job.generated else None
+            req.logit_bias, req.allowed, req.matcher = d.logit_bias, d.allowed, d.matcher
+            req.top_logprobs = d.top_logprobs
+            req.entropy = bool(d.top_logprobs)
+            return req
+        v = job.verify
+        if v is not None and index >= len(job.tokens) - len(v.draft) - 1:
+            req.logit_bias, req.allowed = d.logit_bias, d.allowed
+            req.top_logprobs, req.entropy = d.top_logprobs, bool(d.top_logprobs)
+            if index == len(job.tokens) - len(v.draft) - 1:  # the group's first row
+                req.verify, req.stops, req.sample = list(v.draft), v.stops, v.sampler
+                req.generator_seed = v.seed
             return req
         for s in job.sample:
             if s.index == index:
                 req.sample = s.sampler
+                req.logit_bias, req.allowed = s.logit_bias, s.allowed_tokens
                 # Seeded per row (seed + index), so every sampled row is reproducible.
                 req.generator_seed = None if s.sampler.seed is None else s.sampler.seed + index
         req.raw_logits = index in job.logits
+        req.entropy = index in job.entropy
+        req.hidden = index in job.hidden
+        for t in job.top_logprobs:
+            if t.index == index:
+                req.top_logprobs = max(req.top_logprobs, t.k)
         for d in job.distributions:
             if d.index == index:
                 req.top_k = max(req.top_k, d.top_k)
@@ -466,9 +501,15 @@ class Scheduler:
                 job.num_written += length
                 job.report.tokens_written += length
                 self._collect_probes(job, rows, results)
+            errors = [results[r].error for _, r in rows if results[r].error]
+            if errors:  # e.g. a constraint that allows no token: the job cannot go on
+                self.active.remove(job)
+                self._release_shadow(job)
+                job.fail(InvalidArgument(errors[0]))
+                finished.append(job)
+                continue
             if job.kind is JobKind.GENERATE and rows and job.prompt_remaining == 0:
-                row = results[rows[-1][1]]
-                self._on_sampled(job, row.sampled, row.sampled_logprob)
+                self._on_sampled(job, results[rows[-1][1]])
             if job.commit and (job.kind is JobKind.GENERATE or job.prompt_remaining == 0):
                 self._commit(job)
             if self._is_finished(job):
@@ -482,30 +523,39 @@ class Scheduler:
             for index, row in rows:
                 job.probe_rows[index] = results[row]
 
-    def _on_sampled(self, job: Job, token: int | None, logprob: float) -> None:
+    def _on_sampled(self, job: Job, row: RowResult) -> None:
+        token = row.sampled
         if token is None:
             raise RuntimeError("a generation row came back without a sampled token")
         job.generated.append(token)
         n = len(job.generated)
+        matcher = job.decoding.matcher
         if token in job.stop_token_ids:
             job.finish_reason = "stop_token"
             text = job.stop.finish() if job.stop is not None else ""
-            self._emit(job, n, [token], text, logprob)
+            self._emit(job, n, token, text, row)
             return
-        text = job.stop.feed(token, final=n >= job.max_tokens) if job.stop is not None else ""
+        if matcher is not None and not matcher.consume_token(token):
+            raise RuntimeError(f"the constraint refused a token its own mask allowed: "
+                               f"{matcher.get_error()}")
+        complete = matcher is not None and matcher.is_stopped()
+        final = n >= job.max_tokens or complete
+        text = job.stop.feed(token, final=final) if job.stop is not None else ""
         if job.stop is not None and job.stop.stopped:
             job.finish_reason = "stop_string"
+        elif complete:
+            job.finish_reason = "constraint"
         elif n >= job.max_tokens:
             job.finish_reason = "length"
-        self._emit(job, n, [token], text, logprob)
+        self._emit(job, n, token, text, row)
 
-    def _emit(self, job: Job, n: int, tokens: list[int], text: str, logprob: float) -> None:
+    def _emit(self, job: Job, n: int, token: int, text: str, row: RowResult) -> None:
         # After a preemption the job replays deterministically; never stream a token twice.
         if n <= job.num_emitted:
             return
         job.num_emitted = n
         if job.on_chunk is not None:
-            job.on_chunk(tokens, text, logprob)
+            job.on_chunk(job, token, text, row)
 
     def _commit(self, job: Job) -> None:
         before = self.store.state(job.shadow).num_committed_pages
@@ -570,6 +620,22 @@ def _fill_forward_outputs(job: Job) -> None:
         r = _need(rows, lp.index)
         by_id = dict(zip(r.logprob_ids, r.logprobs, strict=True))
         job.logprobs_out.append([by_id[t] for t in lp.token_ids])
+    for index in job.entropy:
+        job.entropy_out.append(_need(rows, index).entropy)
+    for t in job.top_logprobs:
+        top = _need(rows, t.index).top_logprobs
+        job.top_logprobs_out.append(TopLogprobs(token_ids=top.token_ids[: t.k],
+                                                logprobs=top.logprobs[: t.k]))
+    for index in job.hidden:
+        job.hidden_out.append(_need(rows, index).hidden)
+    v = job.verify
+    if v is not None:
+        first = len(job.tokens) - len(v.draft) - 1
+        v.accepted = _need(rows, first).accepted
+        emitted = [_need(rows, first + j) for j in range(len(v.draft) + 1)]
+        emitted = [r for r in emitted if r.sampled is not None]
+        v.rows = emitted
+        v.token = emitted[-1].sampled if len(emitted) > v.accepted else None
 
 
 def _need(rows: dict[int, RowResult], index: int) -> RowResult:

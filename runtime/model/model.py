@@ -80,7 +80,8 @@ class Transformer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logit_rows: torch.Tensor | None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None, *,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the layer stack and the lm_head on the selected rows.
 
         Args:
@@ -88,9 +89,11 @@ class Transformer:
             positions: Tensor[T] int64 rotary positions.
             attend: attention for one layer (see :data:`AttendFn`).
             logit_rows: Tensor[N] int64 rows of ``tokens`` that need logits; None = all.
+            return_hidden: also return those rows' final-norm hidden states.
 
         Returns:
-            Tensor[N, vocab] float32 logits.
+            Tensor[N, vocab] float32 logits, and with ``return_hidden`` also
+            Tensor[N, hidden] (the input of the lm_head).
         """
         c = self.config
         t = tokens.shape[0]
@@ -117,4 +120,5 @@ class Transformer:
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]
-        return self.lm_head(x).float()  # [N, vocab]
+        logits = self.lm_head(x).float()  # [N, vocab]
+        return (logits, x) if return_hidden else logits

@@ -24,7 +24,8 @@ def causal_mask(n: int) -> np.ndarray:
 
 
 def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | None = None,
-                  mask: np.ndarray | None = None) -> torch.Tensor:
+                  mask: np.ndarray | None = None, *,
+                  return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits for every token of one whole sequence, computed densely.
 
     Args:
@@ -34,7 +35,8 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
         mask: bool [n, n], row i = token i, column = KV index; True = attend; default causal.
 
     Returns:
-        Tensor[n, vocab] float32.
+        Tensor[n, vocab] float32 (and with ``return_hidden`` the final-norm hidden states,
+        Tensor[n, hidden]).
     """
     c = model.config
     n = len(tokens)
@@ -56,4 +58,4 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
     with torch.inference_mode():
         tok = torch.tensor(tokens, dtype=torch.int64, device=model.device)
         pos_t = torch.tensor(pos, dtype=torch.int64, device=model.device)
-        return model.forward(tok, pos_t, attend, None)
+        return model.forward(tok, pos_t, attend, None, return_hidden=return_hidden)

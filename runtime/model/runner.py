@@ -65,14 +65,17 @@ class ModelRunner:
         """Bytes of weights the forward reads per step."""
         return self.model.weight_bytes()
 
-    def forward(self, batch: list[SeqInput]) -> torch.Tensor:
+    def forward(self, batch: list[SeqInput], *,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Write the batch's K/V into the pool and return the requested logits.
 
         Args:
             batch: one entry per context; each needs at least one new token.
+            return_hidden: also return the final-norm hidden states of the same rows.
 
         Returns:
-            Tensor[num_logit_rows, vocab] float32, rows in batch then ``logit_indices`` order.
+            Tensor[num_logit_rows, vocab] float32, rows in batch then ``logit_indices`` order
+            (and Tensor[num_logit_rows, hidden] with ``return_hidden``).
 
         Raises:
             InvalidArgument: a malformed entry (lengths, page table too short, page id or
@@ -86,7 +89,8 @@ class ModelRunner:
             def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 return backend.forward(layer, q, kv, pool, meta)
 
-            return self.model.forward(tokens, meta.positions, attend, rows)
+            return self.model.forward(tokens, meta.positions, attend, rows,
+                                      return_hidden=return_hidden)
 
     def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Validate the batch and flatten it into tensors and attention metadata."""

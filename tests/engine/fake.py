@@ -23,7 +23,7 @@ class FakeRunner:
         self.page_size = page_size
         self.calls: list[list[int]] = []  # tokens per sequence, per call
 
-    def forward(self, batch) -> torch.Tensor:
+    def forward(self, batch, return_hidden: bool = False) -> torch.Tensor:
         self.calls.append([len(s.tokens) for s in batch])
         rows = []
         ps = self.page_size
@@ -48,9 +48,10 @@ class FakeRunner:
                 logits = -torch.abs(torch.arange(VOCAB, dtype=torch.float32) - target) * 0.5
                 logits[STOP] = -1e9 if (acc % 17) else 10.0  # sometimes the model "stops"
                 rows.append(logits)
-        if not rows:
-            return torch.empty((0, VOCAB))
-        return torch.stack(rows)
+        logits = torch.stack(rows) if rows else torch.empty((0, VOCAB))
+        if return_hidden:  # a stand-in: the logits' first two values
+            return logits, logits[:, :2].clone()
+        return logits
 
 
 class FakeTokenizer:

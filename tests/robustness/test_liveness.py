@@ -167,7 +167,7 @@ async def test_release_cancels_a_generation_being_iterated_elsewhere(tiny_folder
 
 async def test_an_abandoned_generator_does_not_block_the_next_operation(tiny_folder, transport):
     async with sdk_owners(tiny_folder, transport, 1) as ((rt,), _):
-        ctx = Context(rt).user("hi")
+        ctx = Context(rt).user("hi").cue()
         prompt = len(ctx.pending_tokens)
         gen = ctx.generate(GREEDY, max_tokens=30, ignore_eos=True)
         async for _ in gen:

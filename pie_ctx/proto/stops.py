@@ -1,6 +1,7 @@
-"""Streaming text and stop strings for one generation.
+"""Streaming text and stop strings for one generation (part of the contract: the engine
+uses it for the generations it drives, the SDK for the ones it drives round by round).
 
-Owns: the text of one job's generated tokens. Incremental detokenization is the
+Owns: the text of one generation's tokens. Incremental detokenization is the
 tokenizer's (``IncrementalDecoder``: never splits a character); this module adds stop
 strings on top: text is released only once it can no longer become part of a stop
 string, so streamed text never leaks past a stop string.
