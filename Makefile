@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint bench
+.PHONY: setup demo test test-slow lint gpu-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,4 +26,19 @@ test-slow: $(STAMP)
 	PIE_CTX_SLOW=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check pie_ctx runtime tests benchmarks examples
+	$(BIN)/ruff check pie_ctx runtime tests benchmarks examples scripts
+
+# On a machine with an NVIDIA GPU (sm80+ for flash-attn): build the `cuda` extra against the
+# installed torch, run every CUDA-marked test, print which attention kernel each path uses,
+# then the model and best-of-n benchmarks on the GPU. See docs/forward.md.
+gpu-check: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'gpu-check: torch sees no CUDA device (a CPU build of torch? pip install torch==2.13.0 from PyPI is a CUDA build)')"
+	$(BIN)/pip install -q packaging ninja
+	$(BIN)/pip install -e '.[cuda]' --no-build-isolation
+	$(BIN)/python -m pytest -q -rs -m cuda tests
+	$(BIN)/python scripts/attention_kernels.py --device cuda --dtype bfloat16 --page-size 16
+	$(BIN)/python scripts/attention_kernels.py --device cuda --dtype bfloat16 --page-size 256
+	$(BIN)/python benchmarks/model.py --device cuda --dtype bfloat16
+	$(BIN)/python benchmarks/best_of_n.py --device cuda --dtype bfloat16 --page-size 16
+	$(BIN)/python benchmarks/best_of_n.py --device cuda --dtype bfloat16 --page-size 256

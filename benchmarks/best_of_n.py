@@ -1,9 +1,10 @@
 """Best-of-8 on the default model: pie-ctx (flush once, fork 8) vs HF generate(num_return_sequences=8).
 
     python benchmarks/best_of_n.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
+                                   [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
 Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping early) after a
-1,024-token prompt, on the same fp32 weights and threads. HF prefills the prompt once per
+1,024-token prompt, on the same weights (default fp32 on CPU) and threads. HF prefills the prompt once per
 sequence and stores it 8 times; pie-ctx prefills it once and shares its pages.
 """
 
@@ -38,7 +39,7 @@ def run_hf(model, prompt, n, new_tokens, seed):
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=0.8, top_p=0.95,
+        out = model.generate(torch.tensor([prompt], device=model.device), do_sample=True, temperature=0.8, top_p=0.95,
                              top_k=0, num_return_sequences=n, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, pad_token_id=0)
     wall = time.perf_counter() - t0
@@ -49,11 +50,13 @@ def run_hf(model, prompt, n, new_tokens, seed):
 async def main_async(args):
     from runtime.engine.boot import boot_engine
 
-    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
-    cfg_bytes = kv_bytes_per_token(engine.executor.runner.config)
+    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0, device=args.device,
+                         dtype=args.dtype)
+    runner = engine.executor.runner
+    cfg_bytes = kv_bytes_per_token(runner.config, runner.dtype.itemsize)
     prompt = prompt_tokens(engine.tokenizer, args.prompt_len)
     # HF runs on the engine's model thread: one thread does all torch work (see Engine).
-    hf = engine.run_on_model_thread(load_hf, engine_folder())
+    hf = engine.run_on_model_thread(load_hf, engine_folder(), runner.device, runner.dtype)
     ours, theirs, used = [], [], 0
     async with engine:
         await run_ours(engine, prompt[:64], 2, 4, 0)  # warm up both sides
@@ -67,7 +70,8 @@ async def main_async(args):
     kv_bytes = used * args.page_size * cfg_bytes
     hf_kv = args.n * (args.prompt_len + args.new_tokens) * cfg_bytes
     o, h = summary(ours), summary(theirs)
-    table([("threads", str(torch.get_num_threads())),
+    table([("device, dtype, attention", f"{runner.device}, {args.dtype}, {runner.backend.name}"),
+           ("threads", str(torch.get_num_threads())),
            ("pie-ctx wall s", f"{o['median']:.2f} (range {o['min']:.2f}-{o['max']:.2f})"),
            ("HF wall s", f"{h['median']:.2f} (range {h['min']:.2f}-{h['max']:.2f})"),
            ("speedup", f"{h['median'] / o['median']:.2f}x"),
@@ -78,7 +82,8 @@ async def main_async(args):
           "speedup_range": [min(theirs) / max(ours), max(theirs) / min(ours)],
           "kv_bytes": kv_bytes, "hf_kv_bytes": hf_kv, "kv_ratio": kv_bytes / hf_kv,
           "prompt_len": args.prompt_len, "n": args.n, "new_tokens": args.new_tokens,
-          "repeats": args.repeats})
+          "repeats": args.repeats, "device": str(runner.device), "dtype": args.dtype,
+          "attention": runner.backend.name})
 
 
 def engine_folder():
@@ -94,6 +99,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     anyio.run(main_async, ap.parse_args())
 
 

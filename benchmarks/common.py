@@ -20,12 +20,12 @@ TEXT = ("Paged attention stores the key and value vectors of every token in fixe
         "so contexts that share a prefix can share the pages that hold it. ") * 400
 
 
-def load_hf(folder: Path) -> Any:
-    """transformers' own model on the converted folder: the same fp32 weights as ours."""
+def load_hf(folder: Path, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' own model on the converted folder: the same weights as ours."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    model.to(device).eval()
     return model
 
 

@@ -1,11 +1,13 @@
 """Our ModelRunner vs HF transformers on the default model, side by side in one process.
 
-Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]``.
+Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]
+[--device cpu|cuda] [--dtype float32|bfloat16|float16]``.
 Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
-decode roofline fraction). Both sides run fp32 on CPU with the same torch thread count,
-greedy, batch 1. The HF side loads the same GGUF through transformers when it can
-(an independent dequantization), else the converted folder.
+decode roofline fraction). Both sides run in the same dtype on the same device (default
+fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
+GGUF through transformers when it can (an independent dequantization), else the converted
+folder.
 """
 
 from __future__ import annotations
@@ -25,14 +27,21 @@ from runtime.model.loader import default_gguf_path, load_model  # noqa: E402
 from runtime.model.runner import ModelRunner, SeqInput  # noqa: E402
 
 
-def mem_bandwidth_gbs(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mem_bandwidth_gbs(device: torch.device, num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Best-of-n large copy: (bytes read + bytes written) / seconds, in GB/s."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * num_bytes / best / 1e9
 
@@ -43,7 +52,9 @@ class Ours:
     def __init__(self, loaded, max_tokens: int, page_size: int = 16) -> None:  # noqa: ANN001
         c = loaded.config
         num_pages = max_tokens // page_size + 2
-        pool = torch.zeros(num_pages, page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim)
+        weight = loaded.weights["model.embed_tokens.weight"]
+        pool = torch.zeros(num_pages, page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim,
+                           dtype=weight.dtype, device=weight.device)
         self.runner = ModelRunner(c, loaded.weights, pool, page_size)
         self.pages = list(range(num_pages))
 
@@ -55,8 +66,8 @@ class Ours:
         """Greedy n tokens; returns (tokens, prefill seconds, decode seconds for n-1 steps)."""
         t0 = time.perf_counter()
         logits = self.prefill(prompt)
+        out = [int(logits[0].argmax())]  # (a device sync)
         t1 = time.perf_counter()
-        out = [int(logits[0].argmax())]
         pos = len(prompt)
         for _ in range(n - 1):
             logits = self.runner.forward([SeqInput([out[-1]], [pos], self.pages, pos, [0])])
@@ -68,7 +79,7 @@ class Ours:
 class HF:
     """The same loop with transformers and its DynamicCache."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
 
         gguf = Path(default_gguf_path())
@@ -80,21 +91,25 @@ class HF:
             print(f"HF cannot load the GGUF ({e}); using the converted folder", file=sys.stderr)
             self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
             self.source = "converted folder"
-        self.model.eval()
+        self.model.to(device=device, dtype=dtype).eval()
+        self.device = device
+
+    def _ids(self, tokens: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(tokens, device=self.device)
 
     @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([tokens])).logits[0].float()
+        return self.model(self._ids([tokens])).logits[0].float()
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
         t0 = time.perf_counter()
-        res = self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        res = self.model(self._ids([prompt]), use_cache=True, logits_to_keep=1)
+        out = [int(res.logits[0, -1].argmax())]  # (a device sync)
         t1 = time.perf_counter()
         past = res.past_key_values
-        out = [int(res.logits[0, -1].argmax())]
         for _ in range(n - 1):
-            res = self.model(torch.tensor([[out[-1]]]), past_key_values=past, use_cache=True)
+            res = self.model(self._ids([[out[-1]]]), past_key_values=past, use_cache=True)
             past = res.past_key_values
             out.append(int(res.logits[0, -1].argmax()))
         return out, t1 - t0, time.perf_counter() - t1
@@ -105,19 +120,22 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
-    bw_start = mem_bandwidth_gbs()  # measured at both ends; the best is the least disturbed
-    loaded = load_model(device="cpu", dtype=torch.float32)
+    bw_start = mem_bandwidth_gbs(device)  # measured at both ends; the best is the least disturbed
+    loaded = load_model(device=device, dtype=dtype)
     tok = loaded.tokenizer
     ours = Ours(loaded, args.prompt_len + args.new_tokens + 64)
-    hf = HF(loaded.path)
+    hf = HF(loaded.path, device, dtype)
 
     chat = tok.render_chat([{"role": "system", "content": "You are a helpful assistant."},
                             {"role": "user", "content": "Explain paged attention in two sentences."}],
                            add_generation_prompt=True)
     chat_ids = tok.encode(chat) if isinstance(chat, str) else list(chat)
-    diff = (ours.prefill(chat_ids, all_logits=True) - hf.logits(chat_ids)).abs().max().item()
+    diff = (ours.prefill(chat_ids, all_logits=True).float() - hf.logits(chat_ids)).abs().max().item()
     g_ours, _, _ = ours.generate(chat_ids, 64)
     g_hf, _, _ = hf.generate(chat_ids, 64)
     identical = next((i for i, (a, b) in enumerate(zip(g_ours, g_hf, strict=True)) if a != b),
@@ -135,11 +153,12 @@ def main() -> None:
         rows["hf_dec"].append((args.new_tokens - 1) / dec)
     best = {k: max(v) for k, v in rows.items()}
     med = {k: statistics.median(v) for k, v in rows.items()}
-    bw = max(bw_start, mem_bandwidth_gbs())
+    bw = max(bw_start, mem_bandwidth_gbs(device))
     wbytes = ours.runner.weight_bytes
     roofline = bw * 1e9 / wbytes
 
-    print(f"model {loaded.name} fp32 cpu, threads={torch.get_num_threads()}, HF from {hf.source}")
+    print(f"model {loaded.name} {args.dtype} {device}, threads={torch.get_num_threads()}, "
+          f"attention {ours.runner.backend.name}, HF from {hf.source}")
     print(f"{'':24}{'ours':>10}{'hf':>10}{'ratio':>8}")
     for label, a, b in (("prefill tok/s (best)", best["pf"], best["hf_pf"]),
                         ("decode tok/s (best)", best["dec"], best["hf_dec"]),
@@ -159,6 +178,7 @@ def main() -> None:
         "decode_roofline_tok_s": round(roofline, 2),
         "decode_roofline_fraction": round(best["dec"] / roofline, 3),
         "threads": torch.get_num_threads(), "prompt_len": len(prompt),
+        "device": str(device), "dtype": args.dtype, "attention": ours.runner.backend.name,
         "new_tokens": args.new_tokens,
     }))
 

@@ -61,16 +61,16 @@ def inferlet_args(module: ModuleType, argv: list[str], prog: str) -> argparse.Na
 
 
 def _parser() -> argparse.ArgumentParser:
+    # The server ships in the same distribution; ``run`` boots an engine the same way.
+    from runtime.server.cli import add_engine_arguments, register
+
     parser = argparse.ArgumentParser(prog="pie-ctx", description="Run and serve inferlets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an inferlet file",
                          description="Run an inferlet (arguments after `--` go to it).")
     run.add_argument("file", help="the inferlet: a .py file with async def main(rt, args)")
-    run.add_argument("--model", default=None,
-                     help="model: default, a short name, an HF folder or a .gguf file")
-    run.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    run.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    add_engine_arguments(run)
     run.add_argument("--connect", default=None, metavar="ADDRESS",
                      help="run against `pie-ctx serve` (unix:PATH, tcp:HOST:PORT, a socket "
                           "path, or `default` for the server's default socket)")
@@ -95,8 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_stats)
 
-    from runtime.server.cli import register  # the server ships in the same distribution
-
     register(sub)
     return parser
 
@@ -117,8 +115,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             token = read_token_file(args.token_file) if args.token_file else None
             manager = Runtime.connect(address, token=token)
         else:
-            manager = Runtime.local(args.model, page_size=args.page_size,
-                                    num_pages=args.num_pages)
+            from runtime.server.cli import engine_options
+
+            manager = Runtime.local(args.model, **engine_options(args))
         async with manager as rt:
             t0 = time.perf_counter()
             result = await module.main(rt, iargs)

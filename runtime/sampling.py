@@ -13,6 +13,12 @@ distribution whose mass reaches ``top_p``), min-p (drop tokens below ``min_p`` t
 top probability). Every filter keeps a prefix of the tokens sorted by probability, and
 always keeps the most likely token. ``temperature == 0`` is greedy (argmax; filters are
 irrelevant), vectorised over all greedy rows.
+
+Ties (common with bf16/fp16 logits, which keep 8/11 significant bits) go to the lower
+token id wherever an order is shown to the user: greedy picks the first maximum, and
+:func:`top_k` (top log-probabilities, ``top_k_distribution``) orders equal values by id,
+so a greedy token is always the first of its row's top log-probabilities. Inside the
+sampling filters the order of equal values is torch's (deterministic, unspecified).
 """
 
 from __future__ import annotations
@@ -25,7 +31,33 @@ from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 
 __all__ = ["make_generator", "sample_rows", "filtered_probs", "draw", "logprobs",
-           "top_k_distribution"]
+           "top_k", "top_k_distribution"]
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their indices, largest first, ties to the lower
+    index (``torch.topk`` leaves the order of equal values unspecified).
+
+    Args:
+        x: Tensor[n, V].
+        k: 1 <= k <= V.
+
+    Returns:
+        ``(values, ids)``, each Tensor[n, k].
+    """
+    values, ids = torch.topk(x, k, dim=-1)  # [n, k]
+    # A tie that crosses the cut (more values >= the k-th than k) needs the whole row.
+    crossing = (x >= values[:, -1:]).sum(dim=-1) > k  # [n]
+    if bool(crossing.any()):
+        rows = crossing.nonzero().squeeze(1)
+        full_v, full_i = torch.sort(x[rows], dim=-1, descending=True, stable=True)
+        values, ids = values.clone(), ids.clone()
+        values[rows], ids[rows] = full_v[:, :k], full_i[:, :k]
+    # Ties inside the top k: order by id, then stably by value.
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(1, by_value), ids.gather(1, by_value)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -155,7 +187,7 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
         if bool(((top_k <= CANDIDATES) | (inside > top_p) | below_min_p).all()):
             sorted_logits, order = cand, cand_order
     if sorted_logits is None:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [m, V]
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [m, V]
     width = sorted_logits.shape[1]
     ranks = torch.arange(width, device=dev)  # [W]
     keep = ranks[None, :] < top_k[:, None]  # [m, W] top-k prefix
@@ -211,5 +243,5 @@ def top_k_distribution(logits_row: torch.Tensor, k: int) -> tuple[list[int], lis
     if not 1 <= k <= vocab:
         raise InvalidArgument(f"top_k_distribution: k must be in [1, {vocab}], got {k}")
     probs = torch.softmax(logits_row.float(), dim=-1)  # [V]
-    values, ids = torch.topk(probs, k)
-    return ids.tolist(), values.tolist()
+    values, ids = top_k(probs[None], k)
+    return ids[0].tolist(), values[0].tolist()

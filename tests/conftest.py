@@ -1,15 +1,35 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.sdk.harness import tiny_model_folder
+from tests.sdk.harness import TinyModel, tiny_model_folder
+
+DTYPES = ("float32", "bfloat16")  # every test on the tiny model runs in each
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run each test that takes ``tiny_folder`` in fp32 and bf16, and in fp16 too when it
+    is marked ``fp16``; ``fp32_only`` (with its reason) keeps a test to fp32."""
+    if "tiny_folder" not in metafunc.fixturenames:
+        return
+    dtypes = list(DTYPES)
+    if metafunc.definition.get_closest_marker("fp16"):
+        dtypes.append("float16")
+    if metafunc.definition.get_closest_marker("fp32_only"):
+        dtypes = ["float32"]
+    metafunc.parametrize("tiny_folder", dtypes, indirect=True, ids=[SHORT[d] for d in dtypes])
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_folder_path(tmp_path_factory: pytest.TempPathFactory):
     return tiny_model_folder(tmp_path_factory.mktemp("sdk"))
+
+
+@pytest.fixture
+def tiny_folder(request: pytest.FixtureRequest, tiny_folder_path) -> TinyModel:
+    """The tiny model, in the dtype this run of the test uses (see pytest_generate_tests)."""
+    return TinyModel(tiny_folder_path, getattr(request, "param", "float32"))
 
 
 @pytest.fixture(params=["local", "socket"])

@@ -12,11 +12,12 @@ from pie_ctx.cli import inferlet_args, load_inferlet
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.parametrize("dtype", ["float32", "bfloat16"])]
 
 
-async def test_first_three_examples_on_the_default_model(capsys):
-    async with Runtime.local(None, num_pages=2048) as rt:
+async def test_first_three_examples_on_the_default_model(capsys, dtype):
+    async with Runtime.local(None, num_pages=2048, dtype=dtype) as rt:
         for name, argv in (("hello.py", ["What is the capital of France?", "--max-tokens", "16"]),
                            ("best_of_n.py", ["-n", "3", "--max-tokens", "12"]),
                            ("prefix_snapshot.py", ["--max-tokens", "12"])):
@@ -29,8 +30,8 @@ async def test_first_three_examples_on_the_default_model(capsys):
         assert stats.num_contexts == 0 and stats.num_snapshots == 1
 
 
-async def test_structured_output_and_speculation_on_the_default_model():
-    async with Runtime.local(None, num_pages=2048) as rt:
+async def test_structured_output_and_speculation_on_the_default_model(dtype):
+    async with Runtime.local(None, num_pages=2048, dtype=dtype) as rt:
         structured = load_inferlet(EXAMPLES / "structured_output.py")
         person = await structured.main(rt, inferlet_args(structured, [], prog="s"))
         jsonschema.validate(person, structured.SCHEMA)

@@ -22,7 +22,7 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import ConstraintSpec, SamplerSpec, TopLogprobs
-from runtime.sampling import draw, filtered_probs
+from runtime.sampling import draw, filtered_probs, top_k
 
 __all__ = ["Grammars", "adjust", "probes", "verify", "JSON_STYLE"]
 
@@ -166,7 +166,7 @@ def probes(raw: torch.Tensor, k: int) -> tuple[list[TopLogprobs], list[float]]:
     and the entropy (nats), both of the model's distribution at temperature 1."""
     lp = torch.log_softmax(raw.float(), dim=-1)  # [n, V]
     entropy = -(lp.exp() * lp.nan_to_num(neginf=0.0)).sum(dim=-1)  # [n]
-    values, ids = torch.topk(lp, k, dim=-1)
+    values, ids = top_k(lp, k)
     tops = [TopLogprobs(token_ids=i, logprobs=v) for i, v in zip(ids.tolist(), values.tolist(),
                                                                 strict=True)]
     return tops, entropy.tolist()

@@ -126,6 +126,8 @@ class Engine:
             max_step_tokens=max_step_tokens, max_reply_bytes=max_reply_bytes,
             max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
             hidden_size=hidden_size, can_constrain=grammars.available,
+            dtype=str(store.pool.kv.dtype).removeprefix("torch."),
+            device=str(store.pool.kv.device), attention=runner.backend.name,
         )
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)

@@ -58,7 +58,7 @@ class ModelRunner:
         self.device = pool_kv.device
         self.dtype = pool_kv.dtype
         self.model = Transformer(c, weights, self.device, self.dtype)
-        self.backend = backend or select_backend(self.device, self.dtype, page_size)
+        self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim)
 
     @property
     def weight_bytes(self) -> int:

@@ -26,15 +26,29 @@ __all__ = ["register", "serve_main", "DEFAULT_CLIENT_SHARE"]
 DEFAULT_CLIENT_SHARE = 0.5
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that boot an engine, shared by ``serve`` and ``run``."""
+    parser.add_argument("--model", default=None,
+                        help="model: default, a short name, an HF folder or a .gguf file")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="tokens per KV page (default 16; see docs/forward.md)")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="weights and KV pages (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
+    return {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype}
+
+
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand to an argparse subparsers object."""
     serve = subparsers.add_parser(
         "serve", help="run the engine as a server for inferlets in other processes",
         description="Serve one engine over a Unix socket (default: in your runtime folder) "
                     "or over TCP (loopback by default; clients need the token).")
-    serve.add_argument("--model", default=None, help="model reference (default: SmolLM2-135M)")
-    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    serve.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    add_engine_arguments(serve)
     serve.add_argument("--socket", default=None, help="Unix socket path to listen on")
     serve.add_argument("--host", default=None, help="TCP host (default 127.0.0.1 with --port)")
     serve.add_argument("--port", type=int, default=None, help="TCP port (0 = pick a free one)")
@@ -46,7 +60,6 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
-
 
 
 def _listen_address(args: argparse.Namespace) -> Address:
@@ -69,7 +82,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
-        engine = boot_engine(args.model, page_size=args.page_size, num_pages=args.num_pages,
+        engine = boot_engine(args.model, **engine_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)
     except PieError as err:
         _say(f"error: {err}")

@@ -70,6 +70,8 @@ async def test_json_schema_and_any_json_always_parse(tiny_folder, transport):
             json.loads(text)
 
 
+@pytest.mark.fp32_only("re-batching moves a bf16 logit by one rounding unit, which can flip a "
+                       "sampled token; tests/precision bounds that difference")
 async def test_constrained_rows_leave_the_others_untouched(tiny_folder, transport):
     async with sdk_runtime(tiny_folder, transport) as (rt, engine):
         def plain(i: int):
@@ -116,6 +118,7 @@ async def test_cancel_mid_constrained_generation_changes_nothing(tiny_folder, tr
         engine.store.check_invariants()
 
 
+@pytest.mark.fp16
 async def test_preemption_under_oversubscription_keeps_outputs_valid(tiny_folder, transport):
     # Six generations that together need about twice the pool: some are preempted and
     # replayed, and every output still matches.

@@ -141,6 +141,7 @@ class _Recorder:
         return self.runner.forward(batch, **kw)
 
 
+@pytest.mark.fp16
 async def test_forks_speculating_together_share_each_pass(tiny_folder, transport):
     async with sdk_runtime(tiny_folder, transport) as (rt, engine):
         base = Context(rt).append(TEXT)

@@ -7,6 +7,8 @@ mistake in page tables, forks, dedup, prefix reuse or preemption changes the tok
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -18,6 +20,8 @@ STOP = 63
 
 
 class FakeRunner:
+    backend = SimpleNamespace(name="fake")
+
     def __init__(self, pool_kv: torch.Tensor, page_size: int) -> None:
         self.pool_kv = pool_kv  # [P, ps, 1, 2, 1, 2]
         self.page_size = page_size

@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 
 from pie_ctx.proto import messages as P
-from tests.sdk.harness import tiny_engine, tiny_model_folder
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("engine-model"))
+from tests.sdk.harness import tiny_engine
 
 
 async def new_ctx(engine) -> int:
@@ -36,11 +31,12 @@ def prompts(k: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(k)]
 
 
-async def test_sixteen_concurrent_decodes_equal_solo_and_share_calls(folder):
+@pytest.mark.fp16
+async def test_sixteen_concurrent_decodes_equal_solo_and_share_calls(tiny_folder):
     ps = prompts(16)
-    async with tiny_engine(folder, page_size=4, num_pages=1024) as engine:
+    async with tiny_engine(tiny_folder, page_size=4, num_pages=1024) as engine:
         solo = [await generate(engine, await new_ctx(engine), p, 16) for p in ps]
-    async with tiny_engine(folder, page_size=4, num_pages=1024) as engine:
+    async with tiny_engine(tiny_folder, page_size=4, num_pages=1024) as engine:
         ctxs = [await new_ctx(engine) for _ in ps]
         calls = engine.executor.num_model_calls
         together = await asyncio.gather(*(generate(engine, c, p, 16) for c, p in zip(ctxs, ps, strict=True)))
@@ -51,11 +47,12 @@ async def test_sixteen_concurrent_decodes_equal_solo_and_share_calls(folder):
         engine.store.check_invariants()
 
 
-async def test_prefix_reuse_computes_only_the_suffix_with_equal_logits(folder):
+@pytest.mark.fp16
+async def test_prefix_reuse_computes_only_the_suffix_with_equal_logits(tiny_folder):
     shared = prompts(1)[0] * 3  # 60-ish tokens
     shared = shared[: (len(shared) // 16) * 16]  # page aligned for page_size 16
     suffix = [7, 8, 9, 10, 11]
-    async with tiny_engine(folder, page_size=16, num_pages=256) as engine:
+    async with tiny_engine(tiny_folder, page_size=16, num_pages=256) as engine:
         cold = await engine.handle(P.Forward(ctx=await new_ctx(engine), tokens=shared + suffix,
                                              reuse_prefix=True, logits=[len(shared) + 4]),
                                    raise_errors=True)
@@ -68,15 +65,17 @@ async def test_prefix_reuse_computes_only_the_suffix_with_equal_logits(folder):
     assert cold.report.pages_reused == 0
     assert hit.report.pages_reused == len(shared) // 16
     assert hit.report.tokens_computed == len(suffix)
-    np.testing.assert_allclose(np.frombuffer(hit.logits[0], "<f4"),
-                               np.frombuffer(cold.logits[0], "<f4"), atol=1e-5)
+    want = np.frombuffer(cold.logits[0], "<f4")
+    np.testing.assert_allclose(np.frombuffer(hit.logits[0], "<f4"), want,
+                               atol=tiny_folder.tol(want))
 
 
-async def test_oversubscribed_pool_gives_identical_outputs(folder):
+@pytest.mark.fp16
+async def test_oversubscribed_pool_gives_identical_outputs(tiny_folder):
     ps = prompts(12)
 
     async def run(num_pages):
-        async with tiny_engine(folder, page_size=4, num_pages=num_pages) as engine:
+        async with tiny_engine(tiny_folder, page_size=4, num_pages=num_pages) as engine:
             async def one(p):
                 c = await new_ctx(engine)
                 out = await generate(engine, c, p, 12)

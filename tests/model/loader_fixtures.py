@@ -49,20 +49,35 @@ def tiny_spec(pre: str = "smollm", add_bos: bool = False) -> GGUFTokenizerSpec:
     )
 
 
-def hf_reference_weights(seed: int = 0, tied: bool = True, qkv_bias: bool = False) -> dict[str, np.ndarray]:
-    """Random fp32 weights in HF naming and layout (what the loader must reproduce)."""
+def hf_reference_weights(seed: int = 0, tied: bool = True, qkv_bias: bool = False,
+                         scaled: bool = False) -> dict[str, np.ndarray]:
+    """Random fp32 weights in HF naming and layout (what the loader must reproduce).
+
+    By default every weight is N(0, 1): activations grow by ~sqrt(hidden) per matrix, which
+    makes any slip in the loader or runner loud. ``scaled`` draws them like a trained model
+    (matrices N(0, 1/fan_in), norm weights ~1), so activations stay O(1); the precision
+    tests use that one, since with unscaled weights bf16 logits drift by a quarter of their
+    range (in transformers' own bf16 forward too).
+    """
     rng = np.random.default_rng(seed)
     vocab = len(tiny_tokens())
 
     def r(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
+        scale = shape[-1] ** -0.5 if scaled and len(shape) == 2 else 1.0
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": r(vocab, HIDDEN), "model.norm.weight": r(HIDDEN)}
+    def norm() -> np.ndarray:
+        if not scaled:
+            return r(HIDDEN)
+        return (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+
+    embed = r(vocab, HIDDEN) * (HIDDEN**0.5 if scaled else 1.0)  # entries N(0, 1) either way
+    w = {"model.embed_tokens.weight": embed, "model.norm.weight": norm()}
     if not tied:
         w["lm_head.weight"] = r(vocab, HIDDEN)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w |= {p + "input_layernorm.weight": r(HIDDEN), p + "post_attention_layernorm.weight": r(HIDDEN),
+        w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
               p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
               p + "self_attn.k_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
               p + "self_attn.v_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),

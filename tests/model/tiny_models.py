@@ -30,13 +30,15 @@ VOCAB = 320
 ARCHS = ("llama3", "llama_linear", "qwen2", "qwen3")
 
 
-def make_hf_model(arch: str, seed: int = 0, num_layers: int = 2) -> PreTrainedModel:
-    """A seeded random tiny transformers model of ``arch`` (eval mode, fp32)."""
+def make_hf_model(arch: str, seed: int = 0, num_layers: int = 2,
+                  **overrides: object) -> PreTrainedModel:
+    """A seeded random tiny transformers model of ``arch`` (eval mode, fp32); ``overrides``
+    change config fields (sizes, ``max_position_embeddings``...)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
-                  pad_token_id=None)
+                  pad_token_id=None) | overrides
     if arch == "llama3":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=50000.0,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0,

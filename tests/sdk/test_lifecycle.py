@@ -78,7 +78,7 @@ def test_sdk_imports_no_torch():
 
 def test_cli_run_and_help(tiny_folder, capsys):
     assert cli_main(["run", "examples/hello.py", "--model", str(tiny_folder), "--page-size", "4",
-                     "--", "hi", "--max-tokens", "4"]) == 0
+                     "--dtype", tiny_folder.dtype, "--", "hi", "--max-tokens", "4"]) == 0
     assert cli_main(["run", "examples/missing.py", "--model", str(tiny_folder)]) == 1
     assert "does not exist" in capsys.readouterr().err
 
@@ -88,6 +88,6 @@ def test_cli_reports_inferlet_errors_cleanly(tiny_folder, tmp_path, capsys):
     bad.write_text("from pie_ctx import Context\n\n"
                    "async def main(rt, args):\n"
                    "    await Context.open(rt, 'no-such-snapshot')\n")
-    assert cli_main(["run", str(bad), "--model", str(tiny_folder)]) == 1
+    assert cli_main(["run", str(bad), "--model", str(tiny_folder), "--dtype", tiny_folder.dtype]) == 1
     err = capsys.readouterr().err
     assert "pie-ctx: error:" in err and "no-such-snapshot" in err and "Traceback" not in err

@@ -25,13 +25,15 @@ __all__ = ["AttentionMetadata", "AttentionBackend", "consecutive_run", "write_kv
 log = logging.getLogger(__name__)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, page_size: int) -> AttentionBackend:
-    """The default backend for a device: flash-attn on CUDA when importable, else torch.
+def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
+                   head_dim: int) -> AttentionBackend:
+    """The default backend for a device: flash-attn on CUDA when it suits, else torch.
 
     Args:
         device: the model's device.
         dtype: the compute dtype.
-        page_size: the engine's page size (decides flash-attn's paged vs varlen path).
+        page_size: the engine's page size (decides flash-attn's paged vs gather path).
+        head_dim: the model's head dim (flash-attn takes <= 256, a multiple of 8).
 
     Returns:
         An :class:`AttentionBackend`.
@@ -39,9 +41,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int) -> 
     if device.type == "cuda":
         from runtime.model.attention.flash_backend import FlashAttention, flash_available
 
-        if flash_available(device, dtype):
+        if flash_available(device, dtype, head_dim):
             backend: AttentionBackend = FlashAttention(page_size)
             log.info("attention backend: flash-attn (%s path)", backend.name)
             return backend
-        log.info("attention backend: torch (flash-attn not importable or unsupported here)")
+        log.info("attention backend: torch (flash-attn not importable, or not for %s, "
+                 "head dim %d)", dtype, head_dim)
     return TorchAttention()

@@ -11,6 +11,10 @@ separately, and the two halves are merged exactly through their log-sum-exp:
 
 Shared pages are committed (full, immutable) and precede every sequence's tail, so with
 causal decoding every query sees all of them: no mask is needed on the shared half.
+
+Numerics: whatever the storage dtype (fp32, bf16, fp16), scores, softmax statistics, the
+log-sum-exps and the merge are fp32, as in flash-attn; only the result is cast back. Merge
+weights from a bf16 log-sum-exp would be off by several percent.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from runtime.model.attention.base import AttentionMetadata, consecutive_run
 
-__all__ = ["CascadeGroup", "run_prefix_len", "shared_prefix_clusters"]
+__all__ = ["CascadeGroup", "merge_lse", "run_prefix_len", "shared_prefix_clusters"]
 
 
 def shared_prefix_clusters(meta: AttentionMetadata, decodes: list[int],
@@ -138,9 +142,26 @@ class CascadeGroup:
         qt = q.view(n, kvh, g, d)  # [n, KVH, G, D]
         o2, lse2 = _attend_lse(qt, kt.transpose(1, 2), vt.transpose(1, 2), scale, self.tail_bias)
 
-        lse = torch.logaddexp(lse1, lse2)  # [n, KVH, G]
-        out = o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
+        out = merge_lse(o1, lse1, o2, lse2).to(q.dtype)  # [n, KVH, G, D]
         return out.reshape(n, h * d)  # [n, H*D], head j = kv_head * G + g
+
+
+def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+              lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each set's output and log-sum-exp.
+
+    Args:
+        o1, o2: Tensor[..., D] outputs over each key set (any float dtype).
+        lse1, lse2: Tensor[...] their log-sum-exps (natural log).
+
+    Returns:
+        Tensor[..., D] in fp32, whatever the inputs (the caller casts back): merge weights
+        ``exp(lse_i - lse)`` from a bf16 log-sum-exp would be off by several percent.
+    """
+    lse1, lse2 = lse1.float(), lse2.float()
+    lse = torch.logaddexp(lse1, lse2)
+    return (o1.float() * (lse1 - lse).exp_()[..., None]
+            + o2.float() * (lse2 - lse).exp_()[..., None])
 
 
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -158,7 +179,9 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         (Tensor[B, H, Q, D], Tensor[B, H, Q]).
 
     On CPU this is torch's fused flash kernel (the one SDPA uses, which also computes the
-    log-sum-exp); elsewhere, or if that kernel refuses the inputs, a matmul-softmax-matmul.
+    log-sum-exp, in fp32, and accumulates in fp32 for half inputs); elsewhere, or if that
+    kernel refuses the inputs, a matmul-softmax-matmul in fp32. The log-sum-exp is fp32
+    either way; the output has the inputs' dtype on the fused path, fp32 on the other.
     """
     if _FLASH_LSE is not None and q.device.type == "cpu":
         try:
@@ -166,10 +189,10 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             return out, lse
         except RuntimeError:
             pass
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, H, Q, K]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, H, Q, K]
     if bias is not None:
-        scores = scores + bias
-    return _softmax_attend(scores, v)
+        scores = scores + bias.float()
+    return _softmax_attend(scores, v.float())
 
 
 def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

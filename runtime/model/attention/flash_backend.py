@@ -1,143 +1,264 @@
 """flash-attn backend (CUDA, fp16/bf16, sm80+), imported lazily.
 
 Owner: the model runner; chosen by ``select_backend`` when ``flash_attn`` imports on a
-CUDA device. Two paths, decided by the engine's page size (flash-attn 2 checks "Paged KV
-cache block size must be divisible by 256" for its block-table API):
+CUDA device and the model's head dim suits it. Every call is
+``flash_attn_with_kvcache`` (flash-attn >= 2.6), with the keys and values presented one of
+two ways, decided by the engine's page size:
 
-* ``flash-paged``: page_size % 256 == 0 and ``flash_attn_varlen_func`` accepts
-  ``block_table``: K/V are read straight from this layer's view of the pool
-  (``pool[:, :, layer, 0]`` is ``[num_pages, page_size, KVH, D]``, last dim contiguous,
-  which is all the kernel requires of its strides);
-* ``flash-varlen``: otherwise: the batch's keys/values are gathered once per layer into
-  packed ``[total_kv, KVH, D]`` tensors and ``flash_attn_varlen_func`` runs over them.
+* ``flash-paged`` (page_size % 256 == 0, flash-attn 2's rule for its block tables): the
+  kernel reads this layer's view of the pool in place (``pool[:, :, layer, 0]`` is
+  ``[num_pages, page_size, KVH, D]`` with a contiguous last dim, all it asks of strides)
+  through a block table;
+* ``flash-gather`` (any other page size, the default 16): each group's pages are gathered a
+  whole page at a time (one ``index_select`` per layer, K and V) into a padded
+  ``[B, pages * page_size, KVH, D]`` cache and ``cache_seqlens`` cuts each row; one
+  sequence on consecutive pages is read in place.
 
-Both use ``causal=True``, which flash-attn aligns to the bottom-right corner: new token j
-sees KV indices ``<= num_cached + j``, exactly our "causal in KV order". Batches with
-custom masks (flash-attn has no arbitrary masks) go to the torch backend for that
-forward, logged once.
+``prepare`` splits the batch once per forward, as the torch backend does: decodes (one
+query each) attend together in one call; each prefill chunk attends alone (the kernel wants
+one query length per call); decodes sharing leading pages (forks) attend as a cascade, the
+shared pages once for the whole cluster and each tail on its own, merged in fp32 through
+the log-sum-exps flash-attn returns (``[B, H, Q]``, natural log, fp32). Causal masking is
+flash-attn's, aligned to the bottom-right corner: query j of a sequence with ``kv_len``
+entries and ``q_len`` queries sees entries ``<= kv_len - q_len + j``, i.e.
+``num_cached + j``, exactly our causal-in-KV-order. Sequences with custom masks (which
+flash-attn cannot express) attend through the torch backend in the same forward; an fp32
+pool sends the whole forward there.
+
+Why the default page size stays 16 on CUDA, see docs/forward.md ("Page size on a GPU").
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from runtime.model.attention.base import AttentionMetadata, write_kv
+from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
+from runtime.model.attention.cascade import merge_lse, shared_prefix_clusters
 from runtime.model.attention.torch_backend import TorchAttention
 
-__all__ = ["FlashAttention", "flash_available"]
+__all__ = ["FlashAttention", "flash_available", "PAGED_BLOCK"]
 
 log = logging.getLogger(__name__)
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+PAGED_BLOCK = 256  # flash-attn 2 reads a paged cache only in blocks of a multiple of this
+_MAX_HEAD_DIM = 256  # flash-attn 2's limit
 
 
-def _import_varlen() -> Any | None:
+def _import_kvcache() -> Any | None:
     try:
-        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+        from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
     except Exception:  # ImportError, or a broken CUDA extension
         return None
-    return flash_attn_varlen_func
+    return flash_attn_with_kvcache
 
 
-def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when flash-attn can run here: importable, CUDA sm80+, fp16/bf16."""
+def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """True when flash-attn can run this model here: importable, CUDA sm80+, fp16/bf16, and
+    a head dim of at most 256 that is a multiple of 8 (otherwise flash-attn pads q and the
+    whole cache of each layer, a copy per call)."""
     if device.type != "cuda" or dtype not in _FLASH_DTYPES or not torch.cuda.is_available():
+        return False
+    if head_dim > _MAX_HEAD_DIM or head_dim % 8:
         return False
     if torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    return _import_varlen() is not None
+    return _import_kvcache() is not None
 
 
 @dataclass(slots=True)
-class _State:
-    delegate: bool  # True: this forward runs on the torch backend
-    cu_q: torch.Tensor | None = None  # [B + 1] int32
-    cu_k: torch.Tensor | None = None  # [B + 1] int32
-    max_q: int = 0
-    max_kv: int = 0
-    block_table: torch.Tensor | None = None  # [B, max_pages] int32 (paged path)
-    gather_pages: torch.Tensor | None = None  # [total_kv] int64 (varlen path)
-    gather_slots: torch.Tensor | None = None  # [total_kv] int64
+class _Keys:
+    """Where one flash call finds its keys and values, for ``batch`` sequences."""
+
+    batch: int
+    seqlens: torch.Tensor  # [B] int32 entries each sequence attends
+    block_table: torch.Tensor | None = None  # paged: [B, max_pages] int32
+    page_index: torch.Tensor | None = None  # gather: [B * max_pages] int64
+    max_pages: int = 0
+    run_start: int | None = None  # gather, B == 1, consecutive pages: read in place
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sequences with equal query lengths attended by one call per layer."""
+
+    rows: slice | torch.Tensor  # their token rows in the flat [T] batch
+    q_len: int
+    keys: _Keys
+
+
+@dataclass(slots=True)
+class _Cascade:
+    """Decodes sharing leading pages: the shared pages once, then each tail."""
+
+    rows: torch.Tensor  # [n] token rows
+    shared: _Keys  # one "sequence" whose n queries are the cluster's
+    tails: _Keys  # n sequences of one query
+
+
+@dataclass(slots=True)
+class _Plan:
+    flash: list[_Group | _Cascade]
+    torch_state: Any = None  # the torch backend's groups for custom-mask sequences
+    delegate_all: bool = False
 
 
 class FlashAttention:
-    """``AttentionBackend`` over flash-attn's varlen kernel (paged when the page size allows).
+    """``AttentionBackend`` over ``flash_attn_with_kvcache``.
 
     Args:
-        page_size: the engine's page size.
+        page_size: the engine's page size (paged reads need a multiple of 256).
+        cascade: attend a shared prefix once for the decodes that share it.
+        kernel: a stand-in for ``flash_attn_with_kvcache`` (tests); default: flash-attn's.
 
     Raises:
         RuntimeError: flash-attn is not importable (check :func:`flash_available` first).
     """
 
-    def __init__(self, page_size: int) -> None:
-        fn = _import_varlen()
+    def __init__(self, page_size: int, *, cascade: bool = True, kernel: Any = None) -> None:
+        fn = kernel or _import_kvcache()
         if fn is None:
             raise RuntimeError("flash-attn is not importable; use the torch backend")
-        self._varlen = fn
-        has_block_table = "block_table" in inspect.signature(fn).parameters
-        self.paged = page_size % 256 == 0 and has_block_table
-        self.name = "flash-paged" if self.paged else "flash-varlen"
-        if not self.paged:
-            log.info("flash-attn: page_size %d is not a multiple of 256 (or no block_table "
-                     "support): using varlen over gathered pages", page_size)
-        self._torch = TorchAttention()
-        self._warned_masks = False
+        self._kvcache = fn
+        self.page_size = page_size
+        self.paged = page_size % PAGED_BLOCK == 0
+        self.cascade = cascade
+        self.name = "flash-paged" if self.paged else "flash-gather"
+        self._torch = TorchAttention(cascade=cascade)
+        self._warned = False
+
+    # ------------------------------------------------------------------ per forward
 
     def prepare(self, meta: AttentionMetadata, pool_kv: torch.Tensor) -> None:
-        """Build cu_seqlens and either the block table or the packed gather indices."""
-        if meta.has_custom_masks or pool_kv.dtype not in _FLASH_DTYPES:
-            if not self._warned_masks:
-                log.info("flash-attn: custom masks or %s pool: this forward uses torch attention",
-                         pool_kv.dtype)
-                self._warned_masks = True
+        """Split the batch into flash groups (and torch groups for custom masks)."""
+        if pool_kv.dtype not in _FLASH_DTYPES:
+            self._note(f"a {pool_kv.dtype} pool: these forwards use torch attention")
             self._torch.prepare(meta, pool_kv)
-            meta.backend_state = (_State(delegate=True), meta.backend_state)
+            meta.backend_state = _Plan([], meta.backend_state, delegate_all=True)
             return
-        dev = meta.write_pages.device
-        zero = [0]
-        cu_q = torch.tensor(zero + meta.query_lens, dtype=torch.int32, device=dev).cumsum(0)
-        cu_k = torch.tensor(zero + meta.kv_lens, dtype=torch.int32, device=dev).cumsum(0)
-        st = _State(delegate=False, cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
-                    max_q=max(meta.query_lens), max_kv=max(meta.kv_lens))
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        device = meta.write_pages.device
+
+        def rows_of(seqs: list[int]) -> torch.Tensor:
+            return torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)
+
+        masked = [i for i, m in enumerate(meta.masks) if m is not None]
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.masks[i] is None]
+        others = [i for i, n in enumerate(meta.query_lens) if n > 1 and meta.masks[i] is None]
+        clusters, decodes = (shared_prefix_clusters(meta, decodes) if self.cascade
+                             else ([], decodes))
+        plan = _Plan([])
+        for seqs, shared in clusters:
+            plan.flash.append(self._cascade(meta, seqs, shared, rows_of(seqs)))
+        if decodes:
+            plan.flash.append(_Group(rows_of(decodes), 1, self._keys(meta, decodes)))
+        for i in others:
+            plan.flash.append(_Group(slice(starts[i], starts[i + 1]), meta.query_lens[i],
+                                     self._keys(meta, [i])))
+        if masked:
+            self._note("custom masks: those sequences use torch attention")
+            plan.torch_state = [self._torch.group(meta, [i], slice(starts[i], starts[i + 1]))
+                                for i in masked]
+        meta.backend_state = plan
+
+    def _note(self, what: str) -> None:
+        if not self._warned:
+            log.info("flash-attn: %s", what)
+            self._warned = True
+
+    def _keys(self, meta: AttentionMetadata, seqs: list[int], *, skip: int = 0,
+              lens: list[int] | None = None) -> _Keys:
+        """Keys of ``seqs``: their pages from ``skip`` on, ``lens`` entries each (default
+        their whole KV)."""
+        device = meta.write_pages.device
+        s = meta.page_size
+        lens = lens if lens is not None else [meta.kv_lens[i] for i in seqs]
+        tables = [meta.page_tables[i][skip: skip + -(-n // s)] for i, n in zip(seqs, lens,
+                                                                                 strict=True)]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]  # page 0: cut by seqlens
+        keys = _Keys(len(seqs), torch.tensor(lens, dtype=torch.int32, device=device))
         if self.paged:
-            width = max(len(pt) for pt in meta.page_tables)
-            st.block_table = torch.tensor(
-                [pt + [0] * (width - len(pt)) for pt in meta.page_tables],
-                dtype=torch.int32, device=dev)  # [B, max_pages]
-        else:
-            s = meta.page_size
-            pages = [pt[i // s] for pt, n in zip(meta.page_tables, meta.kv_lens, strict=True)
-                     for i in range(n)]
-            slots = [i % s for n in meta.kv_lens for i in range(n)]
-            st.gather_pages = torch.tensor(pages, dtype=torch.int64, device=dev)
-            st.gather_slots = torch.tensor(slots, dtype=torch.int64, device=dev)
-        meta.backend_state = (st, None)
+            keys.block_table = torch.tensor(padded, dtype=torch.int32, device=device)
+            return keys
+        keys.max_pages = width
+        if len(seqs) == 1:
+            keys.run_start = consecutive_run(tables[0])
+        if keys.run_start is None:
+            keys.page_index = torch.tensor(padded, dtype=torch.int64, device=device).view(-1)
+        return keys
+
+    def _cascade(self, meta: AttentionMetadata, seqs: list[int], shared: int,
+                 rows: torch.Tensor) -> _Cascade:
+        s = meta.page_size
+        head = self._keys(meta, seqs[:1], lens=[shared * s])
+        tails = self._keys(meta, seqs, skip=shared, lens=[meta.kv_lens[i] - shared * s
+                                                           for i in seqs])
+        return _Cascade(rows, head, tails)
+
+    # -------------------------------------------------------------------- per layer
 
     def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, pool_kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Write K/V, then one flash-attn varlen call. See the Protocol."""
-        st, torch_state = meta.backend_state
-        if st.delegate:
-            meta.backend_state = torch_state
+        """Write K/V, then one flash call per group. See the Protocol."""
+        plan: _Plan = meta.backend_state
+        if plan.delegate_all:
+            meta.backend_state = plan.torch_state
             try:
                 return self._torch.forward(layer, q, kv, pool_kv, meta)
             finally:
-                meta.backend_state = (st, torch_state)
+                meta.backend_state = plan
         write_kv(pool_kv, layer, kv, meta)
         t, h, d = q.shape
-        q = q.contiguous()  # the runner may pass a strided view of its fused qkv output
-        if self.paged:
-            k = pool_kv[:, :, layer, 0]  # [P, S, KVH, D]
-            v = pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
-            out = self._varlen(q, k, v, st.cu_q, st.cu_k, st.max_q, st.max_kv, causal=True,
-                               block_table=st.block_table)  # [T, H, D]
+        out = q.new_empty(t, h * d)  # [T, H*D]
+        k_pool, v_pool = pool_kv[:, :, layer, 0], pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
+        for g in plan.flash:
+            if isinstance(g, _Cascade):
+                out.index_copy_(0, g.rows, self._attend_cascade(g, q.index_select(0, g.rows),
+                                                                k_pool, v_pool))
+            elif isinstance(g.rows, slice):
+                qg = q[g.rows].unsqueeze(0)  # [1, Tg, H, D]
+                out[g.rows] = self._call(qg, g.keys, k_pool, v_pool, causal=True)[0].view(-1, h * d)
+            else:
+                qg = q.index_select(0, g.rows).unsqueeze(1)  # [B, 1, H, D]
+                out.index_copy_(0, g.rows, self._call(qg, g.keys, k_pool, v_pool,
+                                                      causal=True).view(-1, h * d))
+        for tg in plan.torch_state or ():
+            out[tg.rows] = TorchAttention.attend(tg, layer, q[tg.rows], pool_kv, meta.page_size)
+        return out
+
+    def _call(self, q: torch.Tensor, keys: _Keys, k_pool: torch.Tensor, v_pool: torch.Tensor,
+              *, causal: bool, lse: bool = False) -> Any:
+        """One ``flash_attn_with_kvcache``: q [B, Q, H, D] -> [B, Q, H, D] (and the
+        log-sum-exp [B, H, Q] with ``lse``)."""
+        if keys.block_table is not None:
+            k, v = k_pool, v_pool  # [P, S, KVH, D], read through the block table
         else:
-            g = pool_kv[st.gather_pages, st.gather_slots, layer]  # [total_kv, 2, KVH, D]
-            k, v = g[:, 0].contiguous(), g[:, 1].contiguous()  # [total_kv, KVH, D] each
-            out = self._varlen(q, k, v, st.cu_q, st.cu_k, st.max_q, st.max_kv, causal=True)
-        return out.reshape(t, h * d)
+            s, kvh, d = k_pool.shape[1:]
+            width = keys.max_pages * s
+            if keys.run_start is not None:  # a view of consecutive pages, no copy
+                a, n = keys.run_start, keys.max_pages
+                k = k_pool[a: a + n].view(1, width, kvh, d)
+                v = v_pool[a: a + n].view(1, width, kvh, d)
+            else:  # whole pages: memcpy-speed gathers straight into the cache layout
+                k = k_pool.index_select(0, keys.page_index).view(keys.batch, width, kvh, d)
+                v = v_pool.index_select(0, keys.page_index).view(keys.batch, width, kvh, d)
+        return self._kvcache(q, k, v, cache_seqlens=keys.seqlens, block_table=keys.block_table,
+                             causal=causal, return_softmax_lse=lse)
+
+    def _attend_cascade(self, g: _Cascade, q: torch.Tensor, k_pool: torch.Tensor,
+                        v_pool: torch.Tensor) -> torch.Tensor:
+        """The cluster's queries [n, H, D] -> [n, H*D]."""
+        n, h, d = q.shape
+        # Shared pages: the n queries as one sequence that sees all of them (no mask).
+        o1, lse1 = self._call(q.unsqueeze(0), g.shared, k_pool, v_pool, causal=False, lse=True)
+        # Tails: each query against its own pages (one query: causal changes nothing).
+        o2, lse2 = self._call(q.unsqueeze(1), g.tails, k_pool, v_pool, causal=False, lse=True)
+        # o1 [1, n, H, D], lse1 [1, H, n]; o2 [n, 1, H, D], lse2 [n, H, 1]
+        out = merge_lse(o1[0], lse1[0].transpose(0, 1), o2[:, 0], lse2[:, :, 0])  # [n, H, D]
+        return out.to(q.dtype).view(n, h * d)

@@ -26,11 +26,26 @@ import torch.nn.functional as F
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
 
-__all__ = ["TorchAttention"]
+__all__ = ["TorchAttention", "fused_gqa"]
 
 _LONE_DECODES = 2  # at most this many unclustered decodes get their own run-prefix group
 _MIN_RUN_PAGES = 4  # shortest run prefix worth reading in place that way
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def fused_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA keeps a fused kernel when asked to broadcast KV heads (``enable_gqa``).
+
+    On CPU its flash kernel takes GQA with masks and fp32. On CUDA only the flash kernel
+    takes GQA, and it takes neither a mask nor fp32 (nor a head dim over 256): with those,
+    ``enable_gqa`` would drop to the math kernel, which materialises every score, so the
+    caller repeats the KV heads instead and the memory-efficient kernel runs.
+    """
+    if not _HAS_ENABLE_GQA:
+        return False
+    if q.device.type != "cuda":
+        return True
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
 @dataclass(slots=True)
@@ -78,7 +93,7 @@ class TorchAttention:
         if self.cascade and len(decodes) <= _LONE_DECODES:
             clusters, decodes = self._run_prefixes(meta, clusters, decodes)
         if not clusters and (not others or (not decodes and len(others) == 1)):
-            meta.backend_state = [self._group(meta, list(range(len(q_lens))), None)]
+            meta.backend_state = [self.group(meta, list(range(len(q_lens))), None)]
             return
         starts = [0]
         for n in q_lens:
@@ -91,9 +106,9 @@ class TorchAttention:
         groups: list[_Group | CascadeGroup] = [
             CascadeGroup.build(meta, seqs, shared, rows_of(seqs)) for seqs, shared in clusters]
         if decodes:
-            groups.append(self._group(meta, decodes, rows_of(decodes)))
+            groups.append(self.group(meta, decodes, rows_of(decodes)))
         for i in others:
-            groups.append(self._group(meta, [i], slice(starts[i], starts[i + 1])))
+            groups.append(self.group(meta, [i], slice(starts[i], starts[i + 1])))
         meta.backend_state = groups
 
     @staticmethod
@@ -114,8 +129,10 @@ class TorchAttention:
                 rest.append(i)
         return clusters, rest
 
-    def _group(self, meta: AttentionMetadata, seqs: list[int],
-               rows: slice | torch.Tensor | None) -> _Group:
+    def group(self, meta: AttentionMetadata, seqs: list[int],
+              rows: slice | torch.Tensor | None) -> _Group:
+        """The padded layout, page index and mask of ``seqs`` attended together (their
+        token ``rows`` in the flat batch; None = all of it)."""
         device = meta.write_pages.device
         q_lens = [meta.query_lens[i] for i in seqs]
         kv_lens = [meta.kv_lens[i] for i in seqs]
@@ -173,22 +190,22 @@ class TorchAttention:
         write_kv(pool_kv, layer, kv, meta)
         ps = meta.page_size
         if len(groups) == 1 and groups[0].rows is None:
-            return self._attend(groups[0], layer, q, pool_kv, ps)
+            return self.attend(groups[0], layer, q, pool_kv, ps)
         t, h, d = q.shape
         out = q.new_empty(t, h * d)  # [T, H*D]
         for g in groups:
             if isinstance(g.rows, slice):
-                out[g.rows] = self._attend(g, layer, q[g.rows], pool_kv, ps)
+                out[g.rows] = self.attend(g, layer, q[g.rows], pool_kv, ps)
                 continue
             qg = q.index_select(0, g.rows)  # [Tg, H, D]
             if isinstance(g, CascadeGroup):
                 out.index_copy_(0, g.rows, g.attend(layer, qg, pool_kv, ps))
             else:
-                out.index_copy_(0, g.rows, self._attend(g, layer, qg, pool_kv, ps))
+                out.index_copy_(0, g.rows, self.attend(g, layer, qg, pool_kv, ps))
         return out
 
     @staticmethod
-    def _attend(g: _Group, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
+    def attend(g: _Group, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
                 s: int) -> torch.Tensor:
         """One group's attention: [Tg, H, D] queries -> [Tg, H*D]."""
         t, h, d = q.shape
@@ -217,10 +234,11 @@ class TorchAttention:
             padded.index_copy_(0, g.q_index, q)
             qb = padded.view(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]
 
-        if h != kvh and not _HAS_ENABLE_GQA:
+        gqa = h != kvh and fused_gqa(qb, g.mask)
+        if h != kvh and not gqa:
             k = k.repeat_interleave(h // kvh, dim=1)  # [B, H, Lmax, D]
             v = v.repeat_interleave(h // kvh, dim=1)
-        extra = {"enable_gqa": True} if (h != kvh and _HAS_ENABLE_GQA) else {}
+        extra = {"enable_gqa": True} if gqa else {}
         out = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=g.mask, is_causal=g.is_causal, **extra
         )  # [B, H, Qmax, D]
