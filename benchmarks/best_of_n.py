@@ -2,10 +2,13 @@
 
     python benchmarks/best_of_n.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
                                    [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+                                   [--weights fp32|int8] [--kv-dtype fp32|int8]
 
 Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping early) after a
 1,024-token prompt, on the same weights (default fp32 on CPU) and threads. HF prefills the prompt once per
-sequence and stores it 8 times; pie-ctx prefills it once and shares its pages.
+sequence and stores it 8 times; pie-ctx prefills it once and shares its pages. With
+``--weights int8`` (or ``--kv-dtype int8``) pie-ctx runs that format against the same fp32 HF
+baseline, and the JSON line also carries ``int8_speedup_vs_hf`` (``kv_int8_speedup_vs_hf``).
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ async def main_async(args):
     from runtime.engine.boot import boot_engine
 
     engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0, device=args.device,
-                         dtype=args.dtype)
+                         dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
     runner = engine.executor.runner
     cfg_bytes = kv_bytes_per_token(runner.config, runner.dtype.itemsize)
+    page_bytes = engine.store.pool.kv[0].numel() * engine.store.pool.kv.element_size()
     prompt = prompt_tokens(engine.tokenizer, args.prompt_len)
     # HF runs on the engine's model thread: one thread does all torch work (see Engine).
     hf = engine.run_on_model_thread(load_hf, engine_folder(), runner.device, runner.dtype)
@@ -67,23 +71,31 @@ async def main_async(args):
             ours.append(wall)
             theirs.append(engine.run_on_model_thread(run_hf, hf, salt + prompt[1:], args.n,
                                                      args.new_tokens, r))
-    kv_bytes = used * args.page_size * cfg_bytes
+    kv_bytes = used * page_bytes
     hf_kv = args.n * (args.prompt_len + args.new_tokens) * cfg_bytes
     o, h = summary(ours), summary(theirs)
     table([("device, dtype, attention", f"{runner.device}, {args.dtype}, {runner.backend.name}"),
+           ("weights, KV pages", f"{args.weights}, {args.kv_dtype}"),
            ("threads", str(torch.get_num_threads())),
            ("pie-ctx wall s", f"{o['median']:.2f} (range {o['min']:.2f}-{o['max']:.2f})"),
            ("HF wall s", f"{h['median']:.2f} (range {h['min']:.2f}-{h['max']:.2f})"),
            ("speedup", f"{h['median'] / o['median']:.2f}x"),
            ("pie-ctx KV bytes", f"{kv_bytes / 2**20:.1f} MiB ({used} pages)"),
            ("HF KV bytes", f"{hf_kv / 2**20:.1f} MiB")])
+    speedup = h["median"] / o["median"]
+    extra = {}
+    if args.weights == "int8":
+        extra["int8_speedup_vs_hf"] = speedup
+    if args.kv_dtype == "int8":
+        extra["kv_int8_speedup_vs_hf"] = speedup
     emit({"wall_s": o["median"], "hf_wall_s": h["median"],
-          "speedup_vs_hf": h["median"] / o["median"],
+          "speedup_vs_hf": speedup, **extra,
           "speedup_range": [min(theirs) / max(ours), max(theirs) / min(ours)],
           "kv_bytes": kv_bytes, "hf_kv_bytes": hf_kv, "kv_ratio": kv_bytes / hf_kv,
           "prompt_len": args.prompt_len, "n": args.n, "new_tokens": args.new_tokens,
           "repeats": args.repeats, "device": str(runner.device), "dtype": args.dtype,
-          "attention": runner.backend.name})
+          "attention": runner.backend.name, "weights": args.weights,
+          "kv_dtype": args.kv_dtype})
 
 
 def engine_folder():
@@ -101,6 +113,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8"))
+    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
     anyio.run(main_async, ap.parse_args())
 
 

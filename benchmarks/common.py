@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,58 @@ def load_hf(folder: Path, device: Any = "cpu", dtype: torch.dtype = torch.float3
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     model.to(device).eval()
     return model
+
+
+class Ours:
+    """Single-stream driver over our runner with a private pool: greedy generation, one-pass
+    scoring, timing. ``weights``: "fp32" or "int8" (see docs/models.md); ``kv_dtype``: the
+    pool's pages, "fp32" or "int8" (docs/forward.md)."""
+
+    def __init__(self, loaded: Any, max_tokens: int, page_size: int = 16,
+                 weights: str = "fp32", kv_dtype: str = "fp32") -> None:
+        from runtime.kv.pool import PagePool
+        from runtime.model.quant import calibration_tokens
+        from runtime.model.runner import ModelRunner
+
+        c = loaded.config
+        num_pages = max_tokens // page_size + 2
+        w = loaded.weights["model.embed_tokens.weight"]
+        pool = PagePool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
+                        dtype=w.dtype, device=w.device, kv_dtype=kv_dtype)
+        calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
+                                  calibration=calibration, dtype=w.dtype)
+        self.pages = list(range(num_pages))
+
+    def forward(self, tokens: list[int], start: int, rows: list[int]) -> torch.Tensor:
+        from runtime.model.runner import SeqInput
+
+        n = len(tokens)
+        return self.runner.forward([SeqInput(tokens, list(range(start, start + n)), self.pages,
+                                             start, rows)])
+
+    def prefill(self, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+        rows = list(range(len(tokens))) if all_logits else [len(tokens) - 1]
+        return self.forward(tokens, 0, rows)
+
+    def logits(self, tokens: list[int], chunk: int = 512) -> torch.Tensor:
+        """fp32 logits [len(tokens), V] of every position, in passes of ``chunk`` tokens."""
+        out = [self.forward(tokens[a:a + chunk], a, list(range(len(tokens[a:a + chunk]))))
+               for a in range(0, len(tokens), chunk)]
+        return torch.cat(out).float()
+
+    def generate(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        """Greedy n tokens; returns (tokens, prefill seconds, decode seconds for n-1 steps)."""
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt)
+        out = [int(logits[0].argmax())]  # (a device sync)
+        t1 = time.perf_counter()
+        pos = len(prompt)
+        for _ in range(n - 1):
+            logits = self.forward([out[-1]], pos, [0])
+            out.append(int(logits[0].argmax()))
+            pos += 1
+        return out, t1 - t0, time.perf_counter() - t1
 
 
 def prompt_tokens(tokenizer: Any, n: int, salt: str = "") -> list[int]:

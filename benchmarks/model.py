@@ -1,10 +1,12 @@
 """Our ModelRunner vs HF transformers on the default model, side by side in one process.
 
 Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]
-[--device cpu|cuda] [--dtype float32|bfloat16|float16]``.
+[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8]``.
 Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
-decode roofline fraction). Both sides run in the same dtype on the same device (default
+decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
+int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
+the same run; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -23,8 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Ours  # noqa: E402
+from quality import agreement, perplexity, text_ids  # noqa: E402
+
 from runtime.model.loader import default_gguf_path, load_model  # noqa: E402
-from runtime.model.runner import ModelRunner, SeqInput  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -44,36 +48,6 @@ def mem_bandwidth_gbs(device: torch.device, num_bytes: int = 256 << 20, repeats:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * num_bytes / best / 1e9
-
-
-class Ours:
-    """Greedy single-stream driver over our runner with a private pool."""
-
-    def __init__(self, loaded, max_tokens: int, page_size: int = 16) -> None:  # noqa: ANN001
-        c = loaded.config
-        num_pages = max_tokens // page_size + 2
-        weight = loaded.weights["model.embed_tokens.weight"]
-        pool = torch.zeros(num_pages, page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim,
-                           dtype=weight.dtype, device=weight.device)
-        self.runner = ModelRunner(c, loaded.weights, pool, page_size)
-        self.pages = list(range(num_pages))
-
-    def prefill(self, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
-        rows = list(range(len(tokens))) if all_logits else [len(tokens) - 1]
-        return self.runner.forward([SeqInput(tokens, list(range(len(tokens))), self.pages, 0, rows)])
-
-    def generate(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
-        """Greedy n tokens; returns (tokens, prefill seconds, decode seconds for n-1 steps)."""
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt)
-        out = [int(logits[0].argmax())]  # (a device sync)
-        t1 = time.perf_counter()
-        pos = len(prompt)
-        for _ in range(n - 1):
-            logits = self.runner.forward([SeqInput([out[-1]], [pos], self.pages, pos, [0])])
-            out.append(int(logits[0].argmax()))
-            pos += 1
-        return out, t1 - t0, time.perf_counter() - t1
 
 
 class HF:
@@ -122,14 +96,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8-weights rows")
+    ap.add_argument("--quality-prompts", type=int, default=20)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     bw_start = mem_bandwidth_gbs(device)  # measured at both ends; the best is the least disturbed
     loaded = load_model(device=device, dtype=dtype)
     tok = loaded.tokenizer
-    ours = Ours(loaded, args.prompt_len + args.new_tokens + 64)
+    ours = Ours(loaded, 4096)
     hf = HF(loaded.path, device, dtype)
+    int8 = None
+    if device.type == "cpu" and not args.no_int8:
+        int8 = Ours(loaded, 4096, weights="int8")
 
     chat = tok.render_chat([{"role": "system", "content": "You are a helpful assistant."},
                             {"role": "user", "content": "Explain paged attention in two sentences."}],
@@ -143,14 +122,13 @@ def main() -> None:
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]
-    rows: dict[str, list[float]] = {k: [] for k in ("pf", "dec", "hf_pf", "hf_dec")}
-    for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
-        _, pf, dec = ours.generate(prompt, args.new_tokens)
-        rows["pf"].append(len(prompt) / pf)
-        rows["dec"].append((args.new_tokens - 1) / dec)
-        _, pf, dec = hf.generate(prompt, args.new_tokens)
-        rows["hf_pf"].append(len(prompt) / pf)
-        rows["hf_dec"].append((args.new_tokens - 1) / dec)
+    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {})
+    rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec")}
+    for _ in range(args.repeats):  # interleave so machine noise hits every side alike
+        for p, side in sides.items():
+            _, pf, dec = side.generate(prompt, args.new_tokens)
+            rows[p + "pf"].append(len(prompt) / pf)
+            rows[p + "dec"].append((args.new_tokens - 1) / dec)
     best = {k: max(v) for k, v in rows.items()}
     med = {k: statistics.median(v) for k, v in rows.items()}
     bw = max(bw_start, mem_bandwidth_gbs(device))
@@ -165,6 +143,24 @@ def main() -> None:
                         ("prefill tok/s (median)", med["pf"], med["hf_pf"]),
                         ("decode tok/s (median)", med["dec"], med["hf_dec"])):
         print(f"{label:24}{a:10.1f}{b:10.1f}{a / b:8.2f}")
+    extra = {}
+    if int8 is not None:
+        ids = text_ids(tok)
+        quality = agreement(ours, int8, tok, args.quality_prompts, 64)
+        ppl_delta = perplexity(int8, ids) / perplexity(ours, ids) - 1
+        extra = {"int8_decode_tok_s": round(best["int8_dec"], 2),
+                 "int8_prefill_tok_s": round(best["int8_pf"], 2),
+                 "int8_decode_speedup": round(best["int8_dec"] / best["dec"], 3),
+                 "int8_prefill_speedup": round(best["int8_pf"] / best["pf"], 3),
+                 "int8_greedy_agreement": round(quality["greedy_agreement"], 4),
+                 "int8_ppl_delta": round(ppl_delta, 4),
+                 "int8_weight_bytes": int8.runner.weight_bytes,
+                 "int8_weight_fraction": round(int8.runner.weight_bytes / ours.runner.weight_bytes, 3)}
+        print(f"int8 weights: prefill {best['int8_pf']:.1f} tok/s ({extra['int8_prefill_speedup']:.2f}x "
+              f"fp32), decode {best['int8_dec']:.1f} tok/s ({extra['int8_decode_speedup']:.2f}x), "
+              f"greedy agreement {quality['greedy_agreement']:.3f} ({args.quality_prompts}x64), "
+              f"ppl {ppl_delta:+.2%}, weights {extra['int8_weight_bytes'] / 1e6:.0f} MB "
+              f"({extra['int8_weight_fraction']:.2f}x)")
     print(f"max abs logit diff {diff:.3g}; greedy identical {identical}/64; "
           f"weights {wbytes / 1e6:.0f} MB; bandwidth {bw:.1f} GB/s; roofline {roofline:.1f} tok/s; "
           f"decode at {best['dec'] / roofline:.0%} of roofline")
@@ -179,7 +175,7 @@ def main() -> None:
         "decode_roofline_fraction": round(best["dec"] / roofline, 3),
         "threads": torch.get_num_threads(), "prompt_len": len(prompt),
         "device": str(device), "dtype": args.dtype, "attention": ours.runner.backend.name,
-        "new_tokens": args.new_tokens,
+        "new_tokens": args.new_tokens, **extra,
     }))
 
 

@@ -408,9 +408,11 @@ class EngineInfo(_Reply):
     hidden_size: int = 0  # size of one hidden_states() row
     max_top_logprobs: int = 20  # the most top_logprobs one generated token may carry
     can_constrain: bool = False  # the engine compiles constraints (its tokenizer allows it)
-    dtype: str = "float32"  # the model's and the KV pages' dtype: float32, bfloat16, float16
+    dtype: str = "float32"  # the compute dtype: float32, bfloat16, float16
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
-    attention: str = "torch"  # the attention backend: torch, flash-varlen, flash-paged
+    attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged
+    weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
+    kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
 
 
 class EngineStats(_Reply):

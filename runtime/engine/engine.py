@@ -126,8 +126,9 @@ class Engine:
             max_step_tokens=max_step_tokens, max_reply_bytes=max_reply_bytes,
             max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
             hidden_size=hidden_size, can_constrain=grammars.available,
-            dtype=str(store.pool.kv.dtype).removeprefix("torch."),
+            dtype=str(store.pool.dtype).removeprefix("torch."),
             device=str(store.pool.kv.device), attention=runner.backend.name,
+            weights=runner.weight_format, kv_dtype=store.pool.kv_dtype,
         )
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)

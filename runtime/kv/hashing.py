@@ -3,7 +3,8 @@
 ``h_i = xxh3_64(encode(h_{i-1}, tokens_i, positions_i, extra_i))`` where ``encode`` is a
 fixed little-endian layout::
 
-    parent  u64   (0 for the first page of a chain)
+    parent  u64   (the chain root for the first page: 0 for fp32 KV pages,
+                   chain_root(kv_dtype) for other formats)
     count   u32   (number of tokens in the page)
     tokens  i64 x count
     positions i64 x count
@@ -24,7 +25,7 @@ import xxhash
 
 from runtime.kv.types import PageHash
 
-__all__ = ["hash_page", "fold_extras", "MAX_TOKEN", "MAX_EXTRA"]
+__all__ = ["hash_page", "fold_extras", "chain_root", "MAX_TOKEN", "MAX_EXTRA"]
 
 MAX_TOKEN = 2**63 - 1
 """Largest token id or position the i64 encoding can carry."""
@@ -64,6 +65,18 @@ def hash_page(
         f"<QI{n}q{n}qQ", 0 if parent is None else parent, n, *tokens, *positions, extra
     )
     return PageHash(xxhash.xxh3_64_intdigest(data))
+
+
+def chain_root(kv_dtype: str) -> PageHash | None:
+    """The parent hash of a chain's first page for pages stored as ``kv_dtype``.
+
+    fp32 chains start from 0 (None) as they always have; any other format seeds the chain
+    with a tag of its name, so pages of different formats never share a hash (a durable
+    page index can hold both).
+    """
+    if kv_dtype == "fp32":
+        return None
+    return PageHash(xxhash.xxh3_64_intdigest(b"pie-ctx/kv-format/" + kv_dtype.encode()) or 1)
 
 
 def fold_extras(extras: Sequence[int]) -> int:

@@ -125,7 +125,7 @@ def check_invariants(store: StoreView) -> None:
         where = f"node page {node.page_id}"
         parent = node.parent
         expect_hash = hash_page(
-            None if parent is None else parent.page_hash,
+            trie.root_hash if parent is None else parent.page_hash,
             node.tokens,
             node.positions,
             fold_extras(node.extras),

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from runtime.kv.layout import KV_DTYPES, entry_width
 from runtime.kv.types import PageId
 
 __all__ = ["PagePool"]
@@ -43,7 +44,7 @@ class PagePool:
         pool.free(ids)
     """
 
-    __slots__ = ("kv", "num_pages", "page_size", "_free")
+    __slots__ = ("kv", "num_pages", "page_size", "dtype", "kv_dtype", "_free")
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_dtype: str = "fp32",
     ) -> None:
         """Allocate the pool tensor (zero-filled) and the free list.
 
@@ -63,11 +65,13 @@ class PagePool:
             num_layers: model layers stored in each page.
             num_kv_heads: key/value heads per layer.
             head_dim: size of one head.
-            dtype: element type of the KV tensor.
+            dtype: the compute dtype: K/V are written and read back in it.
             device: device of the KV tensor.
+            kv_dtype: how entries are stored: ``"fp32"`` (unquantized, in ``dtype``) or
+                ``"int8"`` (per-entry scales; see ``runtime.kv.layout``).
 
         Raises:
-            ValueError: a size is not a positive integer.
+            ValueError: a size is not a positive integer, or an unknown ``kv_dtype``.
         """
         for name, value in (
             ("num_pages", num_pages),
@@ -78,12 +82,18 @@ class PagePool:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PagePool: {name} must be a positive int, got {value!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"PagePool: kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                             f"got {kv_dtype!r}")
         self.num_pages = num_pages
         self.page_size = page_size
-        # [num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        # [num_pages, page_size, num_layers, 2, num_kv_heads, width]; width = head_dim for
+        # fp32, head_dim + 4 (values, then the scale's bytes) for int8
         self.kv = torch.zeros(
-            (num_pages, page_size, num_layers, 2, num_kv_heads, head_dim),
-            dtype=dtype,
+            (num_pages, page_size, num_layers, 2, num_kv_heads, entry_width(kv_dtype, head_dim)),
+            dtype=torch.int8 if kv_dtype == "int8" else dtype,
             device=device,
         )
         # A stack: the end of the list is handed out next.

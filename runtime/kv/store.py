@@ -67,6 +67,7 @@ class PageStore:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_dtype: str = "fp32",
     ) -> None:
         """Allocate the pool and empty bookkeeping.
 
@@ -74,14 +75,15 @@ class PageStore:
             num_pages: physical pages in the pool.
             page_size: tokens per page.
             num_layers, num_kv_heads, head_dim: KV shape per token (from the model config).
-            dtype: KV element type.
+            dtype: the compute dtype K/V are written and read in.
             device: device of the pool tensor.
+            kv_dtype: ``"fp32"`` (entries in ``dtype``) or ``"int8"`` (see runtime/kv/layout).
 
         Raises:
-            ValueError: a size is not a positive int.
+            ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
         """
         self.pool = PagePool(
-            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device
+            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype
         )
         self.page_size = page_size
         self.trie = PageTrie(self.pool)

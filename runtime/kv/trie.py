@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.hashing import chain_root, fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
 
@@ -89,12 +89,13 @@ class Node:
 class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
-    __slots__ = ("pool", "by_hash", "lru", "num_nodes", "num_pinned", "num_evictions",
-                 "pages_of")
+    __slots__ = ("pool", "root_hash", "by_hash", "lru", "num_nodes", "num_pinned",
+                 "num_evictions", "pages_of")
 
     def __init__(self, pool: PagePool) -> None:
         """Create an empty trie that frees evicted pages into ``pool``."""
         self.pool = pool
+        self.root_hash = chain_root(pool.kv_dtype)  # the format seeds every chain
         self.by_hash: dict[PageHash, Node] = {}
         self.lru: OrderedDict[PageId, Node] = OrderedDict()
         self.num_nodes = 0
@@ -118,7 +119,8 @@ class PageTrie:
     ) -> Node | None:
         """The registered node holding this page after ``parent``, verified, or ``None``."""
         h = hash_page(
-            None if parent is None else parent.page_hash, tokens, positions, fold_extras(extras)
+            self.root_hash if parent is None else parent.page_hash, tokens, positions,
+            fold_extras(extras)
         )
         node = self.by_hash.get(h)
         if node is not None and node.matches(parent, tokens, positions, extras):
@@ -146,7 +148,7 @@ class PageTrie:
             ``(new_tip, deduped)``. When ``deduped`` is True an identical page already
             existed and ``page_id`` was NOT taken: the caller must free it.
         """
-        parent_hash = None if tip is None else tip.page_hash
+        parent_hash = self.root_hash if tip is None else tip.page_hash
         h = hash_page(parent_hash, tokens, positions, fold_extras(extras))
         existing = self.by_hash.get(h)
         if existing is not None and existing.matches(tip, tokens, positions, extras):

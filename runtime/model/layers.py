@@ -36,15 +36,10 @@ class LayerWeights:
     gate_up: Projection  # weight [2 * intermediate, hidden]
     down: Projection  # weight [hidden, intermediate]
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a forward reads (packed copies excluded)."""
-        out = [self.input_norm, self.post_norm]
-        for proj in (self.qkv, self.o_proj, self.gate_up, self.down):
-            out.append(proj.weight)
-            if proj.bias is not None:
-                out.append(proj.bias)
-        out.extend(t for t in (self.q_norm, self.k_norm) if t is not None)
-        return out
+    def norms(self) -> list[torch.Tensor]:
+        """The layer's norm weights (its projections count their own bytes)."""
+        return [t for t in (self.input_norm, self.post_norm, self.q_norm, self.k_norm)
+                if t is not None]
 
 
 def take_weight(

@@ -1,32 +1,56 @@
-"""Projections (``x @ W.T + b``) that pick the fastest CPU kernel for the batch at hand.
+"""Projections (``x @ W.T + b``) that run the kernel measured fastest on this machine.
 
-Owner: the model's fused weights. On CPU in fp32, MKL's sgemm (``F.linear``) is best for a
-single row (one decoding sequence), but slow for a few rows: 8-row projections of SmolLM2
-run ~1.4x faster through oneDNN with the weight reordered ("packed") once at load. A
-:class:`Projection` keeps the weight and, when packing is enabled, its packed copy, and
-routes each call by row count. Packing doubles the projection weights' memory, so it is
-on by default only for models whose weights take at most ``PACK_MAX_BYTES``; set
-``PIE_CTX_PACKED_WEIGHTS=0`` (or ``1``) to force it off (or on).
+Owner: the model's fused weights. A :class:`Projection` holds its weight either as a float
+tensor (the model dtype) or as :class:`Int8Weight` (int8, one scale per output channel),
+and knows a few candidate kernels for it. :func:`choose_kernels` times the candidates once
+at load, per distinct (form, shape, bias) and per row bucket (1 row: a lone decode; 8: a
+decode batch; 256: a prefill chunk), keeps the fastest for each bucket, logs the choice,
+and drops the layouts no bucket chose. Which kernel wins differs between machines (MKL vs
+oneDNN rank differently on an AVX2 EPYC and an AVX-512 Xeon), so nothing is decided by rule.
 
-Invariants: both paths compute the same projection (checked at load against ``F.linear``);
-results may differ in the last bits (accumulation order), never more.
+Float candidates on CPU: ``mkl`` (``F.linear``), ``mm`` (``W @ x.T``, good for few rows on
+some CPUs) and ``onednn`` (a oneDNN-packed copy of W, only for models whose weights take at
+most ``PACK_MAX_BYTES``; ``PIE_CTX_PACKED_WEIGHTS=0/1`` forces it off/on). Other devices:
+``F.linear``.
+
+Int8 candidates (CPU): activations are quantized per row, symmetric (scale = max|row|/127),
+so a row's result never depends on the other rows of its batch; the integer products are
+exact, so the candidates compute the same numbers up to fp32 rounding of the final scaling
+(~1e-7): ``int_mm`` (``torch._int_mm`` for any row count) and ``fbgemm`` (one row only:
+fbgemm's int8 linear with fp32 output, fed that row's own scale and the zero point 128 that
+makes its uint8 input the same integers).
+
+Invariants: every candidate of a projection computes the same projection (checked at load
+against the first candidate); results may differ in the last bits, never more.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Projection", "should_pack"]
+__all__ = ["Int8Weight", "Projection", "ROW_BUCKETS", "choose_kernels", "should_pack"]
 
 log = logging.getLogger(__name__)
 
-PACKED_MIN_ROWS = 2  # a single row stays on MKL's gemv path
+ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode batch, a chunk
 PACK_MAX_BYTES = 2 << 30
-_PACK_HINT = 8  # batch size the packed layout is tuned for
+_PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
+_INT8_MAX = 127.0
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _bucket(rows: int) -> int:
+    """Index into ROW_BUCKETS of the bucket a call with ``rows`` rows belongs to."""
+    return 0 if rows <= 1 else 1 if rows < 64 else 2
 
 
 def _packing_ops() -> tuple[object, object] | None:
@@ -38,8 +62,16 @@ def _packing_ops() -> tuple[object, object] | None:
     return reorder, linear
 
 
+def _fbgemm_op() -> object | None:
+    quantized = getattr(torch.ops, "quantized", None)
+    try:
+        return quantized.linear_with_input_q_dq_qweight_dq_output_fp32  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def should_pack(device: torch.device, dtype: torch.dtype, weight_bytes: int) -> bool:
-    """Whether projections of a model this size on this device get packed copies."""
+    """Whether float projections of a model this size may keep oneDNN-packed copies."""
     forced = os.environ.get("PIE_CTX_PACKED_WEIGHTS")
     if device.type != "cpu" or dtype != torch.float32 or _packing_ops() is None:
         return False
@@ -48,46 +80,249 @@ def should_pack(device: torch.device, dtype: torch.dtype, weight_bytes: int) -> 
     return weight_bytes <= PACK_MAX_BYTES
 
 
+@dataclass(slots=True)
+class Int8Weight:
+    """A weight as int8 with one fp32 scale per output row: ``W ~= q * scale[:, None]``."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out] fp32
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Symmetric per-row quantization of a float ``weight`` [out, in]."""
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / _INT8_MAX  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return cls(q, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight this stands for, [out, in]."""
+        return self.q.float() * self.scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of fp32 ``x`` [m, k]: (q [m, k] int8, scale [m, 1] fp32)."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(_INT8_MAX)
+    return torch.div(x, scale).round_().to(torch.int8), scale
+
+
 class Projection:
-    """``x @ weight.T + bias`` for ``x`` of shape ``[rows, in]``.
+    """``x @ W.T + b`` for ``x`` of shape ``[rows, in]``.
 
     Args:
-        weight: Tensor[out, in].
+        weight: Tensor[out, in] in the compute dtype, or an :class:`Int8Weight`.
         bias: Tensor[out] or None.
-        pack: also keep a oneDNN-packed copy for multi-row calls (falls back silently,
-            with a log line, if the packed kernel is unavailable or disagrees).
+        pack: a float weight may get a oneDNN-packed copy (if chosen, see module doc).
+        buckets: how many of ROW_BUCKETS to time (the lm_head, which rarely sees many
+            rows, uses the first two; calls with more rows use the last bucket's kernel).
+
+    Until :func:`choose_kernels` runs, every call uses the first candidate (``mkl`` or
+    ``int_mm``).
     """
 
-    __slots__ = ("weight", "bias", "_packed", "_linear")
+    __slots__ = ("weight", "bias", "pack", "buckets", "kernel_names", "_kernels", "_layouts")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 pack: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None, *,
+                 pack: bool = False, buckets: int = len(ROW_BUCKETS)) -> None:
         self.weight = weight
         self.bias = bias
-        self._packed: torch.Tensor | None = None
-        self._linear = None
-        if pack:
-            self._try_pack()
+        self.pack = pack
+        self.buckets = buckets
+        self._layouts: dict[str, object] = {}
+        first = self.candidate_names()[0]
+        self.kernel_names = [first] * buckets
+        self._kernels: list[Kernel] = [self._kernel(first)] * buckets
 
-    def _try_pack(self) -> None:
-        ops = _packing_ops()
-        if ops is None:
-            return
-        reorder, linear = ops
-        try:
-            packed = reorder(self.weight, _PACK_HINT)  # type: ignore[operator]
-            probe = torch.randn(_PACK_HINT, self.weight.shape[1], dtype=self.weight.dtype)
-            got = linear(probe, packed, self.bias, "none", [], "")  # type: ignore[operator]
-            want = F.linear(probe, self.weight, self.bias)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-                raise RuntimeError("packed projection disagrees with F.linear")
-        except (RuntimeError, TypeError) as e:
-            log.info("packed projections unavailable (%s); using F.linear", e)
-            return
-        self._packed, self._linear = packed, linear
+    # ---------------------------------------------------------------- description
+
+    @property
+    def is_int8(self) -> bool:
+        return isinstance(self.weight, Int8Weight)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
+        return int(w.shape[0]), int(w.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
+        return w.device
+
+    @property
+    def signature(self) -> tuple:
+        """Projections with equal signatures get the same kernels."""
+        dtype = "int8" if self.is_int8 else str(self.weight.dtype)  # type: ignore[union-attr]
+        return (dtype, self.shape, self.bias is not None, self.pack, self.buckets,
+                str(self.device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight (one layout) and bias a call reads."""
+        w = self.weight
+        n = w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def candidate_names(self) -> list[str]:
+        """Kernels that can run this projection here, the reference one first."""
+        if self.device.type != "cpu":
+            return ["mkl"] if not self.is_int8 else ["int_mm"]
+        if self.is_int8:
+            return ["int_mm"] + (["fbgemm"] if _fbgemm_op() is not None else [])
+        names = ["mkl", "mm"]
+        if self.pack and _packing_ops() is not None:
+            names.append("onednn")
+        return names
+
+    def allowed(self, name: str, bucket: int) -> bool:
+        """Whether kernel ``name`` may serve bucket ``bucket`` (fbgemm: one row only)."""
+        return name != "fbgemm" or ROW_BUCKETS[bucket] == 1
+
+    # -------------------------------------------------------------------- kernels
+
+    def _kernel(self, name: str) -> Kernel:
+        """Build (once) the layout kernel ``name`` needs and return the kernel."""
+        w, b = self.weight, self.bias
+        if name == "mkl":
+            assert isinstance(w, torch.Tensor)
+            return lambda x: F.linear(x, w, b)
+        if name == "mm":
+            assert isinstance(w, torch.Tensor)
+            if b is None:
+                return lambda x: torch.mm(w, x.t()).t().contiguous()
+            return lambda x: torch.mm(w, x.t()).t().contiguous().add_(b)
+        if name == "onednn":
+            reorder, linear = _packing_ops()  # type: ignore[misc]
+            packed = self._layouts.get(name)
+            if packed is None:
+                packed = self._layouts[name] = reorder(w, _PACK_HINT)  # type: ignore[operator]
+            return lambda x: linear(x, packed, b, "none", [], "")  # type: ignore[operator]
+        assert isinstance(w, Int8Weight)
+        if name == "int_mm":
+            qt = self._layouts.get(name)
+            if qt is None:
+                qt = self._layouts[name] = w.q.t().contiguous()  # [in, out]
+            return lambda x: _int8_int_mm(x, qt, w.scale, b)
+        if name == "fbgemm":
+            packed = self._layouts.get(name)
+            if packed is None:
+                packed = self._layouts[name] = _fbgemm_prepack(w, b)
+            return lambda x: _int8_fbgemm(x, packed)
+        raise ValueError(f"unknown projection kernel {name!r}")
+
+    def use(self, names: list[str]) -> None:
+        """Route each bucket to the named kernel; drop layouts no bucket uses."""
+        self._kernels = [self._kernel(n) for n in names]
+        self.kernel_names = list(names)
+        for unused in set(self._layouts) - set(names):
+            del self._layouts[unused]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor[rows, in] -> Tensor[rows, out]."""
-        if self._packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-            return self._linear(x, self._packed, self.bias, "none", [], "")  # type: ignore[misc]
-        return F.linear(x, self.weight, self.bias)
+        return self._kernels[min(_bucket(x.shape[0]), self.buckets - 1)](x)
+
+
+def _int8_int_mm(x: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    xq, xs = _quantize_rows(x.float())
+    out = torch._int_mm(xq, qt).float().mul_(xs).mul_(scale)  # [m, out]
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype)
+
+
+def _fbgemm_prepack(w: Int8Weight, bias: torch.Tensor | None) -> object:
+    with warnings.catch_warnings():  # quantized tensors are deprecated; the kernel is not
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            w.q, w.scale.double(), torch.zeros_like(w.scale, dtype=torch.int64), 0)
+        return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+
+
+def _int8_fbgemm(x: torch.Tensor, packed: object) -> torch.Tensor:
+    xf = x.float()
+    scale = max(float(xf.abs().max()), 1e-12) / _INT8_MAX
+    return _fbgemm_op()(xf, scale, 128, packed).to(x.dtype)  # type: ignore[misc]
+
+
+def _best_seconds(kernels: list[Kernel], x: torch.Tensor, repeats: int) -> float:
+    """Best time of one call, averaged over running every member's kernel in turn: each
+    member has its own weight, so (for models larger than the caches) the weights come
+    from memory as in a real step, not hot from a cache."""
+    for k in kernels:  # warm up (and build lazily initialised kernel state)
+        k(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for k in kernels:
+            k(x)
+        best = min(best, time.perf_counter() - t0)
+    return best / len(kernels)
+
+
+_CHOSEN: dict[tuple, tuple[list[str], str]] = {}  # signature -> (kernels, log line)
+
+
+def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> list[str]:
+    """Time every candidate kernel per projection signature and row bucket; route each
+    projection to the fastest. Returns the log lines (also logged at INFO).
+
+    Candidates that disagree with the reference kernel beyond rounding are discarded
+    (with a log line) before timing. A signature is timed once per process: later models
+    with the same shapes reuse the choice, so two engines in one process compute alike.
+    """
+    groups: dict[tuple, list[Projection]] = {}
+    for p in projections:
+        groups.setdefault(p.signature, []).append(p)
+    lines = []
+    gen = torch.Generator().manual_seed(0)
+    for sig, members in groups.items():
+        if sig in _CHOSEN:
+            names, line = _CHOSEN[sig]
+            for p in members:
+                p.use(names)
+            lines.append(line)
+            continue
+        rep = members[0]
+        out_f, in_f = rep.shape
+        names = rep.candidate_names()
+        if len(names) == 1:
+            continue
+        dtype = torch.float32 if rep.is_int8 else rep.weight.dtype  # type: ignore[union-attr]
+        probe = torch.randn(_PACK_HINT, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+        want = rep._kernel(names[0])(probe)
+        for n in names[1:]:
+            rows = probe[:1] if not rep.allowed(n, 1) else probe
+            got = rep._kernel(n)(rows)
+            ref = want[: rows.shape[0]]
+            if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
+                                  atol=1e-3 * float(ref.abs().max())):
+                log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
+                         names[0], out_f, in_f)
+                names.remove(n)
+        kernels = {n: [p._kernel(n) for p in members] for n in names}
+        chosen, report = [], []
+        for b in range(rep.buckets):
+            rows = ROW_BUCKETS[b]
+            x = torch.randn(rows, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+            # Few rows are memory-bound (cycle through every member's weight); many rows are
+            # compute-bound, where four members time the same and cost less to load.
+            sample = slice(None) if rows < 64 else slice(4)
+            times = {n: _best_seconds(k[sample], x, repeats) for n, k in kernels.items()
+                     if rep.allowed(n, b)}
+            best = min(times, key=times.__getitem__)
+            chosen.append(best)
+            report.append(f"{rows} row{'s' if rows > 1 else ''}: {best} ("
+                          + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()) + " ms)")
+        for p in members:
+            p.use(chosen)
+        line = (f"{len(members)} x {out_f}x{in_f} {'int8' if rep.is_int8 else dtype}: "
+                + "; ".join(report))
+        log.info("projection kernels: %s", line)
+        _CHOSEN[sig] = (chosen, line)
+        lines.append(line)
+    return lines

@@ -14,13 +14,14 @@ that is usually one row, not the whole prompt.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from runtime.model.config import ModelConfig
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
-from runtime.model.matmul import Projection, should_pack
+from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Transformer", "AttendFn"]
@@ -38,13 +39,21 @@ class Transformer:
             ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
         device: where to run.
         dtype: compute dtype (weights are cast to it).
+        pack: allow oneDNN-packed weight copies (default: decided on the model's size).
+        choose: time the projection kernels now (``runtime.model.matmul``); a caller that
+            changes the projections first (``runtime.model.quant.quantize_int8``) chooses
+            after.
+
+    The model is built in float (``weight_format == "fp32"``); ``quantize_int8`` turns it
+    into int8 in place.
 
     Raises:
         ModelError: a tensor is missing or mis-shaped.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, pack: bool | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, pack: bool | None = None, *,
+                 choose: bool = True) -> None:
         c = config
         self.config = c
         self.device = device
@@ -65,19 +74,37 @@ class Transformer:
         else:
             head = take_weight(weights, "lm_head.weight", (c.vocab_size, c.hidden_size), device,
                                dtype)
-        self.lm_head = Projection(head, pack=pack)
+        self.lm_head: Any = Projection(head, pack=pack, buckets=2)
         self.rotary = RotaryEmbedding(c, device)
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
+        self.weight_format = "fp32"  # "int8" once runtime.model.quant has quantized it
+        self.kernel_report = choose_kernels(self.projections()) if choose else []
+
+    def projections(self) -> list[Projection]:
+        """Every projection of the model, the lm_head last."""
+        head = getattr(self.lm_head, "proj", self.lm_head)  # int8: behind its smoothing
+        return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)] + [head]
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read per decode step (tied lm_head counted once)."""
-        tensors = [self.embed, self.final_norm]
-        if self.lm_head.weight is not self.embed:
-            tensors.append(self.lm_head.weight)
-        for lw in self.layers:
-            tensors.extend(lw.tensors())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the model's weights, one layout each (a table shared by the embedding
+        and the lm_head counted once): what a decode step reads, give or take the rows of
+        the embedding it does not look up."""
+        norms = [self.final_norm] + [t for lw in self.layers for t in lw.norms()]
+        total = sum(t.numel() * t.element_size() for t in norms)
+        projections = self.projections()
+        total += sum(p.nbytes for p in projections)
+        table = getattr(self.embed, "table", self.embed)  # int8: the QuantEmbedding's
+        if table is not projections[-1].weight:
+            total += (table.nbytes if isinstance(table, Int8Weight)
+                      else table.numel() * table.element_size())
+        return total
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor[T] ids -> Tensor[T, hidden] in the compute dtype."""
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(tokens, self.embed)
+        return self.embed(tokens)  # int8: runtime.model.quant.QuantEmbedding
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 logit_rows: torch.Tensor | None, *,
@@ -99,7 +126,7 @@ class Transformer:
         t = tokens.shape[0]
         h, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, 1, D] each
-        x = F.embedding(tokens, self.embed)  # [T, hidden]
+        x = self.embed_tokens(tokens)  # [T, hidden]
         for i, lw in enumerate(self.layers):
             hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
             qkv = lw.qkv(hs)  # [T, (H + 2KVH) * D]

@@ -4,6 +4,8 @@ Owner: tests (and debugging). It runs the same layer math as :class:`Transformer
 attention is the textbook formula over one sequence's K/V held in memory, with an explicit
 bool mask: no pool, no page tables, no gather, no SDPA. Paged results (any chunking, any
 page size, any batch mix) must equal what this returns for the whole sequence at once.
+With ``kv_dtype="int8"`` every K/V entry goes through the same per-entry quantization
+the pool applies (``runtime.kv.layout``) before it is attended: the oracle of int8 pages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import numpy as np
 import torch
 
+from runtime.kv.layout import decode, encode
 from runtime.model.model import Transformer
 
 __all__ = ["dense_forward", "causal_mask"]
@@ -24,8 +27,8 @@ def causal_mask(n: int) -> np.ndarray:
 
 
 def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | None = None,
-                  mask: np.ndarray | None = None, *,
-                  return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  mask: np.ndarray | None = None, *, return_hidden: bool = False,
+                  kv_dtype: str = "fp32") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits for every token of one whole sequence, computed densely.
 
     Args:
@@ -33,6 +36,7 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
         tokens: the full sequence.
         positions: rotary positions (default ``0..n-1``).
         mask: bool [n, n], row i = token i, column = KV index; True = attend; default causal.
+        kv_dtype: how the paged path under test stores K/V (``"fp32"`` or ``"int8"``).
 
     Returns:
         Tensor[n, vocab] float32 (and with ``return_hidden`` the final-norm hidden states,
@@ -46,7 +50,10 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
     group = c.num_heads // c.num_kv_heads
     scale = 1.0 / math.sqrt(c.head_dim)
 
+    storage = torch.empty(0, dtype=torch.int8 if kv_dtype == "int8" else model.dtype)
+
     def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        kv = decode(encode(kv, storage), kv.dtype)  # [n, 2, KVH, D]; identity unless int8
         k = kv[:, 0].repeat_interleave(group, dim=1)  # [n, H, D]
         v = kv[:, 1].repeat_interleave(group, dim=1)  # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, n, n]

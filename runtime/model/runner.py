@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
 from runtime.model.model import Transformer
+from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 
 __all__ = ["SeqInput", "ModelRunner"]
 
@@ -32,33 +34,58 @@ class ModelRunner:
     Args:
         config: the model config.
         weights: HF-named tensors (``LoadedModel.weights``).
-        pool_kv: Tensor[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]; its
-            device and dtype are the model's.
+        pool_kv: Tensor[num_pages, page_size, num_layers, 2, num_kv_heads, width] (see
+            ``runtime.kv.layout``): unquantized (width = head_dim) in the model's dtype, or
+            int8 (width = head_dim + 4); on the model's device.
         page_size: tokens per page.
         backend: attention backend; default chooses flash-attn on CUDA when available.
+        weight_format: ``"fp32"`` (unquantized, in the compute dtype) or ``"int8"`` (see
+            ``runtime.model.quant``; needs ``calibration``).
+        calibration: token ids int8 measures activation ranges on.
+        dtype: the compute dtype; default: the pool's, or float32 for an int8 pool.
 
     Raises:
-        InvalidArgument: the pool's shape does not fit the model.
+        InvalidArgument: the pool's shape or dtype does not fit the model; an unknown
+            ``weight_format``; int8 off CPU or without calibration tokens.
         ModelError: a weight is missing or mis-shaped.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  pool_kv: torch.Tensor, page_size: int,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, *, weight_format: str = "fp32",
+                 calibration: list[int] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         c: ModelConfig = config
-        want = (page_size, c.num_layers, 2, c.num_kv_heads, c.head_dim)
+        if weight_format not in WEIGHT_FORMATS:
+            raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
+                                  f"got {weight_format!r}")
+        kv_dtype = "int8" if is_quantized(pool_kv) else "fp32"
+        want = (page_size, c.num_layers, 2, c.num_kv_heads, entry_width(kv_dtype, c.head_dim))
         if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
             raise InvalidArgument(
                 f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "
                 f"[num_pages, {', '.join(map(str, want))}]")
+        if kv_dtype == "fp32" and dtype is not None and dtype != pool_kv.dtype:
+            raise InvalidArgument(f"an unquantized {pool_kv.dtype} pool needs the model in "
+                                  f"that dtype, got {dtype}")
         self.config = c
         self.pool_kv = pool_kv
+        self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.num_pages = int(pool_kv.shape[0])
         self.device = pool_kv.device
-        self.dtype = pool_kv.dtype
-        self.model = Transformer(c, weights, self.device, self.dtype)
-        self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim)
+        self.dtype = pool_kv.dtype if kv_dtype == "fp32" else (dtype or torch.float32)
+        self.model = Transformer(c, weights, self.device, self.dtype,
+                                 choose=weight_format == "fp32")
+        if weight_format == "int8":
+            quantize_int8(self.model, calibration or [])
+        self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
+                                                 kv_dtype)
+
+    @property
+    def weight_format(self) -> str:
+        """``"fp32"`` or ``"int8"`` (see ``runtime.model.quant``)."""
+        return self.model.weight_format
 
     @property
     def weight_bytes(self) -> int:

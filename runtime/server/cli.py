@@ -34,12 +34,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV page (default 16; see docs/forward.md)")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="weights and KV pages (default: float32 on CPU, bfloat16 on CUDA)")
+                        help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--weights", choices=("fp32", "int8"), default="fp32",
+                        help="fp32: unquantized weights (in --dtype); int8: smoothed int8 "
+                             "weights, CPU only (docs/models.md)")
+    parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
+                        help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
+                             "token and head; ~3.8x the pages per GB; docs/forward.md)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
-    return {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype}
+    return {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
+            "weights": args.weights, "kv_dtype": args.kv_dtype}
 
 
 def register(subparsers: Any) -> None:

@@ -41,6 +41,27 @@ def test_root_parent_is_zero() -> None:
     assert hash_page(None, *PAGE1) == hash_page(0, *PAGE1)  # type: ignore[arg-type]
 
 
+def test_kv_formats_seed_their_chains_apart() -> None:
+    """fp32 chains keep the zero root; an int8 page never shares a hash with an fp32 one."""
+    from runtime.kv import PageStore
+    from runtime.kv.hashing import chain_root
+
+    assert chain_root("fp32") is None
+    assert chain_root("int8") not in (None, 0)
+    assert hash_page(chain_root("int8"), *PAGE1) != hash_page(None, *PAGE1)
+    hashes = {}
+    for kv_dtype in ("fp32", "int8"):
+        store = PageStore(8, 4, 1, 1, 2, kv_dtype=kv_dtype)
+        cid = store.create_context()
+        store.reserve_working_pages(cid, 1)
+        store.write_tokens(cid, [1, 2, 3, 4], [0, 1, 2, 3])
+        store.commit_full_pages(cid)
+        hashes[kv_dtype] = store._ctx(cid).tip.page_hash
+        store.check_invariants()
+    assert hashes["fp32"] == hash_page(None, [1, 2, 3, 4], [0, 1, 2, 3])
+    assert hashes["int8"] == hash_page(chain_root("int8"), [1, 2, 3, 4], [0, 1, 2, 3])
+
+
 def test_every_field_changes_the_hash() -> None:
     base = hash_page(None, *PAGE1)
     assert hash_page(1, *PAGE1) != base  # type: ignore[arg-type]

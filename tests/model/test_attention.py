@@ -1,4 +1,9 @@
-"""Paged equivalences: any chunking, page size, batch mix or mask == the dense reference."""
+"""Paged equivalences: any chunking, page size, batch mix or mask == the dense reference.
+
+Every test runs on unquantized pages and on int8 pages (``kv_dtype``); for int8 the dense
+reference quantizes each K/V entry the same way, and the tolerance allows for an entry
+whose fp32 rounding lands it on the other side of an int8 step (``TOL_INT8``).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from runtime.model.reference import causal_mask, dense_forward
 from runtime.model.runner import ModelRunner, SeqInput
 
 TOL = 2e-5
+TOL_INT8 = 1e-4
+KV = {"kv_dtype": "fp32"}  # the format of the runners this module's current test builds
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +26,24 @@ def hf_model() -> torch.nn.Module:
     return make_hf_model("llama3", seed=7, num_layers=2)
 
 
+@pytest.fixture(autouse=True, params=["fp32", "int8"], ids=["kv_fp32", "kv_int8"])
+def kv_dtype(request: pytest.FixtureRequest) -> str:
+    KV["kv_dtype"] = request.param
+    return request.param
+
+
 def _runner(hf_model: torch.nn.Module, page_size: int) -> ModelRunner:
-    return make_runner(hf_model, page_size=page_size, num_pages=max(64, 400 // page_size))
+    return make_runner(hf_model, page_size=page_size, num_pages=max(64, 400 // page_size),
+                       kv_dtype=KV["kv_dtype"])
+
+
+def _dense(runner: ModelRunner, *args, **kw) -> torch.Tensor:
+    return dense_forward(runner.model, *args, kv_dtype=runner.kv_dtype, **kw)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape
-    assert (a - b).abs().max().item() <= TOL
+    assert (a - b).abs().max().item() <= (TOL if KV["kv_dtype"] == "fp32" else TOL_INT8)
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 5])
@@ -34,7 +52,7 @@ def test_chunked_prefill_equals_dense(hf_model: torch.nn.Module, page_size: int,
                                       chunk: int | None) -> None:
     runner = _runner(hf_model, page_size)
     tokens = random_tokens(37, seed=11)
-    dense = dense_forward(runner.model, tokens)  # [37, V]
+    dense = _dense(runner, tokens)  # [37, V]
     seq = PagedSeq(runner, free_list(runner, seed=page_size))
     step = chunk or len(tokens)
     parts = [seq.run(tokens[i:i + step]) for i in range(0, len(tokens), step)]
@@ -57,14 +75,14 @@ def test_mixed_batch_of_five_equals_each_alone(hf_model: torch.nn.Module) -> Non
     out = runner.forward(batch)
     row = 0
     for seq_in, p, c in zip(batch, prompts, cached, strict=True):
-        alone = make_runner(hf_model, page_size=16)
+        alone = make_runner(hf_model, page_size=16, kv_dtype=KV["kv_dtype"])
         solo = PagedSeq(alone, free_list(alone, seed=9))
         if c:
             solo.run(p[:c])
         want = solo.run(p[c:])[seq_in.logit_indices]
         n = len(seq_in.logit_indices)
         _close(out[row:row + n], want)
-        _close(out[row:row + n], dense_forward(runner.model, p)[[c + j for j in seq_in.logit_indices]])
+        _close(out[row:row + n], _dense(runner, p)[[c + j for j in seq_in.logit_indices]])
         row += n
     assert row == out.shape[0]
 
@@ -79,7 +97,7 @@ def test_batched_decode_equal_and_unequal_lengths(hf_model: torch.nn.Module) -> 
             seq.run(p[:-1])
         out = runner.forward([seq.step(p[-1:]) for seq, p in zip(seqs, prompts, strict=True)])
         for i, p in enumerate(prompts):
-            _close(out[i:i + 1], dense_forward(runner.model, p)[-1:])
+            _close(out[i:i + 1], _dense(runner, p)[-1:])
 
 
 def test_custom_tree_mask(hf_model: torch.nn.Module) -> None:
@@ -100,10 +118,10 @@ def test_custom_tree_mask(hf_model: torch.nn.Module) -> None:
     full = np.zeros((11, 11), dtype=np.bool_)
     full[:6, :6] = causal_mask(6)
     full[6:] = mask
-    dense = dense_forward(runner.model, prefix + new, list(range(6)) + positions, full)
+    dense = _dense(runner, prefix + new, list(range(6)) + positions, full)
     _close(out, dense[6:])
     # branch b equals a plain causal run of prefix + b
-    _close(out[3:], dense_forward(runner.model, prefix + b)[6:])
+    _close(out[3:], _dense(runner, prefix + b)[6:])
 
 
 def test_custom_mask_mixed_with_causal_sequences(hf_model: torch.nn.Module) -> None:
@@ -114,8 +132,8 @@ def test_custom_mask_mixed_with_causal_sequences(hf_model: torch.nn.Module) -> N
     s1, s2 = PagedSeq(runner, free), PagedSeq(runner, free)
     other = random_tokens(13, seed=9)
     out = runner.forward([s1.step(toks, mask=mask), s2.step(other)])
-    _close(out[:8], dense_forward(runner.model, toks, mask=mask))
-    _close(out[8:], dense_forward(runner.model, other))
+    _close(out[:8], _dense(runner, toks, mask=mask))
+    _close(out[8:], _dense(runner, other))
 
 
 def test_arbitrary_positions_chunked(hf_model: torch.nn.Module) -> None:
@@ -125,7 +143,7 @@ def test_arbitrary_positions_chunked(hf_model: torch.nn.Module) -> None:
     seq = PagedSeq(runner, free_list(runner))
     out = torch.cat([seq.run(tokens[:12], positions=positions[:12]),
                      seq.run(tokens[12:], positions=positions[12:])])
-    _close(out, dense_forward(runner.model, tokens, positions))
+    _close(out, _dense(runner, tokens, positions))
 
 
 def test_fork_shares_pages_and_decodes_like_parent(hf_model: torch.nn.Module) -> None:
@@ -222,8 +240,8 @@ def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Mod
     from runtime.model.attention.cascade import CascadeGroup
     assert any(isinstance(g, CascadeGroup) for g in meta_groups[0])
     for i, tail in enumerate(tails):
-        _close(out[i:i + 1], dense_forward(runner.model, prompt[:32] + tail)[-1:])
-    _close(out[3:4], dense_forward(runner.model, other_prompt)[-1:])
+        _close(out[i:i + 1], _dense(runner, prompt[:32] + tail)[-1:])
+    _close(out[3:4], _dense(runner, other_prompt)[-1:])
 
 
 def test_consecutive_pages_are_read_in_place_with_the_same_results(hf_model: torch.nn.Module) -> None:
@@ -233,9 +251,9 @@ def test_consecutive_pages_are_read_in_place_with_the_same_results(hf_model: tor
     free = list(range(runner.num_pages))[::-1]  # pop() hands out 0, 1, 2, ...: one run
     prompt = random_tokens(40, seed=50)
     seq = PagedSeq(runner, free)
-    _close(seq.run(prompt[:33]), dense_forward(runner.model, prompt[:33]))
+    _close(seq.run(prompt[:33]), _dense(runner, prompt[:33]))
     for j in range(33, 40):
-        _close(seq.run(prompt[j:j + 1]), dense_forward(runner.model, prompt[:j + 1])[-1:])
+        _close(seq.run(prompt[j:j + 1]), _dense(runner, prompt[:j + 1])[-1:])
     assert seq.pages == [0, 1, 2]
     forks = [PagedSeq(runner, free, pages=list(seq.pages[:2]), num_cached=32) for _ in range(2)]
     tails = [random_tokens(3, seed=60 + i) for i in range(2)]
@@ -243,7 +261,7 @@ def test_consecutive_pages_are_read_in_place_with_the_same_results(hf_model: tor
         f.run(t[:-1])
     out = runner.forward([f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)])
     for i, t in enumerate(tails):
-        _close(out[i:i + 1], dense_forward(runner.model, prompt[:32] + t)[-1:])
+        _close(out[i:i + 1], _dense(runner, prompt[:32] + t)[-1:])
 
 
 def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Module) -> None:
@@ -255,9 +273,9 @@ def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Mo
     seq = PagedSeq(runner, free)
     seq.run(prompt[:64])  # pages 0..3: one run of four full pages
     seq.pages.append(40)  # the tail page lives elsewhere
-    _close(seq.run(prompt[64:79]), dense_forward(runner.model, prompt[:79])[64:])
+    _close(seq.run(prompt[64:79]), _dense(runner, prompt[:79])[64:])
     meta_groups = _record_groups(runner)
-    _close(seq.run(prompt[79:80]), dense_forward(runner.model, prompt)[-1:])
+    _close(seq.run(prompt[79:80]), _dense(runner, prompt)[-1:])
     from runtime.model.attention.cascade import CascadeGroup
     assert isinstance(meta_groups[0][0], CascadeGroup) and meta_groups[0][0].shared_run == 0
 
@@ -277,7 +295,7 @@ def test_cascade_with_unequal_tails_matches_dense(hf_model: torch.nn.Module) -> 
     from runtime.model.attention.cascade import CascadeGroup
     assert isinstance(groups[0][0], CascadeGroup) and groups[0][0].tail_bias is not None
     for i, t in enumerate(tails):
-        _close(out[i:i + 1], dense_forward(runner.model, prompt + t)[-1:])
+        _close(out[i:i + 1], _dense(runner, prompt + t)[-1:])
 
 
 def test_attention_with_lse_fused_and_fallback_agree() -> None:

@@ -24,6 +24,7 @@ import torch
 from fake_flash_attn import flash_attn_with_kvcache as cpu_model_of_flash
 from tiny_models import PagedSeq, config_of, free_list, make_hf_model, random_tokens
 
+from runtime.kv.pool import PagePool
 from runtime.model.attention import select_backend
 from runtime.model.attention.torch_backend import TorchAttention
 from runtime.model.runner import ModelRunner
@@ -49,7 +50,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 def _pair(device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
-          model: torch.nn.Module | None = None) -> tuple[ModelRunner, ModelRunner]:
+          model: torch.nn.Module | None = None,
+          kv_dtype: str = "fp32") -> tuple[ModelRunner, ModelRunner]:
     """Two runners on the same weights: flash-attn first (its CPU model on CPU), torch
     second."""
     from runtime.model.attention.flash_backend import FlashAttention
@@ -60,9 +62,10 @@ def _pair(device: torch.device, dtype: torch.dtype, page_size: int, num_pages: i
     kernel = cpu_model_of_flash if device.type == "cpu" else None
     runners = []
     for backend in (FlashAttention(page_size, kernel=kernel), TorchAttention()):
-        pool = torch.zeros(num_pages, page_size, cfg.num_layers, 2, cfg.num_kv_heads,
-                           cfg.head_dim, dtype=dtype, device=device)
-        runners.append(ModelRunner(cfg, weights, pool, page_size, backend=backend))
+        pool = PagePool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=dtype, device=device, kv_dtype=kv_dtype)
+        runners.append(ModelRunner(cfg, weights, pool.kv, page_size, backend=backend,
+                                   dtype=dtype))
     return runners[0], runners[1]
 
 
@@ -188,9 +191,25 @@ def test_an_fp32_pool_uses_torch_attention_throughout(device) -> None:
         torch.testing.assert_close(g, w)
 
 
-def test_backend_selection() -> None:
+def test_an_int8_pool_uses_torch_attention_throughout(device) -> None:
+    flash, ref = _pair(device, torch.bfloat16, 16, num_pages=256, kv_dtype="int8")
+    plans = _groups(flash)
+    out, want = mixed(flash), mixed(ref)
+    assert plans and all(p.delegate_all for p in plans)
+    for g, w in zip(out, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_backend_selection(monkeypatch) -> None:
+    from runtime.model.attention import flash_backend
+
     assert select_backend(torch.device("cpu"), torch.float32, 16, 64).name == "torch"
     assert select_backend(torch.device("cpu"), torch.bfloat16, 256, 64).name == "torch"
+    monkeypatch.setattr(flash_backend, "flash_available", lambda *a: True)
+    monkeypatch.setattr(flash_backend, "_import_kvcache", lambda: cpu_model_of_flash)
+    cuda = torch.device("cuda")
+    assert select_backend(cuda, torch.bfloat16, 16, 64).name == "flash-gather"
+    assert select_backend(cuda, torch.bfloat16, 16, 64, "int8").name == "torch"
 
 
 def test_flash_is_only_offered_for_head_dims_it_runs_without_a_copy(monkeypatch) -> None:

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from runtime.kv.pool import PagePool
 from runtime.model.config import ModelConfig
 from runtime.model.runner import ModelRunner, SeqInput
 
@@ -74,10 +75,13 @@ def config_of(model: PreTrainedModel) -> ModelConfig:
     return ModelConfig.from_hf_config(model.config.to_dict())
 
 
-def make_runner(model: PreTrainedModel, page_size: int = 16, num_pages: int = 96) -> ModelRunner:
+def make_runner(model: PreTrainedModel, page_size: int = 16, num_pages: int = 96,
+                kv_dtype: str = "fp32") -> ModelRunner:
+    """Our runner on ``model``'s weights with a private pool of ``kv_dtype`` pages."""
     cfg = config_of(model)
-    pool = torch.zeros(num_pages, page_size, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-    return ModelRunner(cfg, model.state_dict(), pool, page_size)
+    pool = PagePool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype=kv_dtype)
+    return ModelRunner(cfg, model.state_dict(), pool.kv, page_size)
 
 
 @dataclass

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
-                   head_dim: int) -> AttentionBackend:
+                   head_dim: int, kv_dtype: str = "fp32") -> AttentionBackend:
     """The default backend for a device: flash-attn on CUDA when it suits, else torch.
 
     Args:
@@ -34,11 +34,15 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
         dtype: the compute dtype.
         page_size: the engine's page size (decides flash-attn's paged vs gather path).
         head_dim: the model's head dim (flash-attn takes <= 256, a multiple of 8).
+        kv_dtype: the pool's format; flash-attn reads only unquantized half pages, so an
+            int8 pool is attended by the torch backend (which dequantizes on the gather).
 
     Returns:
         An :class:`AttentionBackend`.
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and kv_dtype != "fp32":
+        log.info("attention backend: torch (flash-attn does not read %s KV pages)", kv_dtype)
+    elif device.type == "cuda":
         from runtime.model.attention.flash_backend import FlashAttention, flash_available
 
         if flash_available(device, dtype, head_dim):

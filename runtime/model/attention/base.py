@@ -7,8 +7,11 @@ same metadata, so per-sequence Python work happens once per forward, never per l
 
 Conventions (see docs/forward.md):
 
-* the pool tensor is ``[num_pages, page_size, num_layers, 2, num_kv_heads, head_dim]``
-  (0 = K, 1 = V), owned by runtime/kv; backends only write the new tokens' slots;
+* the pool tensor is ``[num_pages, page_size, num_layers, 2, num_kv_heads, width]``
+  (0 = K, 1 = V), owned by runtime/kv; ``width`` is ``head_dim`` for unquantized pools and
+  ``head_dim + 4`` for int8 ones: backends pass what they read through
+  ``runtime.kv.layout.decode`` (the identity for unquantized pools) and write through
+  :func:`write_kv`; they only write the new tokens' slots;
 * sequence ``i`` holds ``kv_lens[i] = num_cached[i] + query_lens[i]`` KV entries, KV index
   ``k`` lives at page ``page_tables[i][k // page_size]``, slot ``k % page_size``;
   new token ``j`` of sequence ``i`` is KV index ``num_cached[i] + j``;
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from runtime.kv.layout import encode
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "consecutive_run", "write_kv"]
 
@@ -92,8 +97,9 @@ def write_kv(pool_kv: torch.Tensor, layer: int, kv: torch.Tensor, meta: Attentio
         kv: Tensor[T, 2, KVH, D].
         meta: gives ``write_pages`` / ``write_slots`` ([T] each).
     """
-    # Adjacent advanced indices (page, slot) then the layer: the view is [T, 2, KVH, D].
-    pool_kv[meta.write_pages, meta.write_slots, layer] = kv
+    # Adjacent advanced indices (page, slot) then the layer: the view is [T, 2, KVH, width];
+    # int8 pools get the entries quantized, each with its own scale (runtime/kv/layout).
+    pool_kv[meta.write_pages, meta.write_slots, layer] = encode(kv, pool_kv)
 
 
 def consecutive_run(pages: list[int]) -> int | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kv.layout import decode
 from runtime.model.attention.base import AttentionMetadata, consecutive_run
 
 __all__ = ["CascadeGroup", "merge_lse", "run_prefix_len", "shared_prefix_clusters"]
@@ -119,16 +120,18 @@ class CascadeGroup:
         kvh = pool_kv.shape[4]
         g = h // kvh
         scale = 1.0 / math.sqrt(d)
-        layer_k, layer_v = pool_kv[:, :, layer, 0], pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
+        layer_k, layer_v = pool_kv[:, :, layer, 0], pool_kv[:, :, layer, 1]  # [P, S, KVH, W]
 
-        # Shared half: every query of the cluster against the shared pages, read once.
+        # Shared half: every query of the cluster against the shared pages, read once (and,
+        # for an int8 pool, dequantized once).
         if self.shared_run is not None:  # consecutive pages: read in place, no copy
             a, ns = self.shared_run, self.shared_pages.numel()
-            ks = layer_k[a : a + ns].reshape(-1, kvh, d).transpose(0, 1)
-            vs = layer_v[a : a + ns].reshape(-1, kvh, d).transpose(0, 1)
+            ks = decode(layer_k[a : a + ns], q.dtype).reshape(-1, kvh, d).transpose(0, 1)
+            vs = decode(layer_v[a : a + ns], q.dtype).reshape(-1, kvh, d).transpose(0, 1)
         else:
-            ks = layer_k.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
-            vs = layer_v.index_select(0, self.shared_pages).view(-1, kvh, d).transpose(0, 1)
+            ks = decode(layer_k.index_select(0, self.shared_pages), q.dtype)
+            vs = decode(layer_v.index_select(0, self.shared_pages), q.dtype)
+            ks, vs = ks.view(-1, kvh, d).transpose(0, 1), vs.view(-1, kvh, d).transpose(0, 1)
         # ks, vs: [KVH, Ls, D]; query head j uses kv head j // g
         qs = q.view(n, kvh, g, d).transpose(0, 1).reshape(kvh, 1, n * g, d)  # [KVH, 1, nG, D]
         o1, lse1 = _attend_lse(qs, ks[:, None], vs[:, None], scale, None)
@@ -137,8 +140,10 @@ class CascadeGroup:
 
         # Tail half: each sequence against its own pages.
         mt_tokens = self.tail_pages.numel() // n * page_size
-        kt = layer_k.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
-        vt = layer_v.index_select(0, self.tail_pages).view(n, mt_tokens, kvh, d)[:, : self.tail_len]
+        kt = decode(layer_k.index_select(0, self.tail_pages), q.dtype)
+        vt = decode(layer_v.index_select(0, self.tail_pages), q.dtype)
+        kt = kt.view(n, mt_tokens, kvh, d)[:, : self.tail_len]
+        vt = vt.view(n, mt_tokens, kvh, d)[:, : self.tail_len]
         qt = q.view(n, kvh, g, d)  # [n, KVH, G, D]
         o2, lse2 = _attend_lse(qt, kt.transpose(1, 2), vt.transpose(1, 2), scale, self.tail_bias)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.kv.layout import decode
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
 
@@ -215,17 +216,20 @@ class TorchAttention:
         # Whole pages: one page's K (or V) of one layer is a contiguous [S, KVH, D] block, so a
         # page-granular index_select copies at memcpy speed straight into the [B, L, KVH, D]
         # layout SDPA wants (a per-token advanced index was ~20x slower on CPU).
+        # int8 pools: ``decode`` dequantizes what was read (one layer of this group's pages),
+        # never more; for other pools it is the identity.
         if g.run_start is not None:
             # One sequence on consecutive pages: a strided view of the pool, no copy.
             n = -(-max_kv // s)
-            run = pool_kv[g.run_start : g.run_start + n, :, layer]  # [n, S, 2, KVH, D]
-            k = run[:, :, 0].reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
-            v = run[:, :, 1].reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
+            run = pool_kv[g.run_start : g.run_start + n, :, layer]  # [n, S, 2, KVH, W]
+            k = decode(run[:, :, 0], q.dtype).reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
+            v = decode(run[:, :, 1], q.dtype).reshape(1, n * s, kvh, d)[:, :max_kv].transpose(1, 2)
         else:
-            k = pool_kv[:, :, layer, 0].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
-            v = pool_kv[:, :, layer, 1].index_select(0, g.page_index)  # [B*mp, S, KVH, D]
-            k = k.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
-            v = v.view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)  # [B, KVH, Lmax, D]
+            k = pool_kv[:, :, layer, 0].index_select(0, g.page_index)  # [B*mp, S, KVH, W]
+            v = pool_kv[:, :, layer, 1].index_select(0, g.page_index)  # [B*mp, S, KVH, W]
+            k = decode(k, q.dtype).view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)
+            v = decode(v, q.dtype).view(b, mp * s, kvh, d)[:, :max_kv].transpose(1, 2)
+            # k, v: [B, KVH, Lmax, D]
 
         if g.q_index is None:
             qb = q.reshape(b, max_q, h, d).transpose(1, 2)  # [B, H, Qmax, D]

@@ -1,0 +1,80 @@
+"""Engines with int8 weights or int8 KV pages: what the SDK and the CLI see (the numerics
+are tested in tests/model/test_int8*.py and, for KV pages, tests/model/test_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pie_ctx import Context, Sampler
+from pie_ctx.cli import main as cli_main
+from pie_ctx.errors import InvalidArgument
+from runtime.engine.boot import boot_engine, pool_pages_for
+from runtime.model.loader import load_model
+from tests.sdk.harness import sdk_runtime
+
+
+async def test_int8_weights_engine_serves_and_reports_it(tiny_folder, transport):
+    async with sdk_runtime(tiny_folder, transport, weights="int8") as (rt, engine):
+        assert rt.info.weights == "int8" and rt.info.dtype == tiny_folder.dtype
+        base = Context(rt).user("hi").cue()
+        await base.flush()
+        a, b = base.fork(), base.fork()
+        out_a = await a.generate(Sampler.greedy(), max_tokens=6, ignore_eos=True).tokens()
+        out_b = await b.generate(Sampler.greedy(), max_tokens=6, ignore_eos=True).tokens()
+        assert out_a == out_b and len(out_a) == 6  # deterministic, fork shares the prefix
+        engine.store.check_invariants()
+
+
+async def test_default_engine_is_fp32_weights_and_pages(tiny_folder):
+    async with sdk_runtime(tiny_folder) as (rt, _):
+        assert rt.info.weights == "fp32" and rt.info.kv_dtype == "fp32"
+
+
+async def test_int8_pages_fork_snapshot_and_prefix_reuse(tiny_folder, transport):
+    """Everything that moves pages works on int8 pages: the same tokens come back whether a
+    continuation runs fresh, from a fork (cascade), from a reused prefix or a snapshot."""
+    async with sdk_runtime(tiny_folder, transport, kv_dtype="int8") as (rt, engine):
+        assert rt.info.kv_dtype == "int8" and rt.info.dtype == tiny_folder.dtype
+        assert engine.store.pool.kv.dtype.is_floating_point is False
+        prompt = "tell me about pages " * 6
+
+        async def continuation(ctx):
+            return await ctx.generate(Sampler.greedy(), max_tokens=8, ignore_eos=True).tokens()
+
+        base = Context(rt).user(prompt).cue()
+        await base.flush()
+        await base.save("prompt")
+        forks = [base.fork() for _ in range(3)]
+        outs = [await continuation(f) for f in forks]
+        fresh = await continuation(Context(rt).user(prompt).cue())  # prefix pages reused
+        opened = await continuation(await Context.open(rt, "prompt"))
+        assert outs[0] == outs[1] == outs[2] == fresh == opened and len(fresh) == 8
+        engine.store.check_invariants()
+
+
+def test_int8_pages_fit_more_in_the_same_memory(tiny_folder):
+    cfg = load_model(str(tiny_folder), progress=False).config
+    fp32 = pool_pages_for(cfg, 16, torch.float32, 1.0)
+    int8 = pool_pages_for(cfg, 16, torch.float32, 1.0, "int8")
+    d = cfg.head_dim
+    assert int8 / fp32 == pytest.approx(4 * d / (d + 4), rel=0.01)
+
+
+def test_unknown_formats_are_refused(tiny_folder):
+    with pytest.raises(InvalidArgument, match="weights must be one of fp32, int8"):
+        boot_engine(str(tiny_folder), weights="int4", progress=False)
+    with pytest.raises(InvalidArgument, match="kv_dtype must be one of fp32, int8"):
+        boot_engine(str(tiny_folder), kv_dtype="fp8", progress=False)
+
+
+def test_cli_run_with_int8_weights(tiny_folder):
+    assert cli_main(["run", "examples/hello.py", "--model", str(tiny_folder), "--page-size", "4",
+                     "--dtype", tiny_folder.dtype, "--weights", "int8", "--", "hi",
+                     "--max-tokens", "4"]) == 0
+
+
+def test_cli_run_with_int8_pages(tiny_folder):
+    assert cli_main(["run", "examples/hello.py", "--model", str(tiny_folder), "--page-size", "4",
+                     "--dtype", tiny_folder.dtype, "--kv-dtype", "int8", "--", "hi",
+                     "--max-tokens", "4"]) == 0
