@@ -27,6 +27,7 @@ __all__ = [
     "runtime_dir",
     "default_socket_path",
     "default_token_file",
+    "default_api_key_file",
     "new_token",
     "write_token_file",
     "read_token_file",
@@ -101,6 +102,12 @@ def default_socket_path() -> str:
 def default_token_file() -> str:
     """Where ``pie-ctx serve`` writes a generated TCP token when given no ``--token-file``."""
     return str(runtime_dir() / "tcp.token")
+
+
+def default_api_key_file() -> str:
+    """Where ``pie-ctx serve --http`` writes a generated API key when given no
+    ``--api-key-file``."""
+    return str(runtime_dir() / "http.key")
 
 
 def new_token() -> str:

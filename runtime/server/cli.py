@@ -10,12 +10,20 @@ The client-side ``pie-ctx stats`` lives with the SDK's CLI (``pie_ctx.cli``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 import anyio
 
-from pie_ctx.proto.address import Address, default_socket_path
+from pie_ctx.proto.address import (
+    Address,
+    default_api_key_file,
+    default_socket_path,
+    new_token,
+    read_token_file,
+    write_token_file,
+)
 from pie_ctx.proto.errors import PieError
 from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 
@@ -61,6 +69,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=None, help="TCP port (0 = pick a free one)")
     serve.add_argument("--token-file", default=None,
                        help="file holding the client token; generated 0600 if missing")
+    serve.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                       help="also serve the OpenAI-compatible HTTP API, /metrics and the live "
+                            "view (docs/http.md); host 127.0.0.1 unless given")
+    serve.add_argument("--api-key-file", default=None,
+                       help="file holding the HTTP API key; generated 0600 if missing. "
+                            "Required (generated) off loopback; on loopback only if given")
     serve.add_argument("--client-share", type=float, default=DEFAULT_CLIENT_SHARE,
                        help="fraction of the KV pool one client's contexts may hold "
                             f"(default {DEFAULT_CLIENT_SHARE}; 1 = no limit)")
@@ -77,6 +91,25 @@ def _listen_address(args: argparse.Namespace) -> Address:
     return Address("unix", path=args.socket or default_socket_path())
 
 
+def _http_options(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:
+    """(HTTP address or None, API key or None, the key's file or None) from the options."""
+    if args.http is None:
+        if args.api_key_file is not None:
+            raise PieError("--api-key-file needs --http")
+        return None, None, None
+    from runtime.server.http.app import is_loopback, parse_http_address
+
+    http = parse_http_address(args.http)
+    if args.api_key_file is None and is_loopback(http.host):
+        return http, None, None
+    path = args.api_key_file or default_api_key_file()
+    if os.path.exists(path):
+        return http, read_token_file(path), path
+    key = new_token()
+    write_token_file(path, key)
+    return http, key, path
+
+
 def _say(text: str) -> None:
     print(f"pie-ctx: {text}", file=sys.stderr, flush=True)
 
@@ -89,6 +122,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
+        http, api_key, key_file = _http_options(args)
         engine = boot_engine(args.model, **engine_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)
     except PieError as err:
@@ -103,9 +137,15 @@ def serve_main(args: argparse.Namespace) -> int:
         if token_file is not None:
             _say(f"clients need the token in {token_file}")
 
+    def http_ready(bound: Any) -> None:
+        _say(f"serving HTTP on {bound}")
+        if key_file is not None:
+            _say(f"HTTP clients need the API key in {key_file}")
+
     try:
         anyio.run(lambda: run_server(engine, address, token=token,
-                                     max_frame_bytes=args.max_frame_bytes, ready=ready))
+                                     max_frame_bytes=args.max_frame_bytes, ready=ready,
+                                     http=http, api_key=api_key, http_ready=http_ready))
     except PieError as err:
         _say(f"error: {err}")
         return 2

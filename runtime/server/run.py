@@ -97,7 +97,9 @@ def settle_token(address: Address, token: str | None,
 async def run_server(engine: Any, address: Address, *, token: str | None = None,
                      max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                      ready: Callable[[Address], None] | None = None,
-                     handle_signals: bool = True) -> None:
+                     handle_signals: bool = True, http: Any = None,
+                     api_key: str | None = None,
+                     http_ready: Callable[[Any], None] | None = None) -> None:
     """Run ``engine`` behind a server on ``address`` until SIGINT/SIGTERM (or cancellation).
 
     On a signal the server stops accepting, cancels every running request (each client's
@@ -110,12 +112,24 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         max_frame_bytes: largest frame accepted from a client.
         ready: called with the bound address once clients can connect.
         handle_signals: install SIGINT/SIGTERM handlers (main thread only).
+        http: also serve the HTTP API (``runtime.server.http``) on this ``HttpAddress``, on
+            the same engine.
+        api_key: required by the HTTP API if given; mandatory off loopback.
+        http_ready: called with the bound HTTP address once HTTP clients can connect.
 
     Raises:
-        InvalidArgument: TCP without a token, or the address is taken.
+        InvalidArgument: TCP without a token, HTTP off loopback without a key, or an
+            address is taken.
     """
     if address.kind == "tcp" and not token:
         raise InvalidArgument("a TCP server requires a token (see settle_token)")
+    http_sock = None
+    if http is not None:
+        from runtime.server.http.app import bind, is_loopback
+
+        if not api_key and not is_loopback(http.host):
+            raise InvalidArgument("HTTP off loopback requires an API key (see settle_token)")
+        http_sock, http = bind(http)
     server = Server(engine, tokens=[token] if token else [], require_token=address.kind == "tcp",
                     max_frame_bytes=max_frame_bytes)
     async with engine:
@@ -123,6 +137,12 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve, listener)
+                if http_sock is not None:
+                    from runtime.server.http.app import create_app, serve_http
+
+                    await tg.start(serve_http, create_app(engine, api_key=api_key), http_sock)
+                    if http_ready is not None:
+                        http_ready(http)
                 if handle_signals:
                     tg.start_soon(_stop_on_signal, tg.cancel_scope)
                 if ready is not None:

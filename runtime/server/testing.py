@@ -27,7 +27,7 @@ from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 from runtime.server.run import open_listener
 from runtime.server.server import Server
 
-__all__ = ["BackgroundServer", "serve_in_background"]
+__all__ = ["BackgroundServer", "serve_in_background", "serve_http_in_background"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +88,19 @@ async def serve_in_background(engine: Any, *, address: str | None = None, tcp: b
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def serve_http_in_background(engine: Any, *, api_key: str | None = None,
+                                   host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve the HTTP API of ``engine`` (already running) on a free port of ``host`` until
+    the block exits; yields its base URL (``http://127.0.0.1:PORT``)."""
+    from runtime.server.http.app import HttpAddress, bind, create_app, serve_http
+
+    sock, bound = bind(HttpAddress(host, 0))
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve_http, create_app(engine, api_key=api_key), sock)
+        try:
+            yield str(bound)
+        finally:
+            tg.cancel_scope.cancel()

@@ -1,0 +1,205 @@
+"""Assemble the HTTP app and run it with uvicorn on the engine's event loop.
+
+Owner: ``run_server`` (``pie-ctx serve --http``) and the tests. The app holds one
+``pie_ctx.Runtime`` over the running engine for all HTTP clients, opened in the app's
+lifespan and closed (every context it opened released) when the server stops.
+
+Security: on a loopback address no key is needed; on any other address an API key is
+mandatory (``Authorization: Bearer KEY`` on every request but the live view's static page,
+which holds no data and sends the key from its URL fragment on its own requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from pie_ctx import Runtime
+from pie_ctx.proto.errors import InvalidArgument
+
+__all__ = ["HttpAddress", "create_app", "parse_http_address", "serve_http", "is_loopback"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/", "/favicon.ico"})  # served without a key: static, no data
+
+
+@dataclass(frozen=True, slots=True)
+class HttpAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def parse_http_address(text: str) -> HttpAddress:
+    """``PORT`` or ``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> :class:`HttpAddress`; the host
+    defaults to 127.0.0.1.
+
+    Raises:
+        InvalidArgument: not of that form, or the port is not in [0, 65535].
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"--http takes [HOST:]PORT with a port in 0-65535, got {text!r}")
+    return HttpAddress(host, int(port))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _KeyCheck:
+    """ASGI middleware: every request but :data:`OPEN_PATHS` carries the API key."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        if hmac.compare_digest(given, self._key):
+            await self.app(scope, receive, send)
+            return
+        from runtime.server.http.openai_api import error_response
+
+        message = ("missing API key: send 'Authorization: Bearer KEY'" if not given
+                   else "invalid API key")
+        response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
+        await response(scope, receive, send)
+
+
+def create_app(engine: Any, *, api_key: str | None = None) -> Any:
+    """The Starlette app for ``engine`` (already running, or started by the caller before
+    the app's lifespan begins).
+
+    Args:
+        engine: the engine every request runs on.
+        api_key: required as ``Authorization: Bearer`` on every data endpoint if given.
+    """
+    from starlette.applications import Starlette
+
+    from runtime.server.http.metrics import Metrics
+    from runtime.server.http.openai_api import OpenAIService
+    from runtime.server.http.state import state_routes
+
+    metrics = Metrics(engine)
+    holder: dict[str, Runtime] = {}
+    service = OpenAIService(lambda: holder["rt"], engine.model_name, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with Runtime.local(engine=engine) as rt:
+            holder["rt"] = rt
+            try:
+                yield
+            finally:
+                del holder["rt"]
+
+    routes = [*service.routes, *metrics.routes, *state_routes(engine, metrics)]
+    app: Any = Starlette(routes=routes, lifespan=lifespan)
+    app.state.metrics = metrics
+    asgi: Any = _KeyCheck(app, api_key) if api_key else app
+    return _WithLifespan(metrics.middleware(asgi), app)  # refused requests count too
+
+
+class _WithLifespan:
+    """The middleware stack as one ASGI app whose lifespan events reach the Starlette app."""
+
+    def __init__(self, outer: Any, app: Any) -> None:
+        self.outer, self.app = outer, app
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+        else:
+            await self.outer(scope, receive, send)
+
+
+def bind(address: HttpAddress) -> tuple[socket.socket, HttpAddress]:
+    """A listening TCP socket on ``address`` and the address it got (the real port).
+
+    Raises:
+        InvalidArgument: the address cannot be bound (in use, not ours, bad host).
+    """
+    try:
+        infos = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+        family = infos[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+        sock.listen(2048)
+    except OSError as err:
+        raise InvalidArgument(f"cannot listen for HTTP on {address}: {err.strerror or err}") \
+            from None
+    sock.setblocking(False)
+    return sock, HttpAddress(address.host, sock.getsockname()[1])
+
+
+async def serve_http(app: Any, sock: socket.socket, *,
+                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+                     ) -> None:
+    """Serve ``app`` on the listening ``sock`` with uvicorn, on this event loop (asyncio),
+    until cancelled; then stop gracefully (open streams get a few seconds, the app's
+    lifespan closes its runtime)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        # The caller owns the process's signals (run_server stops everything on SIGINT).
+        def install_signal_handlers(self) -> None:
+            pass
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=3, ws="none")
+    server = _Server(config)
+    done = anyio.Event()
+
+    async def run() -> None:
+        try:
+            with anyio.CancelScope(shield=True):  # stopped through should_exit, not cancel
+                await server.serve(sockets=[sock])
+        finally:
+            done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while not server.started:
+            if done.is_set():
+                raise InvalidArgument("the HTTP server did not start (see the log)")
+            await anyio.sleep(0.005)
+        task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            server.should_exit = True
