@@ -209,6 +209,13 @@ class Scheduler:
                 job.base_working_pages = self.store.state(shadow).num_working_pages
                 if job.reuse_prefix:
                     self._attach_prefix(job)
+                    if self._computing_its_prefix(job):
+                        # Another job is computing this prompt's next pages right now: wait
+                        # and attach them, rather than compute the same pages twice.
+                        self.store.release(job.shadow)
+                        job.reset_progress()
+                        i += 1
+                        continue
                 # The whole prompt's pages up front: a prompt never stalls half-written.
                 extra = 1 if job.kind is JobKind.GENERATE else 0
                 room = self._ensure_room(job, job.prompt_remaining + extra)
@@ -227,6 +234,28 @@ class Scheduler:
             if not self.active:
                 self.stalled = job  # only a release elsewhere can help it
             return
+
+    def _computing_its_prefix(self, job: Job) -> Job | None:
+        """An active job about to compute the next full page of ``job``'s prompt (both on
+        fresh contexts, same tokens, positions and extras up to that page), or None.
+
+        Such a job commits the page (a generation as it goes, a flush when its prompt is
+        done); ``job`` then attaches it instead of computing it again, so a burst of requests
+        with one new system prompt computes it once. Only prefix-reusing, committing jobs
+        qualify, so the page will be shared; ``job`` waits at most until that job ends.
+        """
+        end = job.num_written + self.page_size  # the end of the next page to attach
+        usable = len(job.tokens) - (1 if job.probe_indices() else 0)
+        if end > usable or self.store.state(job.record.cid).seq_len != 0:
+            return None
+        for other in self.active:
+            if (other.reuse_prefix and other.commit and len(other.tokens) >= end
+                    and other.tokens[:end] == job.tokens[:end]
+                    and other.positions[:end] == job.positions[:end]
+                    and other.extras[:end] == job.extras[:end]
+                    and self.store.state(other.record.cid).seq_len == 0):
+                return other
+        return None
 
     def _attach_prefix(self, job: Job) -> None:
         state = self.store.state(job.shadow)

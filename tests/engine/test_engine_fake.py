@@ -75,6 +75,26 @@ async def test_prefix_reuse_skips_compute():
         engine.store.check_invariants()
 
 
+@pytest.mark.parametrize("max_step_tokens", [64, 6])
+async def test_a_burst_of_one_new_prompt_computes_it_once(max_step_tokens):
+    """Requests that arrive together with the same uncached prompt wait for the one
+    computing it and attach its pages (in one step or over several chunks)."""
+    prompt = list(range(1, 18))  # 4 full pages of 4, then the last token
+    other = list(range(30, 47))
+    async with make_engine(max_step_tokens=max_step_tokens) as engine:
+        ctxs = [await create(engine) for _ in range(6)]
+        replies = await asyncio.gather(*(
+            engine.handle(P.Forward(ctx=c, tokens=other if i == 5 else prompt,
+                                    reuse_prefix=True, logits=[16]), raise_errors=True)
+            for i, c in enumerate(ctxs)))
+        same = replies[:5]
+        assert sum(r.report.tokens_computed for r in same) == 17 + 4  # once, then 1 each
+        assert sorted(r.report.pages_reused for r in same) == [0, 4, 4, 4, 4]
+        assert all(r.logits == same[0].logits for r in same)
+        assert replies[5].report.tokens_computed == 17  # an unrelated prompt never waits
+        engine.store.check_invariants()
+
+
 async def test_oversubscribed_completes_identically():
     prompts = [[(i * 5 + k) % 40 + 1 for k in range(9)] for i in range(12)]
 
