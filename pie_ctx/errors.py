@@ -18,3 +18,6 @@ ContextTooLong = _contract.ContextTooLong
 ModelError = _contract.ModelError
 ProtocolError = _contract.ProtocolError
 AuthError = _contract.AuthError
+StorageError = _contract.StorageError
+SnapshotCorrupt = _contract.SnapshotCorrupt
+SnapshotIncompatible = _contract.SnapshotIncompatible

@@ -22,6 +22,9 @@ __all__ = [
     "ModelError",
     "ProtocolError",
     "AuthError",
+    "StorageError",
+    "SnapshotCorrupt",
+    "SnapshotIncompatible",
     "error_from_name",
     "known_name",
     "single_exception",
@@ -71,6 +74,21 @@ class AuthError(PieError):
     """The server refused the connection: missing or wrong token."""
 
 
+class StorageError(PieError, OSError):
+    """The snapshot directory failed (disk full, read-only, missing, in use): the message
+    names the folder or file and the cause. The operation changed nothing."""
+
+
+class SnapshotCorrupt(StorageError):
+    """A snapshot's file on disk is damaged or missing (checksum, size or content): the
+    message names the file. Other snapshots are unaffected; delete this one."""
+
+
+class SnapshotIncompatible(StorageError):
+    """The snapshot was saved by another model, weights or page size than this engine
+    runs: the message says which. Reopen it with that engine, or save it again."""
+
+
 _BY_NAME: dict[str, type[PieError]] = {
     cls.__name__: cls
     for cls in (
@@ -84,6 +102,9 @@ _BY_NAME: dict[str, type[PieError]] = {
         ModelError,
         ProtocolError,
         AuthError,
+        StorageError,
+        SnapshotCorrupt,
+        SnapshotIncompatible,
     )
 }
 

@@ -18,7 +18,9 @@ Checked:
 * per state: token/position/extra lists aligned and within the working pages' capacity;
   the committed-id cache equals the chain;
 * per owner: ``owner_pages`` equals its states' working pages plus the distinct committed
-  pages on their chains, and every node's ``owner_pins`` matches.
+  pages on their chains, and every node's ``owner_pins`` matches;
+* disk tier: the page files on disk are exactly the indexed ones (none lost, no orphan),
+  each referenced by as many manifests as list it (``DiskTier.check``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class StoreView(Protocol):
     page_size: int
     snapshots: SnapshotRegistry
     next_context_id: int
+    tier: Any
 
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]: ...
 
@@ -62,7 +65,9 @@ def _holders(store: StoreView) -> list[tuple[str, PageState]]:
     out: list[tuple[str, PageState]] = [
         (f"context {cid}", state) for cid, state in store.context_states()
     ]
-    out.extend((f"snapshot {key}", snap.state) for key, snap in store.snapshots)
+    out.extend((f"snapshot {key}", snap.state) for key, snap in store.snapshots
+               if snap.state is not None)
+    out.extend((f"saving {save.key}", save.snap.state) for save in store.snapshots.reserved())
     return out
 
 
@@ -182,6 +187,29 @@ def check_invariants(store: StoreView) -> None:
     if stats.num_pages_working != num_working:
         _fail(f"stats working {stats.num_pages_working} != {num_working}")
     _check_owners(store, holders, nodes, children)
+    _check_disk(store)
+
+
+def _check_disk(store: StoreView) -> None:
+    """The disk tier against the files on disk and the durable snapshots' manifests;
+    resident durable snapshots in the spill order, and only those."""
+    resident = {key for key, snap in store.snapshots
+                if snap.head is not None and snap.state is not None}
+    if set(store.snapshots.resident) != resident:
+        _fail(f"spill order {list(store.snapshots.resident)} != resident durable {resident}")
+    for key, snap in store.snapshots:
+        if snap.state is None and snap.head is None:
+            _fail(f"snapshot {key} has neither pages nor a manifest")
+    tier = store.tier
+    if tier is None:
+        return
+    refs: dict[Any, int] = {}
+    lists = [snap.head.pages for _, snap in store.snapshots if snap.head is not None]
+    lists.extend(save.known for save in store.snapshots.reserved())
+    for pages in lists:
+        for h in pages:
+            refs[h] = refs.get(h, 0) + 1
+    tier.check(refs)
 
 
 def _check_owners(store: StoreView, holders: list[tuple[str, PageState]], nodes: list[Node],
@@ -231,7 +259,7 @@ def describe_state(store: StoreView) -> dict[str, Any]:
     return {
         "free": tuple(store.pool.free_ids()),
         "contexts": {cid: state_desc(s) for cid, s in store.context_states()},
-        "snapshots": {key: state_desc(s.state) for key, s in store.snapshots},
+        "snapshots": {key: s.state and state_desc(s.state) for key, s in store.snapshots},
         "nodes": sorted(
             (n.page_id, n.page_hash, n.holders, n.num_children, n.pins, n.registered) for n in nodes
         ),

@@ -1,43 +1,56 @@
 """The snapshot registry: named, frozen context states that outlive their inferlet.
 
-Owns: the mapping ``(namespace, name) -> Snapshot``. A snapshot's page state holds trie
-references and working pages exactly like a context (it *is* a context state nobody can
-mutate), so the page accounting never needs a special case for it. Beside the pages a
-snapshot carries what a reopened context needs to continue: the SDK's opaque ``meta`` (its
-conversation) and the logits of the last token written. This is the only table of
+Owns: the mapping ``(namespace, name) -> Snapshot``, and the names of saves still being
+written (``reserve``: taken, but neither listed nor openable). A *resident* snapshot's page
+state holds trie references and working pages exactly like a context (it *is* a context
+state nobody can mutate), so the page accounting never needs a special case for it. Beside
+the pages a snapshot carries what a reopened context needs to continue: the SDK's opaque
+``meta`` (its conversation) and the logits of the last token written. A *durable* snapshot
+also has its manifest on disk (``head``); it may then be *spilled*: ``state`` is None and
+its pages and logits are on disk only, until it is opened again. This is the only table of
 snapshots; nothing else keeps per-snapshot data.
 
 The registry never touches pages: ``PageStore`` forks into it (``save_snapshot``), forks
-out of it (``open_snapshot``), moves a state out of it in O(1) (``take_snapshot``) or
-releases it (``delete_snapshot``).
+out of it (``open_snapshot``), moves a state out of it in O(1) (``take_snapshot``), releases
+it (``delete_snapshot``) and spills or restores it (the disk tier).
 
-Invariant: names are non-empty strings, unique within a namespace.
+Invariants: names are non-empty strings, unique within a namespace, counting reserved
+ones; a snapshot is resident (``state``), durable (``head``) or both; resident durable
+snapshots are in ``resident`` in least-recently-used order.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pie_ctx.proto.errors import InvalidArgument, SnapshotExists, SnapshotNotFound
+from pie_ctx.proto.errors import (
+    InvalidArgument,
+    SnapshotExists,
+    SnapshotIncompatible,
+    SnapshotNotFound,
+)
 from runtime.kv.context import PageState
 
-__all__ = ["Snapshot", "SnapshotRegistry", "DEFAULT_NAMESPACE"]
+__all__ = ["Snapshot", "SnapshotRegistry", "DEFAULT_NAMESPACE", "snapshot_key"]
 
 DEFAULT_NAMESPACE = "default"
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Snapshot:
     """One saved context: its pages and what continuing from it needs."""
 
-    state: PageState
+    state: PageState | None  # None: spilled (durable, on disk only)
     meta: str = ""  # opaque to the runtime; the SDK keeps the conversation here
     last_logits: Any = None  # float32 [vocab] of the last token written, or None
+    head: Any = None  # the durable manifest's head (runtime.kv.disk.ManifestHead), or None
 
 
-def _key(name: object, namespace: object) -> tuple[str, str]:
+def snapshot_key(name: object, namespace: object) -> tuple[str, str]:
+    """``(namespace, name)``, checked."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"snapshot name must be a non-empty str, got {name!r}")
     if not isinstance(namespace, str) or not namespace:
@@ -48,11 +61,16 @@ def _key(name: object, namespace: object) -> tuple[str, str]:
 class SnapshotRegistry:
     """Engine-wide ``(namespace, name) -> Snapshot`` map with typed errors."""
 
-    __slots__ = ("_snapshots",)
+    __slots__ = ("_snapshots", "_reserved", "resident", "foreign")
 
     def __init__(self) -> None:
         """Create an empty registry."""
         self._snapshots: dict[tuple[str, str], Snapshot] = {}
+        self._reserved: dict[tuple[str, str], Any] = {}  # name -> its save being written
+        # resident durable snapshots, least recently used first: what spills first
+        self.resident: OrderedDict[tuple[str, str], Snapshot] = OrderedDict()
+        # (namespace, name) -> why this engine cannot open it (saved by another model)
+        self.foreign: dict[tuple[str, str], str] = {}
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -67,8 +85,8 @@ class SnapshotRegistry:
             InvalidArgument: empty or non-str name/namespace.
             SnapshotExists: the name is taken in this namespace.
         """
-        key = _key(name, namespace)
-        if key in self._snapshots:
+        key = snapshot_key(name, namespace)
+        if key in self._snapshots or key in self._reserved:
             raise SnapshotExists(
                 f"snapshot {name!r} already exists in namespace {namespace!r}; "
                 "delete it first or pick another name"
@@ -82,9 +100,13 @@ class SnapshotRegistry:
             InvalidArgument: empty or non-str name/namespace.
             SnapshotNotFound: no such snapshot.
         """
-        key = _key(name, namespace)
+        key = snapshot_key(name, namespace)
         snap = self._snapshots.get(key)
         if snap is None:
+            if key in self.foreign:
+                raise SnapshotIncompatible(
+                    f"snapshot {name!r} in namespace {namespace!r} cannot be opened by this "
+                    f"engine: {self.foreign[key]}")
             raise SnapshotNotFound(
                 f"no snapshot {name!r} in namespace {namespace!r}; "
                 f"saved names: {self.names(namespace)}"
@@ -92,13 +114,36 @@ class SnapshotRegistry:
         return snap
 
     def put(self, key: tuple[str, str], snap: Snapshot) -> None:
-        """Store a snapshot under a key returned by ``check_free``."""
+        """Store a snapshot under a key returned by ``check_free`` (or reserved)."""
+        self._reserved.pop(key, None)
         self._snapshots[key] = snap
+        self.touch(key, snap)
+
+    def reserve(self, key: tuple[str, str], save: Any) -> None:
+        """Hold a name returned by ``check_free`` while its save (a
+        ``runtime.kv.durable.SaveJob``) is written: the name is taken, but the snapshot is
+        neither listed nor openable until ``put``."""
+        self._reserved[key] = save
+
+    def unreserve(self, key: tuple[str, str]) -> Any:
+        """Give up a reserved name (its save failed); returns its save."""
+        return self._reserved.pop(key)
+
+    def reserved(self) -> list[Any]:
+        """Saves being written (their snapshot states hold pages too)."""
+        return list(self._reserved.values())
+
+    def touch(self, key: tuple[str, str], snap: Snapshot) -> None:
+        """Note a use of a resident durable snapshot (the last to spill)."""
+        if snap.head is not None and snap.state is not None:
+            self.resident[key] = snap
+            self.resident.move_to_end(key)
 
     def pop(self, name: str, namespace: str) -> Snapshot:
         """Remove and return a snapshot (errors as ``get``)."""
         snap = self.get(name, namespace)
         del self._snapshots[(namespace, name)]
+        self.resident.pop((namespace, name), None)
         return snap
 
     def names(self, namespace: str) -> list[str]:

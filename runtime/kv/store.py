@@ -1,13 +1,17 @@
 """``PageStore``: the one facade the engine calls for every page operation.
 
 Owns: the pool (physical pages), the trie (committed pages), the live context states
-(working pages) and the snapshot registry; nothing outside this package touches them.
+(working pages), the snapshot registry and, with a snapshot directory, the disk tier
+(``runtime.kv.tier``); nothing outside this package touches them.
 
 Contract, for every public method: validate everything first, raising a ``PieError``
 subclass with state untouched; only then mutate. Expected back-pressure returns a value
 (``reserve_working_pages`` -> ``False``); a broken invariant raises ``RuntimeError``.
 Allocation evicts cached pages (LRU first) only when it can then succeed, so a ``False`` or
-an error never changes the cache either.
+an error never changes the cache either. With a disk tier, allocation may also *spill*
+resident durable snapshots (least recently used first): their pages become cached (and
+then evictable), their bytes stay on disk, and opening them brings them back. Evicted
+cached pages are written to the disk tier first, so prefix matching can load them back.
 
 Public API (see docs/design.md, "runtime/kv")::
 
@@ -20,27 +24,36 @@ Public API (see docs/design.md, "runtime/kv")::
     store.attach_prefix(cid, tokens, positions, extra=0) -> int
     store.page_table(cid); store.state(cid); store.tokens(cid); store.next_position(cid)
     store.save_snapshot(cid, name, ns, meta=, last_logits=); store.snapshot(name, ns)
+    store.begin_save(...) -> job; job.write(); store.end_save(job)   # I/O off the loop
+    store.plan_restore(name, ns) -> job; job.read(); store.restore_snapshot(name, ns, job)
     store.open_snapshot(name, ns); store.take_snapshot(name, ns)
     store.delete_snapshot(name, ns); store.list_snapshots(ns)
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pie_ctx.proto.checks import count
-from pie_ctx.proto.errors import ContextClosed, InvalidArgument, OutOfPages
+from pie_ctx.proto.errors import ContextClosed, InvalidArgument, OutOfPages, SnapshotCorrupt
 from pie_ctx.proto.messages import ContextState
 from runtime.kv.context import PageState, chain_nodes
+from runtime.kv.disk import PageFiles, foreign_manifests
+from runtime.kv.durable import RestoreJob, SaveJob, parent_hash, plan_restore, plan_save
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool
-from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
-from runtime.kv.trie import PageTrie
+from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry, snapshot_key
+from runtime.kv.tier import DiskTier
+from runtime.kv.trie import Node, PageTrie
 from runtime.kv.types import ContextId, PageId, StoreStats
 from runtime.kv.validation import Extra, page_inputs
+
+log = logging.getLogger("pie_ctx.snapshots")
 
 __all__ = ["PageStore"]
 
@@ -68,8 +81,10 @@ class PageStore:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         kv_dtype: str = "fp32",
+        files: PageFiles | None = None,
+        max_disk_cache_pages: int = 0,
     ) -> None:
-        """Allocate the pool and empty bookkeeping.
+        """Allocate the pool and empty bookkeeping (and list the snapshots on disk).
 
         Args:
             num_pages: physical pages in the pool.
@@ -78,6 +93,10 @@ class PageStore:
             dtype: the compute dtype K/V are written and read in.
             device: device of the pool tensor.
             kv_dtype: ``"fp32"`` (entries in ``dtype``) or ``"int8"`` (see runtime/kv/layout).
+            files: a snapshot directory (its folder for this engine's fingerprint): every
+                snapshot is then durable, and the disk tier is on. None: snapshots live in
+                the pool only, for the store's life.
+            max_disk_cache_pages: evicted cache pages kept on disk at most (with ``files``).
 
         Raises:
             ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
@@ -86,8 +105,18 @@ class PageStore:
             num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype
         )
         self.page_size = page_size
-        self.trie = PageTrie(self.pool)
+        self.tier = None if files is None else DiskTier(files, self.pool, max_disk_cache_pages)
+        self.trie = PageTrie(self.pool, on_evict=None if files is None else self._spill_page)
         self.snapshots = SnapshotRegistry()
+        if self.tier is not None:
+            for head in self.tier.boot():
+                self.snapshots.put((head.namespace, head.name), Snapshot(None, head.meta, None, head))
+            self.snapshots.foreign = foreign_manifests(self.tier.files.root,
+                                                       self.tier.files.fingerprint)
+            if self.snapshots.foreign:
+                log.warning("%d snapshots in %s were saved by another model or page size; "
+                            "this engine cannot open them", len(self.snapshots.foreign),
+                            self.tier.files.root)
         self._contexts: dict[ContextId, PageState] = {}
         self._working_of: dict[Any, int] = {}  # owner -> working pages of its states
         self._next_id = 1
@@ -107,13 +136,31 @@ class PageStore:
         return self.pool.num_free + self.trie.num_cached
 
     def _allocate(self, n: int) -> list[PageId] | None:
-        """Allocate ``n`` pages, evicting cached pages only if that makes it succeed."""
+        """Allocate ``n`` pages, evicting cached pages only if that makes it succeed (and
+        first spilling resident durable snapshots if the cache is not enough)."""
+        if n - self.pool.num_free > self.trie.num_cached and not self._spill_snapshots(n):
+            return None
         short = n - self.pool.num_free
         if short > 0:
-            if short > self.trie.num_cached:
-                return None
             self.trie.evict(short)
         return self.pool.allocate(n)
+
+    def _spill_snapshots(self, n: int) -> bool:
+        """Drop resident durable snapshots from the pool, least recently used first, until
+        ``n`` pages are free or cached; True when they are. Their files stay on disk."""
+        resident = self.snapshots.resident
+        while resident and self.pool.num_free + self.trie.num_cached < n:
+            _, snap = resident.popitem(last=False)
+            self._release_state(snap.state)  # type: ignore[arg-type]
+            snap.state = None
+            snap.last_logits = None  # on disk too; read back on open
+            self.tier.counters.snapshots_spilled += 1  # type: ignore[union-attr]
+        return self.pool.num_free + self.trie.num_cached >= n
+
+    def _spill_page(self, node: Node) -> None:
+        """The trie evicts ``node``: keep its page on disk (the disk tier decides)."""
+        self.tier.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),  # type: ignore[union-attr]
+                        node.tokens, node.positions, node.extras, node.page_id)
 
     def owner_pages(self, owner: Any) -> int:
         """Pages ``owner``'s contexts hold: their working pages plus every distinct committed
@@ -436,8 +483,42 @@ class PageStore:
                 self.trie.drop_holder(state.tip, state.owner)
             state.tip = hits[-1]
             state.extend_committed_ids([node.page_id for node in hits])
-            self._num_prefix_hits += len(hits)
-        return len(hits)
+        num = len(hits)
+        if self.tier is not None:
+            num += self._attach_from_disk(state, toks, poss, extras, num)
+        self._num_prefix_hits += num
+        return num
+
+    def _attach_from_disk(self, state: PageState, toks: list[int], poss: list[int],
+                          extras: list[int], start: int) -> int:
+        """Continue ``state``'s chain with full pages from ``start`` on that the disk tier
+        holds: each is read, verified, copied into a new page and committed. Stops at the
+        first page not on disk (or when the pool has no room). Returns the pages attached."""
+        ps, tier = self.page_size, self.tier
+        num = 0
+        for i in range(start, len(toks) // ps):
+            lo, hi = i * ps, (i + 1) * ps
+            record = tier.find(parent_hash(state.tip, self.trie.root_hash),  # type: ignore[union-attr]
+                               toks[lo:hi], poss[lo:hi], extras[lo:hi])
+            if record is None:
+                break
+            pages = self._allocate(1)  # state's chain is held: never evicted for this
+            if pages is None:
+                break
+            tier.install(pages[0], record.payload)  # type: ignore[union-attr]
+            self._commit_page(state, pages[0], record.tokens, record.positions, record.extras)
+            num += 1
+        return num
+
+    def _commit_page(self, state: PageState, page_id: PageId, tokens: tuple[int, ...],
+                     positions: tuple[int, ...], extras: tuple[int, ...]) -> None:
+        """Append one full page (its KV already in ``page_id``) to ``state``'s chain."""
+        tip, deduped = self.trie.advance(state.tip, page_id, tokens, positions, extras,
+                                         state.owner)
+        if deduped:
+            self.pool.free([page_id])
+        state.tip = tip
+        state.extend_committed_ids([tip.page_id])
 
     # -- queries -----------------------------------------------------------------------
 
@@ -512,6 +593,10 @@ class PageStore:
                       meta: str = "", last_logits: Any = None) -> None:
         """Save a frozen copy (a fork) of the context under ``name``; the context goes on.
 
+        With a snapshot directory the save is durable when this returns (the engine runs
+        the same three steps with the I/O off the event loop: ``begin_save``,
+        ``SaveJob.write``, ``end_save``).
+
         Args:
             cid: the context to save.
             name, namespace: where to save it.
@@ -521,29 +606,171 @@ class PageStore:
         Raises:
             ContextClosed: unknown context. InvalidArgument: bad name.
             SnapshotExists: the name is taken. OutOfPages: working copies do not fit.
+            StorageError: the files could not be written (nothing is saved).
+        """
+        job = self.begin_save(cid, name, namespace, meta=meta, last_logits=last_logits)
+        if job is not None:
+            job.write()
+            self.end_save(job)
+
+    def begin_save(self, cid: ContextId, name: str, namespace: str = DEFAULT_NAMESPACE, *,
+                   meta: str = "", last_logits: Any = None) -> SaveJob | None:
+        """Fork the context into a snapshot. Without a disk tier that is the whole save
+        (returns None); otherwise the name is reserved and the returned job must be
+        written (``job.write()``, any thread) and finished (``end_save``).
+
+        Raises: as ``save_snapshot`` (but not ``StorageError``).
         """
         state = self._ctx(cid)
         key = self.snapshots.check_free(name, namespace)
-        self.snapshots.put(key, Snapshot(self._fork_state(state, None), meta, last_logits))
+        snap = Snapshot(self._fork_state(state, None), meta, last_logits)
+        if self.tier is None:
+            self.snapshots.put(key, snap)
+            return None
+        job = plan_save(key, snap, self.tier, self.trie.root_hash, self.tier.files.fingerprint.key)
+        self.tier.add_refs(job.known)  # no delete may remove them while the job writes
+        self.snapshots.reserve(key, job)
+        return job
+
+    def end_save(self, job: SaveJob) -> None:
+        """Finish a save: list the snapshot, or undo everything if its write failed.
+
+        Raises:
+            StorageError: the write failed; no trace of the snapshot is left.
+        """
+        tier = self.tier
+        self.snapshots.unreserve(job.key)
+        if job.error is not None:
+            for h in job.written:
+                if h not in tier.index:  # type: ignore[union-attr]
+                    tier.remove_page(h)  # type: ignore[union-attr]
+            tier.drop_refs(job.known)  # type: ignore[union-attr]
+            self._release_state(job.snap.state)  # type: ignore[arg-type]
+            raise job.error
+        tier.adopt_written(job.written)  # type: ignore[union-attr]
+        tier.add_refs(job.written)  # type: ignore[union-attr]
+        job.snap.head = job.head
+        self.snapshots.put(job.key, job.snap)
 
     def snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> Snapshot:
-        """The snapshot saved under ``name`` (read-only: its meta and last logits).
+        """The snapshot saved under ``name`` (read-only: its meta and last logits; a spilled
+        snapshot has neither pages nor logits until ``restore_snapshot``).
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
+            SnapshotIncompatible: the name belongs to another model's snapshot.
         """
         return self.snapshots.get(name, namespace)
+
+    def plan_restore(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> RestoreJob | None:
+        """The reads that bring a spilled snapshot back (None: it is resident). Run
+        ``job.read()`` anywhere, then ``restore_snapshot(name, namespace, job)``.
+
+        Raises: as ``snapshot``.
+        """
+        snap = self.snapshots.get(name, namespace)
+        if snap.state is not None:
+            return None
+        return plan_restore(snapshot_key(name, namespace), snap.head, self.tier,  # type: ignore[arg-type]
+                            self.trie.by_hash)
+
+    def restore_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
+                         job: RestoreJob | None = None) -> tuple[int, int]:
+        """Make a snapshot resident: its pages in the pool, its logits in memory.
+
+        Pages still in the pool (cached) are attached; the others are copied from the
+        files ``job`` read (read now when ``job`` is None or stale) and verified against
+        the manifest.
+
+        Returns:
+            ``(pages_from_memory, pages_from_disk)`` of its committed pages.
+
+        Raises:
+            SnapshotNotFound / InvalidArgument: as ``snapshot``.
+            SnapshotCorrupt: a file is missing or damaged (named); nothing changed.
+            OutOfPages: the pool cannot hold it even after spilling every other snapshot.
+        """
+        key = snapshot_key(name, namespace)
+        snap = self.snapshots.get(name, namespace)
+        if snap.state is not None:
+            self.snapshots.touch(key, snap)
+            return snap.state.num_committed_pages, 0
+        if job is None or job.head is not snap.head:
+            job = self.plan_restore(name, namespace)
+            job.read()  # type: ignore[union-attr]
+        if job.error is not None:  # type: ignore[union-attr]
+            raise job.error  # type: ignore[union-attr]
+        state, from_memory = self._install(job)  # type: ignore[arg-type]
+        snap.state = state
+        snap.last_logits = np.frombuffer(job.logits, dtype="<f4") if job.logits else None  # type: ignore[union-attr]
+        self.snapshots.touch(key, snap)
+        return from_memory, state.num_committed_pages - from_memory
+
+    def _install(self, job: RestoreJob) -> tuple[PageState, int]:
+        """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
+        pages found in the pool. On any error every page taken goes back."""
+        head, ps, tier = job.head, self.page_size, self.tier
+        state = PageState()
+        from_memory = 0
+        try:
+            for i, h in enumerate(head.pages):
+                lo, hi = i * ps, (i + 1) * ps
+                toks = tuple(head.tokens[lo:hi])
+                poss, extras = tuple(head.positions[lo:hi]), tuple(head.extras[lo:hi])
+                node = self.trie.lookup(state.tip, toks, poss, extras)
+                if node is not None:
+                    self.trie.add_holder(node)
+                    if state.tip is not None:
+                        self.trie.drop_holder(state.tip)
+                    state.tip = node
+                    from_memory += 1
+                    continue
+                record = job.records.get(h) or tier.read(h)  # type: ignore[union-attr]
+                if (record.parent, record.tokens, record.positions, record.extras) != (
+                        parent_hash(state.tip, self.trie.root_hash), toks, poss, extras):
+                    raise SnapshotCorrupt(f"page file {tier.files.page_path(h)} does not hold "  # type: ignore[union-attr]
+                                          f"page {i} of snapshot {job.key[1]!r}")
+                page = self._allocate_or_raise(1, f"reopen snapshot {job.key[1]!r}")
+                tier.install(page[0], record.payload)  # type: ignore[union-attr]
+                self._commit_page(state, page[0], toks, poss, extras)
+            state.committed_ids = None  # recomputed from the tip on first use
+            tail = self._allocate_or_raise(head.tail_pages, f"reopen snapshot {job.key[1]!r}")
+            state.working = tail
+            for j, page_id in enumerate(tail):
+                tier.view.write(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])  # type: ignore[union-attr]
+            state.tokens = list(head.tail_tokens)
+            state.positions = list(head.tail_positions)
+            state.extras = list(head.tail_extras)
+        except BaseException:
+            self._release_state(state)
+            raise
+        return state, from_memory
+
+    def _allocate_or_raise(self, n: int, what: str) -> list[PageId]:
+        pages = self._allocate(n)
+        if pages is None:
+            raise OutOfPages(f"{what}: it needs {n} more pages but only "
+                             f"{self.num_pages_available()} can be freed; release contexts "
+                             "or delete snapshots")
+        return pages
 
     def open_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
                       owner: Any = None) -> ContextId:
         """A new context (of ``owner``) forked from the snapshot; the snapshot is unchanged.
+        A spilled snapshot is restored first (``restore_snapshot``).
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
-            OutOfPages: working copies do not fit.
+            OutOfPages: working copies do not fit. SnapshotCorrupt: as ``restore_snapshot``.
         """
-        state = self.snapshots.get(name, namespace).state
-        return self._register(self._fork_state(state, owner))
+        key = snapshot_key(name, namespace)
+        self.restore_snapshot(name, namespace)
+        snap = self.snapshots.get(name, namespace)
+        self.snapshots.resident.pop(key, None)  # never spilled while it is forked from
+        try:
+            return self._register(self._fork_state(snap.state, owner))  # type: ignore[arg-type]
+        finally:
+            self.snapshots.touch(key, snap)
 
     def take_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
                       owner: Any = None) -> ContextId:
@@ -552,23 +779,42 @@ class PageStore:
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
+            SnapshotCorrupt, OutOfPages: as ``restore_snapshot``.
+            StorageError: its manifest could not be deleted (nothing changed).
         """
-        state = self.snapshots.pop(name, namespace).state
+        self.restore_snapshot(name, namespace)
+        snap = self._forget(name, namespace)
+        state = snap.state
         if owner is not None:  # snapshots count against nobody: the new owner takes them on
-            if state.tip is not None:
-                self.trie.add_holder(state.tip, owner)
-                self.trie.drop_holder(state.tip)
-            state.owner = owner
-            self._count_working(state, len(state.working))
-        return self._register(state)
+            if state.tip is not None:  # type: ignore[union-attr]
+                self.trie.add_holder(state.tip, owner)  # type: ignore[union-attr]
+                self.trie.drop_holder(state.tip)  # type: ignore[union-attr]
+            state.owner = owner  # type: ignore[union-attr]
+            self._count_working(state, len(state.working))  # type: ignore[arg-type, union-attr]
+        return self._register(state)  # type: ignore[arg-type]
 
     def delete_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
-        """Delete the snapshot, dropping its references and working pages.
+        """Delete the snapshot, dropping its references and working pages, and its files
+        that no other snapshot uses.
 
         Raises:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
+            StorageError: its manifest could not be deleted (nothing changed).
         """
-        self._release_state(self.snapshots.pop(name, namespace).state)
+        snap = self._forget(name, namespace)
+        if snap.state is not None:
+            self._release_state(snap.state)
+
+    def _forget(self, name: str, namespace: str) -> Snapshot:
+        """Unlist a snapshot: its manifest first (durably), then its entry and file
+        references. Its page state, if any, is the caller's."""
+        snap = self.snapshots.get(name, namespace)
+        if snap.head is not None:
+            self.tier.files.remove(self.tier.files.manifest_path(namespace, name))  # type: ignore[union-attr]
+        self.snapshots.pop(name, namespace)
+        if snap.head is not None:
+            self.tier.drop_refs(snap.head.pages)  # type: ignore[union-attr]
+        return snap
 
     def list_snapshots(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         """Sorted snapshot names saved in ``namespace``."""
@@ -596,7 +842,24 @@ class PageStore:
             num_dedup_hits=self._num_dedup_hits,
             num_prefix_hits=self._num_prefix_hits,
             num_evictions=trie.num_evictions,
+            num_snapshots_resident=sum(1 for _, snap in self.snapshots if snap.state is not None),
+            **self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, int]:
+        tier = self.tier
+        if tier is None:
+            return {}
+        c = tier.counters
+        return {"num_disk_pages": tier.num_pages, "num_disk_bytes": tier.num_bytes,
+                "disk_pages_written": c.pages_written, "disk_bytes_written": c.bytes_written,
+                "disk_pages_loaded": c.pages_loaded, "disk_bytes_loaded": c.bytes_loaded,
+                "num_snapshots_spilled": c.snapshots_spilled}
+
+    @property
+    def num_pages_loaded(self) -> int:
+        """Pages brought back from disk since boot (0 without a disk tier)."""
+        return 0 if self.tier is None else self.tier.counters.pages_loaded
 
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]:
         """Every live context's page state (read-only use: the invariant checker, tests)."""

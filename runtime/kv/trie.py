@@ -36,7 +36,7 @@ private too. A collision therefore costs sharing, never correctness.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,11 +90,18 @@ class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
     __slots__ = ("pool", "root_hash", "by_hash", "lru", "num_nodes", "num_pinned",
-                 "num_evictions", "pages_of")
+                 "num_evictions", "pages_of", "on_evict")
 
-    def __init__(self, pool: PagePool) -> None:
-        """Create an empty trie that frees evicted pages into ``pool``."""
+    def __init__(self, pool: PagePool, on_evict: Callable[[Node], None] | None = None) -> None:
+        """Create an empty trie that frees evicted pages into ``pool``.
+
+        Args:
+            pool: where evicted pages go back.
+            on_evict: called with each node about to be evicted, while its page still
+                holds its bytes (the disk tier writes it out).
+        """
         self.pool = pool
+        self.on_evict = on_evict
         self.root_hash = chain_root(pool.kv_dtype)  # the format seeds every chain
         self.by_hash: dict[PageHash, Node] = {}
         self.lru: OrderedDict[PageId, Node] = OrderedDict()
@@ -321,6 +328,8 @@ class PageTrie:
         lru = self.lru
         while len(evicted) < n and lru:
             _, node = lru.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(node)
             del self.by_hash[node.page_hash]
             self._unlink(node)
             evicted.append(node.page_id)

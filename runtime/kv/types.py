@@ -44,3 +44,12 @@ class StoreStats:
     num_dedup_hits: int
     num_prefix_hits: int
     num_evictions: int
+    num_snapshots_resident: int = 0  # snapshots whose pages are in the pool
+    # the disk tier (all 0 without a snapshot directory)
+    num_disk_pages: int = 0  # page files on disk
+    num_disk_bytes: int = 0
+    disk_pages_written: int = 0
+    disk_bytes_written: int = 0
+    disk_pages_loaded: int = 0  # disk hits: pages read back into the pool
+    disk_bytes_loaded: int = 0
+    num_snapshots_spilled: int = 0  # times a snapshot was dropped from the pool for room

@@ -1,0 +1,453 @@
+"""The snapshot directory: content-addressed page files and snapshot manifests on disk.
+
+Owns: one engine's folder inside a snapshot directory, and every byte written there. It
+knows files and formats only (bytes in, bytes out); which pages exist and who references
+them is the disk tier's business (``runtime.kv.tier``). Layout (docs/snapshots.md)::
+
+    DIR/                            the snapshot directory (--snapshot-dir)
+      <fingerprint key>/            one folder per model fingerprint (16 hex digits)
+        FORMAT.json                 the fingerprint in full: who wrote these files
+        LOCK                        flock()ed by the one engine using the folder
+        pages/<hash>.page           one committed page, named by its chained hash
+        snapshots/<key>.snap        one manifest, key = digest of (namespace, name)
+        tmp/                        files being written; emptied at open
+
+Crash safety: every file is written to ``tmp/``, fsynced, renamed into place, and its
+folder fsynced (``write_atomic``), so a file under ``pages/`` or ``snapshots/`` is either
+absent or complete. A save writes its pages before its manifest, so a listed manifest's
+pages exist. Every file ends with an xxh3-64 checksum of what precedes it, checked on
+every read; a page file also repeats its tokens, positions, extras and parent hash, and
+reading it recomputes the chained hash from them.
+
+Page file: ``magic "PIEPAGE1" | hash u64 | parent u64 | count u32 | payload u64 |
+tokens i64*count | positions i64*count | extras u64*count | payload bytes | xxh3 u64``.
+Manifest: ``magic "PIESNAP1" | head_len u32 | head (msgpack) | xxh3 u64 | blob | xxh3 u64``
+where the blob is the working tail's KV bytes then the last logits; the head alone is
+read at boot, the blob when the snapshot is opened.
+
+Errors: ``StorageError`` (a folder is missing, read-only or in use; a write failed, e.g.
+ENOSPC) and ``SnapshotCorrupt`` (a file fails its checks), each naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import xxhash
+
+from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
+from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.types import PageHash
+
+__all__ = ["Fingerprint", "FileOps", "PageFiles", "PageRecord", "ManifestHead",
+           "foreign_manifests", "read_head", "manifest_key", "FORMAT_VERSION"]
+
+log = logging.getLogger("pie_ctx.snapshots")
+
+FORMAT_VERSION = 1
+_PAGE_MAGIC = b"PIEPAGE1"
+_SNAP_MAGIC = b"PIESNAP1"
+_PAGE_HEAD = struct.Struct("<8sQQIQ")  # magic, hash, parent, count, payload bytes
+_SNAP_HEAD = struct.Struct("<8sI")  # magic, head length
+_SUM = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Everything that decides a page's KV bytes. Files are shared only between engines
+    with equal fingerprints."""
+
+    model: str  # the model's name (for messages)
+    weights_digest: str  # xxh3-128 of the model files
+    weights: str  # projection weight format: fp32 | int8
+    dtype: str  # compute dtype
+    kv_dtype: str  # page format: fp32 | int8
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    version: int = FORMAT_VERSION
+
+    @property
+    def key(self) -> str:
+        """16 hex digits naming this fingerprint's folder."""
+        return xxhash.xxh3_64_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+
+    def describe(self) -> str:
+        """One line for messages: what differs between two fingerprints is visible."""
+        return (f"model {self.model} (weights {self.weights_digest[:12]}, {self.weights}), "
+                f"dtype {self.dtype}, kv {self.kv_dtype}, page size {self.page_size}")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Fingerprint:
+        return cls(**data)
+
+
+class FileOps:
+    """The system calls that write files, in one place so tests can inject failures
+    (ENOSPC, EIO, a crash between two of them)."""
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class PageRecord:
+    """One page read back from disk, verified."""
+
+    page_hash: PageHash
+    parent: int  # the parent page's hash, or the chain root (0 for fp32 chains)
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    extras: tuple[int, ...]
+    payload: bytes  # the page's KV bytes, exactly as in the pool
+
+
+class ManifestHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The small part of a manifest, read at boot for every snapshot."""
+
+    version: int
+    fingerprint: str  # the Fingerprint.key of the engine that saved it
+    namespace: str
+    name: str
+    pages: list[int]  # committed page hashes, root first
+    tokens: list[int]  # the committed pages' contents, to verify every page on reopen
+    positions: list[int]
+    extras: list[int]
+    tail_tokens: list[int]
+    tail_positions: list[int]
+    tail_extras: list[int]
+    tail_pages: int  # working pages whose bytes are in the blob
+    tail_bytes: int
+    logits_bytes: int  # 0: no last logits saved
+    meta: str
+    saved_at: float
+
+
+def _sum(*parts: bytes | memoryview) -> bytes:
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return _SUM.pack(h.intdigest())
+
+
+def manifest_key(namespace: str, name: str) -> str:
+    """The file stem of a snapshot's manifest (names may hold any character)."""
+    return xxhash.xxh3_128_hexdigest(f"{namespace}\0{name}".encode())
+
+
+def read_head(path: Path) -> ManifestHead:
+    """Read and verify a manifest's head (not its blob).
+
+    Raises:
+        SnapshotCorrupt: unreadable, truncated or failing its checksum.
+    """
+    try:
+        with open(path, "rb") as f:
+            front = f.read(_SNAP_HEAD.size)
+            if len(front) < _SNAP_HEAD.size:
+                raise SnapshotCorrupt(f"manifest {path} is truncated")
+            magic, size = _SNAP_HEAD.unpack(front)
+            if magic != _SNAP_MAGIC:
+                raise SnapshotCorrupt(f"manifest {path} is not a snapshot manifest")
+            packed = f.read(size)
+            check = f.read(_SUM.size)
+    except OSError as e:
+        raise SnapshotCorrupt(f"manifest {path} cannot be read: {e}") from None
+    if len(packed) != size or _sum(front, packed) != check:
+        raise SnapshotCorrupt(f"manifest {path} is corrupt (head checksum mismatch)")
+    try:
+        return msgspec.msgpack.decode(packed, type=ManifestHead)
+    except msgspec.DecodeError as e:
+        raise SnapshotCorrupt(f"manifest {path} is corrupt ({e})") from None
+
+
+class PageFiles:
+    """One engine's folder in a snapshot directory (see the module docstring).
+
+    Args:
+        root: the snapshot directory; it must exist and be writable.
+        fingerprint: the engine's; its folder is created inside ``root`` if new.
+        ops: the system calls (tests pass a subclass that fails on cue).
+
+    Raises:
+        StorageError: ``root`` is missing, not a folder, read-only, or its folder for this
+            fingerprint is locked by another engine.
+    """
+
+    def __init__(self, root: str | Path, fingerprint: Fingerprint,
+                 ops: FileOps | None = None) -> None:
+        self.root = Path(root).expanduser()
+        self.fingerprint = fingerprint
+        self.ops = ops or FileOps()
+        if not self.root.is_dir():
+            raise StorageError(f"snapshot directory {self.root} does not exist (or is not a "
+                               "folder): create it, or pass another --snapshot-dir")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StorageError(f"snapshot directory {self.root} is not writable: fix its "
+                               "permissions, or pass another --snapshot-dir")
+        self.folder = self.root / fingerprint.key
+        self.pages_dir = self.folder / "pages"
+        self.snaps_dir = self.folder / "snapshots"
+        self.tmp_dir = self.folder / "tmp"
+        self._counter = itertools.count()
+        try:
+            for d in (self.folder, self.pages_dir, self.snaps_dir, self.tmp_dir):
+                d.mkdir(exist_ok=True)
+            self._lock_fd = os.open(self.folder / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise StorageError(f"cannot use snapshot directory {self.root}: {e}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise StorageError(
+                f"snapshot directory {self.folder} is in use by another running engine of "
+                "the same model; stop it, or pass another --snapshot-dir") from None
+        for stale in self.tmp_dir.iterdir():  # files a crash left half-written
+            stale.unlink(missing_ok=True)
+        format_file = self.folder / "FORMAT.json"
+        if not format_file.exists():
+            self.write_atomic(format_file, [json.dumps(asdict(fingerprint), indent=1).encode()])
+
+    def close(self) -> None:
+        """Release the folder's lock (the files stay)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # ------------------------------------------------------------------------ writing
+
+    def write_atomic(self, path: Path, parts: Sequence[bytes | memoryview],
+                     durable: bool = True) -> int:
+        """Write ``parts`` as the file ``path``: all of it or nothing, ever.
+
+        Written to ``tmp/``, fsynced, renamed over ``path``, then the folder is fsynced
+        (``durable=False`` skips both fsyncs: for cache pages a crash may lose).
+
+        Returns:
+            The bytes written.
+
+        Raises:
+            StorageError: the write failed (the message names ``path`` and the cause);
+                nothing is left behind.
+        """
+        tmp = self.tmp_dir / f"{path.name}.{os.getpid()}.{next(self._counter)}"
+        total = 0
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        n = self.ops.write(fd, view)
+                        view = view[n:]
+                        total += n
+                if durable:
+                    self.ops.fsync(fd)
+            finally:
+                os.close(fd)
+            self.ops.replace(tmp, path)
+            if durable:
+                self.ops.fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+            raise StorageError(f"cannot write {path}: {why}; nothing was saved") from None
+        return total
+
+    def sync_file(self, path: Path) -> None:
+        """fsync an existing file (a cache page becoming part of a snapshot).
+
+        Raises:
+            StorageError: the file is gone or the fsync failed.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                self.ops.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise StorageError(f"cannot sync {path}: {e}") from None
+
+    def page_path(self, page_hash: int) -> Path:
+        return self.pages_dir / f"{page_hash:016x}.page"
+
+    def manifest_path(self, namespace: str, name: str) -> Path:
+        return self.snaps_dir / f"{manifest_key(namespace, name)}.snap"
+
+    def write_page(self, page_hash: int, parent: int, tokens: Sequence[int],
+                   positions: Sequence[int], extras: Sequence[int],
+                   payload: bytes | memoryview, durable: bool = True) -> int:
+        """Write one committed page file; returns its size in bytes."""
+        n = len(tokens)
+        payload = memoryview(payload).cast("B")
+        head = _PAGE_HEAD.pack(_PAGE_MAGIC, page_hash, parent, n, payload.nbytes)
+        body = struct.pack(f"<{n}q{n}q{n}Q", *tokens, *positions, *extras)
+        return self.write_atomic(self.page_path(page_hash),
+                                 [head, body, payload, _sum(head, body, payload)], durable)
+
+    def write_manifest(self, head: ManifestHead, tail: bytes | memoryview,
+                       logits: bytes | memoryview) -> int:
+        """Write (durably) one snapshot manifest; returns its size in bytes."""
+        packed = msgspec.msgpack.encode(head)
+        front = _SNAP_HEAD.pack(_SNAP_MAGIC, len(packed))
+        tail, logits = memoryview(tail).cast("B"), memoryview(logits).cast("B")
+        return self.write_atomic(
+            self.manifest_path(head.namespace, head.name),
+            [front, packed, _sum(front, packed), tail, logits, _sum(tail, logits)])
+
+    def remove(self, path: Path, durable: bool = True) -> None:
+        """Delete a file (missing is fine); fsync its folder when ``durable``.
+
+        Raises:
+            StorageError: the unlink failed.
+        """
+        try:
+            path.unlink(missing_ok=True)
+            if durable:
+                self.ops.fsync_dir(path.parent)
+        except OSError as e:
+            raise StorageError(f"cannot delete {path}: {e}") from None
+
+    # ------------------------------------------------------------------------ reading
+
+    def read_page(self, page_hash: int, payload_bytes: int) -> PageRecord:
+        """Read and verify one page file.
+
+        Args:
+            page_hash: the page's chained hash (its file name).
+            payload_bytes: the size a page's KV has in this engine's pool.
+
+        Raises:
+            SnapshotCorrupt: missing, truncated, wrong checksum, or contents that do not
+                hash to ``page_hash``; the message names the file.
+        """
+        path = self.page_path(page_hash)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise SnapshotCorrupt(f"page file {path} cannot be read: {e}") from None
+
+        def bad(why: str) -> SnapshotCorrupt:
+            return SnapshotCorrupt(f"page file {path} is corrupt ({why})")
+
+        if len(data) < _PAGE_HEAD.size + _SUM.size:
+            raise bad(f"truncated to {len(data)} bytes")
+        magic, h, parent, n, size = _PAGE_HEAD.unpack_from(data)
+        body = 24 * n
+        if magic != _PAGE_MAGIC:
+            raise bad("not a page file")
+        if len(data) != _PAGE_HEAD.size + body + size + _SUM.size:
+            raise bad(f"{len(data)} bytes, its header says "
+                      f"{_PAGE_HEAD.size + body + size + _SUM.size}")
+        view = memoryview(data)
+        if _sum(view[:-_SUM.size]) != data[-_SUM.size:]:
+            raise bad("checksum mismatch")
+        if h != page_hash or size != payload_bytes:
+            raise bad(f"holds page {h:016x} of {size} bytes, expected {page_hash:016x} of "
+                      f"{payload_bytes}")
+        values = struct.unpack_from(f"<{n}q{n}q{n}Q", data, _PAGE_HEAD.size)
+        tokens, positions, extras = values[:n], values[n:2 * n], values[2 * n:]
+        if n == 0 or hash_page(parent, tokens, positions, fold_extras(extras)) != h:
+            raise bad("its tokens do not hash to its name")
+        start = _PAGE_HEAD.size + body
+        return PageRecord(PageHash(h), parent, tokens, positions, extras,
+                          data[start:start + size])
+
+    def read_blob(self, head: ManifestHead) -> tuple[bytes, bytes]:
+        """The manifest's working-tail KV bytes and last logits, verified.
+
+        Raises:
+            SnapshotCorrupt: the blob is missing, truncated or fails its checksum.
+        """
+        path = self.manifest_path(head.namespace, head.name)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise SnapshotCorrupt(f"manifest {path} cannot be read: {e}") from None
+        packed = msgspec.msgpack.encode(head)
+        start = _SNAP_HEAD.size + len(packed) + _SUM.size
+        end = start + head.tail_bytes + head.logits_bytes
+        if len(data) != end + _SUM.size:
+            raise SnapshotCorrupt(f"manifest {path} is corrupt ({len(data)} bytes, expected "
+                                  f"{end + _SUM.size})")
+        view = memoryview(data)
+        if _sum(view[start:end]) != data[end:]:
+            raise SnapshotCorrupt(f"manifest {path} is corrupt (checksum mismatch)")
+        return data[start:start + head.tail_bytes], data[start + head.tail_bytes:end]
+
+    # ------------------------------------------------------------------------ listing
+
+    def manifests(self) -> Iterator[tuple[Path, ManifestHead | SnapshotCorrupt]]:
+        """Every manifest file with its head, or the error that makes it unreadable."""
+        for path in sorted(self.snaps_dir.glob("*.snap")):
+            try:
+                head = read_head(path)
+            except SnapshotCorrupt as err:
+                yield path, err
+                continue
+            if head.fingerprint != self.fingerprint.key or \
+                    path.stem != manifest_key(head.namespace, head.name):
+                yield path, SnapshotCorrupt(f"manifest {path} belongs elsewhere")
+                continue
+            yield path, head
+
+    def page_files(self) -> dict[PageHash, int]:
+        """Every page file on disk: hash -> size in bytes."""
+        out: dict[PageHash, int] = {}
+        for entry in os.scandir(self.pages_dir):
+            stem, dot, ext = entry.name.partition(".")
+            if dot and ext == "page" and len(stem) == 16:
+                try:
+                    out[PageHash(int(stem, 16))] = entry.stat().st_size
+                except ValueError:
+                    continue
+        return out
+
+
+def foreign_manifests(root: Path, fingerprint: Fingerprint) -> dict[tuple[str, str], str]:
+    """Snapshots in ``root`` saved by engines with other fingerprints: ``(namespace, name)
+    -> why this engine cannot use them``. Unreadable entries are skipped."""
+    out: dict[tuple[str, str], str] = {}
+    for fmt in sorted(root.glob("*/FORMAT.json")):
+        folder = fmt.parent
+        if folder.name == fingerprint.key:
+            continue
+        try:
+            other = Fingerprint.from_json(json.loads(fmt.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        why = (f"it was saved by {other.describe()}; this engine runs "
+               f"{fingerprint.describe()}")
+        for path in (folder / "snapshots").glob("*.snap"):
+            with contextlib.suppress(SnapshotCorrupt):  # only named in messages
+                head = read_head(path)
+                out.setdefault((head.namespace, head.name), why)
+    return out

@@ -1,0 +1,317 @@
+"""The disk tier: which committed pages are on disk, who references them, and moving page
+bytes between the pool and the snapshot directory.
+
+Owns: the disk index (``PageHash -> DiskPage``) and the disk cache's LRU; the files
+themselves are written through ``runtime.kv.disk.PageFiles``. The page store calls it; it
+never touches the trie or a context's state.
+
+Two kinds of page files:
+
+* **snapshot pages**, referenced by at least one durable manifest (``refs > 0``). Written
+  durably before their manifest; removed when the last manifest referencing them is
+  deleted. They survive restarts.
+* **cache pages**: committed pages evicted from the pool while no snapshot references them,
+  written (not fsynced) so prefix matching can bring them back instead of recomputing them.
+  At most ``max_cache_pages`` are kept (LRU); a restart sweeps them.
+
+Invariant (``check``): the index holds exactly the page files on disk; ``refs`` is the
+number of durable manifests listing the page; the cache LRU holds exactly the pages with
+``refs == 0``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
+from runtime.kv.disk import ManifestHead, PageFiles, PageRecord
+from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.pool import PagePool
+from runtime.kv.types import PageHash, PageId
+
+__all__ = ["DiskTier", "DiskPage", "TierCounters"]
+
+log = logging.getLogger("pie_ctx.snapshots")
+
+
+@dataclass(slots=True)
+class DiskPage:
+    """One page file: how many manifests list it, and whether it was fsynced."""
+
+    nbytes: int
+    refs: int = 0
+    durable: bool = True
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What the disk tier has done since boot."""
+
+    pages_written: int = 0
+    bytes_written: int = 0
+    pages_loaded: int = 0  # disk hits: pages brought back into the pool
+    bytes_loaded: int = 0
+    cache_pages_dropped: int = 0  # cache pages removed to stay within the budget
+    write_failures: int = 0
+    snapshots_spilled: int = 0  # resident snapshots dropped from the pool under pressure
+
+
+@dataclass(slots=True)
+class TierView:
+    """The pool's bytes as one uint8 array per page (a view on CPU, copies elsewhere)."""
+
+    pool: PagePool
+    page_bytes: int = 0
+    _array: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        kv = self.pool.kv
+        self.page_bytes = kv[0].numel() * kv.element_size()
+        if kv.device.type == "cpu":
+            # [pages, page_bytes]: numpy reads and writes never start a torch thread team
+            self._array = kv.view(torch.uint8).numpy().reshape(self.pool.num_pages, -1)
+
+    def read(self, page_id: PageId) -> memoryview:
+        if self._array is not None:
+            return memoryview(self._array[page_id])
+        return memoryview(self.pool.kv[page_id].contiguous().view(torch.uint8).cpu().numpy())
+
+    def write(self, page_id: PageId, payload: bytes) -> None:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if self._array is not None:
+            self._array[page_id] = src
+            return
+        dst = self.pool.kv[page_id].view(-1).view(torch.uint8)
+        dst.copy_(torch.from_numpy(src.copy()).to(dst.device))
+
+
+class DiskTier:
+    """Page files on disk for one page store (see the module docstring).
+
+    Args:
+        files: the engine's folder in the snapshot directory.
+        pool: the page pool whose bytes pages are read from and written into.
+        max_cache_pages: cache pages kept on disk at most (0: evicted pages are lost).
+    """
+
+    def __init__(self, files: PageFiles, pool: PagePool, max_cache_pages: int) -> None:
+        self.files = files
+        self.view = TierView(pool)
+        self.max_cache_pages = max_cache_pages
+        self.index: dict[PageHash, DiskPage] = {}
+        self.cache: OrderedDict[PageHash, None] = OrderedDict()  # refs == 0, LRU first
+        self.missing: set[PageHash] = set()  # listed by a manifest, file gone (found at boot)
+        self.counters = TierCounters()
+
+    @property
+    def page_bytes(self) -> int:
+        return self.view.page_bytes
+
+    # ------------------------------------------------------------------------- boot
+
+    def boot(self) -> list[ManifestHead]:
+        """Read every manifest's head, count references, and sweep: page files no
+        manifest lists are deleted. Unreadable manifests are logged and left out.
+
+        Returns:
+            The readable manifests (each is a snapshot to list).
+        """
+        heads: list[ManifestHead] = []
+        for _path, head in self.files.manifests():
+            if isinstance(head, SnapshotCorrupt):
+                log.warning("snapshot manifest skipped: %s", head)
+                continue
+            heads.append(head)
+        on_disk = self.files.page_files()
+        for head in heads:
+            for h in head.pages:
+                page = self.index.get(PageHash(h))
+                if page is None:
+                    # A missing file fails the snapshot's open (naming it), not the boot.
+                    page = self.index[PageHash(h)] = DiskPage(on_disk.get(PageHash(h), 0))
+                page.refs += 1
+        swept = 0
+        for h in on_disk.keys() - self.index.keys():
+            self.files.remove(self.files.page_path(h), durable=False)
+            swept += 1
+        for h in [h for h in self.index if h not in on_disk]:
+            del self.index[h]  # referenced but missing: opening its snapshot says so
+            self.missing.add(h)
+            log.warning("snapshot directory %s: page file %s is missing",
+                        self.files.folder, self.files.page_path(h))
+        if swept:
+            log.info("snapshot directory %s: swept %d unreferenced page files",
+                     self.files.folder, swept)
+        return heads
+
+    # ----------------------------------------------------------------------- writing
+
+    def spill(self, page_hash: PageHash, parent: int, tokens: Sequence[int],
+              positions: Sequence[int], extras: Sequence[int], page_id: PageId) -> None:
+        """A cached page is leaving the pool: keep it on disk (best effort: a failed
+        write only loses the cache entry)."""
+        if page_hash in self.index:
+            if page_hash in self.cache:
+                self.cache.move_to_end(page_hash)
+            return
+        if self.max_cache_pages <= 0:
+            return
+        try:
+            n = self.files.write_page(page_hash, parent, tokens, positions, extras,
+                                      self.view.read(page_id), durable=False)
+        except StorageError as err:
+            self.counters.write_failures += 1
+            log.warning("a cached page was not written to disk: %s", err)
+            return
+        self._count_write(n)
+        self.index[page_hash] = DiskPage(n, refs=0, durable=False)
+        self.cache[page_hash] = None
+        self._trim()
+
+    def write_snapshot_pages(
+        self,
+        pages: Iterable[tuple[PageHash, int, Sequence[int], Sequence[int], Sequence[int], PageId]],
+        to_sync: Iterable[PageHash],
+    ) -> list[PageHash]:
+        """Write (durably) pages not on disk yet, and fsync cache pages a snapshot now uses.
+
+        Runs off the event loop: it reads only files and the bytes of pages the caller's
+        snapshot state holds (immutable), and touches no table. Returns the hashes it
+        wrote, for ``adopt_written``.
+
+        Raises:
+            StorageError: a write failed; the pages written so far are on the error's
+                ``written`` attribute, so the caller can remove them.
+        """
+        written: list[PageHash] = []
+        try:
+            for h in to_sync:
+                self.files.sync_file(self.files.page_path(h))
+            for h, parent, tokens, positions, extras, page_id in pages:
+                self.files.write_page(h, parent, tokens, positions, extras,
+                                      self.view.read(page_id), durable=True)
+                written.append(h)
+        except StorageError as err:
+            err.written = written  # type: ignore[attr-defined]
+            raise
+        return written
+
+    def adopt_written(self, written: Sequence[PageHash]) -> None:
+        """Index pages ``write_snapshot_pages`` wrote (on the event loop)."""
+        for h in written:
+            if h not in self.index:
+                self.index[h] = DiskPage(self.page_bytes)
+                self._count_write(self.page_bytes)
+
+    def add_refs(self, hashes: Iterable[int]) -> None:
+        """A durable manifest now lists these pages (all on disk)."""
+        for h in hashes:
+            page = self.index[PageHash(h)]
+            page.refs += 1
+            page.durable = True
+            self.cache.pop(PageHash(h), None)
+
+    def drop_refs(self, hashes: Iterable[int]) -> None:
+        """A manifest listing these pages is gone: delete the files nothing else lists."""
+        for h in hashes:
+            page = self.index.get(PageHash(h))
+            if page is None:
+                continue
+            page.refs -= 1
+            if page.refs <= 0:
+                self.remove_page(PageHash(h))
+
+    def remove_page(self, h: PageHash) -> None:
+        """Delete one page file (an orphan left by a failure is swept at the next boot)."""
+        self.index.pop(h, None)
+        self.cache.pop(h, None)
+        try:
+            self.files.remove(self.files.page_path(h), durable=False)
+        except StorageError as err:
+            log.warning("%s (swept at the next start)", err)
+
+    def _count_write(self, nbytes: int) -> None:
+        self.counters.pages_written += 1
+        self.counters.bytes_written += nbytes
+
+    def _trim(self) -> None:
+        while len(self.cache) > self.max_cache_pages:
+            h, _ = self.cache.popitem(last=False)
+            self.counters.cache_pages_dropped += 1
+            self.remove_page(h)
+
+    # ----------------------------------------------------------------------- reading
+
+    def find(self, parent: int, tokens: Sequence[int], positions: Sequence[int],
+             extras: Sequence[int]) -> PageRecord | None:
+        """The page continuing ``parent`` with these contents, read from disk and
+        verified, or None (not on disk, or its file is damaged: then it is dropped)."""
+        h = hash_page(parent, tokens, positions, fold_extras(extras))
+        if h not in self.index:
+            return None
+        try:
+            record = self.read(h)
+        except SnapshotCorrupt as err:
+            log.warning("%s; computing the page instead", err)
+            if self.index[h].refs == 0:
+                self.remove_page(h)
+            return None
+        if (record.parent, record.tokens, record.positions, record.extras) != (
+                parent, tuple(tokens), tuple(positions), tuple(extras)):
+            return None  # a 64-bit hash collision: not this page
+        if h in self.cache:
+            self.cache.move_to_end(h)
+        return record
+
+    def read(self, h: PageHash) -> PageRecord:
+        """Read and verify one page file (any thread).
+
+        Raises:
+            SnapshotCorrupt: the file is missing or damaged (the message names it).
+        """
+        if h not in self.index:
+            raise SnapshotCorrupt(f"page file {self.files.page_path(h)} is missing")
+        return self.files.read_page(h, self.page_bytes)
+
+    def install(self, page_id: PageId, payload: bytes) -> None:
+        """Copy a page's bytes read from disk into the pool (on the event loop)."""
+        self.view.write(page_id, payload)
+        self.counters.pages_loaded += 1
+        self.counters.bytes_loaded += len(payload)
+
+    # ------------------------------------------------------------------------ checks
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.nbytes for p in self.index.values())
+
+    def check(self, refs: dict[PageHash, int]) -> None:
+        """Compare the index with the files on disk and ``refs`` (hash -> manifests that
+        list it, recomputed by the caller).
+
+        Raises:
+            RuntimeError: a page file is lost or orphaned, or a count is off.
+        """
+        on_disk = self.files.page_files()
+        if set(on_disk) != set(self.index):
+            lost = sorted(set(self.index) - set(on_disk))[:3]
+            orphans = sorted(set(on_disk) - set(self.index))[:3]
+            raise RuntimeError(f"disk tier: index != files (lost {lost}, orphans {orphans})")
+        for h, page in self.index.items():
+            if page.refs != refs.get(h, 0):
+                raise RuntimeError(f"disk tier: page {h:016x} has refs {page.refs}, "
+                                   f"manifests list it {refs.get(h, 0)} times")
+            if (page.refs == 0) != (h in self.cache):
+                raise RuntimeError(f"disk tier: page {h:016x} cache membership is wrong")
+        if missing := set(refs) - set(self.index) - self.missing:
+            raise RuntimeError(f"disk tier: manifests list pages not on disk: {sorted(missing)[:3]}")
