@@ -162,6 +162,7 @@ async def fetch_stats(address: str, token: str | None) -> dict[str, Any]:
         stats = await transport.request(P.GetStats())
         info = transport.info
     return {"model_name": info.model_name, "page_size": info.page_size,
+            "snapshot_dir": info.snapshot_dir or "(in memory)",
             **msgspec.structs.asdict(stats)}
 
 
@@ -178,7 +179,7 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     for key, value in stats.items():
         shown = f"{value:.3f}" if isinstance(value, float) else value
-        print(f"{key:>18}  {shown}")
+        print(f"{key:>22}  {shown}")
     return 0
 
 

@@ -83,6 +83,7 @@ class Context(Counters):
         core = ContextCore(rt)
         core.adopt(reply)
         core.chat = core.chat.from_meta(reply.meta)
+        core.open_report = reply.report
         return cls(rt, _core=core)
 
     # --------------------------------------------------------------------- counters
@@ -96,6 +97,13 @@ class Context(Counters):
         """Tokens filled in but not yet written to the KV cache (a copy)."""
         self._core.check_open()
         return list(self._core.pending)
+
+    @property
+    def open_report(self) -> P.PassReport | None:
+        """For a context made by :meth:`open` or :meth:`take`: where the snapshot's pages
+        came from (``pages_from_memory`` / ``pages_from_disk``; nothing is computed).
+        None for any other context."""
+        return self._core.open_report
 
     @property
     def is_released(self) -> bool:

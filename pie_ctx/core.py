@@ -70,6 +70,7 @@ class ContextCore:
         self.chain = OpChain()
         self.released = False
         self.created: Op | None = None
+        self.open_report: P.PassReport | None = None  # set when opened from a snapshot
         self._running: set[Cancellable] = set()
         self._unobserved: list[Op] = []
 

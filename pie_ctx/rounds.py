@@ -173,6 +173,9 @@ class RoundStream:
     def _add_report(self, r: P.PassReport) -> None:
         self._report.tokens_written += r.tokens_written
         self._report.tokens_computed += r.tokens_computed
+        self._report.pages_reused += r.pages_reused
+        self._report.pages_computed += r.pages_computed
+        self._report.pages_from_disk += r.pages_from_disk
 
     async def _rollback(self) -> None:
         """Take back everything this generation wrote (its pages were never committed)."""

@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -45,15 +46,22 @@ class Runtime:
     @classmethod
     @asynccontextmanager
     async def local(cls, model: str | None = None, *, page_size: int = 16,
-                    num_pages: int | None = None, engine: Any = None,
-                    **engine_kw: Any) -> AsyncIterator[Runtime]:
+                    num_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
+                    engine: Any = None, **engine_kw: Any) -> AsyncIterator[Runtime]:
         """Boot an engine in this process (or use ``engine``, already running) for one owner.
 
         Args:
             model: model reference (None = the default SmolLM2-135M-Instruct).
             page_size: tokens per page.
             num_pages: pool size (default: what ``kv_memory_gb`` holds).
+            snapshot_dir: an existing folder where snapshots are durable: they survive the
+                runtime and are bounded by the disk, not the pool. None (the default): in
+                memory, for this runtime's life (docs/snapshots.md).
             engine: an existing, running engine to share (then ``model`` etc. are ignored).
+            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``...).
+
+        Raises:
+            StorageError: ``snapshot_dir`` is missing, read-only, or in use by another engine.
         """
         if engine is not None:
             async with cls._over(LocalTransport(engine)) as rt:
@@ -62,7 +70,8 @@ class Runtime:
         # The documented lazy entry point into the runtime package: torch loads only here.
         from runtime.engine.boot import boot_engine
 
-        booted = boot_engine(model, page_size=page_size, num_pages=num_pages, **engine_kw)
+        booted = boot_engine(model, page_size=page_size, num_pages=num_pages,
+                             snapshot_dir=snapshot_dir, **engine_kw)
         async with booted, cls._over(LocalTransport(booted)) as rt:
             yield rt
 

@@ -74,12 +74,23 @@ class ContextState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PassReport(msgspec.Struct, kw_only=True):
-    """What a flush or forward pass did: tokens written, pages reused vs computed."""
+    """What a flush, forward pass, generation or snapshot open did: tokens written, and
+    pages reused (found in memory or loaded from disk) vs computed.
+
+    ``pages_reused`` counts both kinds of reuse; ``pages_from_disk`` is the part of it read
+    from the snapshot directory, ``pages_from_memory`` the rest.
+    """
 
     tokens_written: int = 0
     tokens_computed: int = 0
     pages_reused: int = 0
     pages_computed: int = 0
+    pages_from_disk: int = 0
+
+    @property
+    def pages_from_memory(self) -> int:
+        """Pages reused that were already in the pool."""
+        return self.pages_reused - self.pages_from_disk
 
 
 # ----------------------------------------------------------------------------- requests
@@ -317,6 +328,7 @@ class ContextReply(_Reply):
     ctx: int
     state: ContextState
     meta: str = ""  # a snapshot's meta, when opened from one
+    report: PassReport | None = None  # when opened from a snapshot: where its pages came from
 
 
 class StateReply(_Reply):
@@ -413,6 +425,7 @@ class EngineInfo(_Reply):
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged
     weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
+    snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory
 
 
 class EngineStats(_Reply):
@@ -431,6 +444,16 @@ class EngineStats(_Reply):
     model_seconds: float
     scheduler_seconds: float
     num_isolated_failures: int = 0  # requests failed alone because their rows broke a step
+    # the disk tier (all 0 when snapshots are kept in memory; docs/snapshots.md)
+    pages_from_disk: int = 0  # of pages_reused: pages prefix matching loaded from disk
+    num_snapshots_resident: int = 0  # snapshots whose pages are in the pool
+    num_snapshots_spilled: int = 0  # times a snapshot was dropped from the pool to disk
+    num_disk_pages: int = 0  # page files in the snapshot directory
+    disk_bytes: int = 0  # their size
+    disk_pages_written: int = 0
+    disk_bytes_written: int = 0
+    disk_pages_loaded: int = 0  # disk hits: pages read back into the pool (opens + prefixes)
+    disk_bytes_loaded: int = 0
 
 
 class ErrorReply(_Reply):

@@ -70,6 +70,7 @@ class LoopCounters:
     tokens_computed: int = 0
     pages_reused: int = 0
     pages_computed: int = 0
+    pages_from_disk: int = 0
     isolated_failures: int = 0  # jobs failed alone because their rows broke a step
 
 
@@ -129,6 +130,7 @@ class Engine:
             dtype=str(store.pool.dtype).removeprefix("torch."),
             device=str(store.pool.kv.device), attention=runner.backend.name,
             weights=runner.weight_format, kv_dtype=store.pool.kv_dtype,
+            snapshot_dir="" if store.tier is None else str(store.tier.files.folder),
         )
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
@@ -171,6 +173,7 @@ class Engine:
                 self._notify(job)
             self.records.collect_garbage()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
+            self.store.close()  # another engine may now use the snapshot folder
 
     def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the thread that runs the model, and wait for it (blocking).
@@ -241,7 +244,12 @@ class Engine:
             tokens_computed=c.tokens_computed, pages_reused=c.pages_reused,
             pages_computed=c.pages_computed, hit_rate=c.pages_reused / looked_up if looked_up else 0.0,
             model_seconds=c.model_seconds, scheduler_seconds=c.scheduler_seconds,
-            num_isolated_failures=c.isolated_failures,
+            num_isolated_failures=c.isolated_failures, pages_from_disk=c.pages_from_disk,
+            num_snapshots_resident=s.num_snapshots_resident,
+            num_snapshots_spilled=s.num_snapshots_spilled, num_disk_pages=s.num_disk_pages,
+            disk_bytes=s.num_disk_bytes, disk_pages_written=s.disk_pages_written,
+            disk_bytes_written=s.disk_bytes_written, disk_pages_loaded=s.disk_pages_loaded,
+            disk_bytes_loaded=s.disk_bytes_loaded,
         )
 
     # ------------------------------------------------------------------ the job queue
@@ -344,5 +352,6 @@ class Engine:
         if job.error is None and not job.cancelled:
             c.pages_reused += report.pages_reused
             c.pages_computed += report.pages_computed
+            c.pages_from_disk += report.pages_from_disk
         if job.waiter is not None:
             job.waiter(job)

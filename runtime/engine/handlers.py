@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
@@ -48,6 +50,7 @@ class Handlers:
         self._stats = stats
         self._tokenizer = tokenizer
         self._on_pages_freed = on_pages_freed
+        self._save_lock = anyio.Lock()
         self._table: dict[type, Handler] = {
             P.CreateContext: self._create,
             P.ForkContext: self._fork,
@@ -83,8 +86,10 @@ class Handlers:
 
     # ------------------------------------------------------------------------ contexts
 
-    def _reply(self, record: ContextRecord, meta: str = "") -> P.ContextReply:
-        return P.ContextReply(ctx=record.handle, state=self._store.state(record.cid), meta=meta)
+    def _reply(self, record: ContextRecord, meta: str = "",
+               report: P.PassReport | None = None) -> P.ContextReply:
+        return P.ContextReply(ctx=record.handle, state=self._store.state(record.cid), meta=meta,
+                              report=report)
 
     def _check_share(self, owner: Any, more: int) -> None:
         """Refuse to give ``owner`` ``more`` pages beyond its share of the pool."""
@@ -159,23 +164,44 @@ class Handlers:
         name = checks.snapshot_name(req.name)
         if not isinstance(req.meta, str):
             raise InvalidArgument("snapshot meta must be a str")
-        async with record.lock:
-            self._store.save_snapshot(record.cid, name, ns, meta=req.meta,
-                                      last_logits=record.last_logits)
+        # One durable save at a time: a second save of the same name then sees the first
+        # listed (SnapshotExists), and a failed save never removes a page file another
+        # save in flight has just written.
+        async with self._save_lock:
+            async with record.lock:  # the fork is instant; the context goes on after it
+                job = self._store.begin_save(record.cid, name, ns, meta=req.meta,
+                                             last_logits=record.last_logits)
+            if job is not None:
+                await anyio.to_thread.run_sync(job.write)  # files, fsyncs: off the loop
+                try:
+                    self._store.end_save(job)
+                finally:
+                    self._on_pages_freed()  # a failed save gave its pages back
         return P.Ok()
+
+    async def _restore(self, name: str, ns: str) -> P.PassReport:
+        """Make the snapshot resident (reading spilled pages on a worker thread); the
+        report says where its pages came from."""
+        job = self._store.plan_restore(name, ns)
+        if job is not None:
+            await anyio.to_thread.run_sync(job.read)
+        from_memory, from_disk = self._store.restore_snapshot(name, ns, job)
+        return P.PassReport(pages_reused=from_memory + from_disk, pages_from_disk=from_disk)
 
     async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
+        report = await self._restore(name, ns)
         snap = self._store.snapshot(name, ns)
         self._check_share(owner, len(snap.state.working))
         cid = self._store.open_snapshot(name, ns, owner)
-        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
+        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta, report)
 
     async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
+        report = await self._restore(name, ns)
         snap = self._store.snapshot(name, ns)
         cid = self._store.take_snapshot(name, ns, owner)
-        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta)
+        return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta, report)
 
     async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:
         self._store.delete_snapshot(checks.snapshot_name(req.name), ns)

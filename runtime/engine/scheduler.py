@@ -265,9 +265,11 @@ class Scheduler:
         usable = len(job.tokens) - (1 if job.probe_indices() else 0)
         if usable < self.page_size:
             return
+        loaded = self.store.num_pages_loaded
         num = self.store.attach_prefix(job.shadow, job.tokens[:usable], job.positions[:usable], 0)
         job.num_written = num * self.page_size
         job.report.pages_reused += num
+        job.report.pages_from_disk += self.store.num_pages_loaded - loaded
         job.report.tokens_written += job.num_written
 
     # ------------------------------------------------------------------------- planning

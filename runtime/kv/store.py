@@ -683,7 +683,8 @@ class PageStore:
         the manifest.
 
         Returns:
-            ``(pages_from_memory, pages_from_disk)`` of its committed pages.
+            ``(pages_from_memory, pages_from_disk)``: its committed pages and working tail
+            pages, by where their bytes came from.
 
         Raises:
             SnapshotNotFound / InvalidArgument: as ``snapshot``.
@@ -694,7 +695,7 @@ class PageStore:
         snap = self.snapshots.get(name, namespace)
         if snap.state is not None:
             self.snapshots.touch(key, snap)
-            return snap.state.num_committed_pages, 0
+            return snap.state.num_committed_pages + len(snap.state.working), 0
         if job is None or job.head is not snap.head:
             job = self.plan_restore(name, namespace)
             job.read()  # type: ignore[union-attr]
@@ -704,7 +705,7 @@ class PageStore:
         snap.state = state
         snap.last_logits = np.frombuffer(job.logits, dtype="<f4") if job.logits else None  # type: ignore[union-attr]
         self.snapshots.touch(key, snap)
-        return from_memory, state.num_committed_pages - from_memory
+        return from_memory, state.num_committed_pages + len(state.working) - from_memory
 
     def _install(self, job: RestoreJob) -> tuple[PageState, int]:
         """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
@@ -737,7 +738,7 @@ class PageStore:
             tail = self._allocate_or_raise(head.tail_pages, f"reopen snapshot {job.key[1]!r}")
             state.working = tail
             for j, page_id in enumerate(tail):
-                tier.view.write(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])  # type: ignore[union-attr]
+                tier.install(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])  # type: ignore[union-attr]
             state.tokens = list(head.tail_tokens)
             state.positions = list(head.tail_positions)
             state.extras = list(head.tail_extras)
@@ -860,6 +861,11 @@ class PageStore:
     def num_pages_loaded(self) -> int:
         """Pages brought back from disk since boot (0 without a disk tier)."""
         return 0 if self.tier is None else self.tier.counters.pages_loaded
+
+    def close(self) -> None:
+        """Let go of the snapshot directory (its lock; every file stays). Idempotent."""
+        if self.tier is not None:
+            self.tier.files.close()
 
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]:
         """Every live context's page state (read-only use: the invariant checker, tests)."""

@@ -26,17 +26,20 @@ against the first candidate); results may differ in the last bits, never more.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Int8Weight", "Projection", "ROW_BUCKETS", "choose_kernels", "should_pack"]
+__all__ = ["Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
+           "kernel_choices", "should_pack"]
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +270,23 @@ def _best_seconds(kernels: list[Kernel], x: torch.Tensor, repeats: int) -> float
 _CHOSEN: dict[tuple, tuple[list[str], str]] = {}  # signature -> (kernels, log line)
 
 
+def kernel_choices() -> dict[str, list[Any]]:
+    """Every kernel choice made in this process, as JSON-ready data (``boot_engine`` keeps
+    them beside durable snapshots, so a restarted engine computes exactly as before)."""
+    return {json.dumps(sig): [names, line] for sig, (names, line) in _CHOSEN.items()}
+
+
+def adopt_kernel_choices(choices: dict[str, list[Any]]) -> None:
+    """Use choices saved by :func:`kernel_choices` instead of timing those signatures again
+    (a choice naming a kernel this machine lacks is timed again instead)."""
+
+    def tuples(v: Any) -> Any:
+        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+
+    for key, (names, line) in choices.items():
+        _CHOSEN.setdefault(tuples(json.loads(key)), (list(names), str(line)))
+
+
 def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> list[str]:
     """Time every candidate kernel per projection signature and row bucket; route each
     projection to the fastest. Returns the log lines (also logged at INFO).
@@ -281,7 +301,7 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
     lines = []
     gen = torch.Generator().manual_seed(0)
     for sig, members in groups.items():
-        if sig in _CHOSEN:
+        if sig in _CHOSEN and set(_CHOSEN[sig][0]) <= set(members[0].candidate_names()):
             names, line = _CHOSEN[sig]
             for p in members:
                 p.use(names)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,10 +25,10 @@ from pie_ctx.proto.address import (
     read_token_file,
     write_token_file,
 )
-from pie_ctx.proto.errors import PieError
+from pie_ctx.proto.errors import PieError, StorageError
 from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["register", "serve_main", "DEFAULT_CLIENT_SHARE"]
+__all__ = ["register", "serve_main", "default_snapshot_dir", "DEFAULT_CLIENT_SHARE"]
 
 # A client's contexts may hold at most half of the pool, so one client can never take all
 # of it from the others (docs/scheduling.md).
@@ -78,9 +79,42 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--client-share", type=float, default=DEFAULT_CLIENT_SHARE,
                        help="fraction of the KV pool one client's contexts may hold "
                             f"(default {DEFAULT_CLIENT_SHARE}; 1 = no limit)")
+    snaps = serve.add_mutually_exclusive_group()
+    snaps.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                       help="keep snapshots durable in DIR (it must exist); default: "
+                            f"{default_snapshot_dir()} (created if missing). See "
+                            "docs/snapshots.md")
+    snaps.add_argument("--memory-snapshots", action="store_true",
+                       help="keep snapshots in the KV pool only: lost when the server stops")
+    serve.add_argument("--disk-cache-gb", type=float, default=4.0,
+                       help="with a snapshot directory: disk space for evicted cache pages "
+                            "that prefix matching can load back (default 4)")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
+
+
+def default_snapshot_dir() -> Path:
+    """Where ``serve`` keeps snapshots unless told: ``$XDG_DATA_HOME/pie-ctx/snapshots``,
+    else ``~/.local/share/pie-ctx/snapshots`` (user data, like database rows: not a cache)."""
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
+    return base / "pie-ctx" / "snapshots"
+
+
+def _snapshot_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``boot_engine`` keyword arguments for the snapshot directory."""
+    if args.memory_snapshots:
+        return {}
+    folder = args.snapshot_dir
+    if folder is None:
+        folder = default_snapshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create the snapshot directory {folder}: {e}; pass "
+                               "--snapshot-dir DIR or --memory-snapshots") from None
+    return {"snapshot_dir": folder, "disk_cache_gb": args.disk_cache_gb}
 
 
 def _listen_address(args: argparse.Namespace) -> Address:
@@ -123,7 +157,7 @@ def serve_main(args: argparse.Namespace) -> int:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
         http, api_key, key_file = _http_options(args)
-        engine = boot_engine(args.model, **engine_options(args),
+        engine = boot_engine(args.model, **engine_options(args), **_snapshot_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)
     except PieError as err:
         _say(f"error: {err}")
@@ -134,6 +168,10 @@ def serve_main(args: argparse.Namespace) -> int:
         _say(f"serving {engine.model_name} on {bound} "
              f"({engine.store.num_pages_total} pages of {engine.store.page_size} tokens"
              f"{f', at most {share} per client' if share else ''})")
+        folder = engine.info().snapshot_dir
+        num = engine.store.stats().num_snapshots
+        _say(f"snapshots: {num} in {folder}" if folder else
+             "snapshots: in memory (lost when the server stops)")
         if token_file is not None:
             _say(f"clients need the token in {token_file}")
 

@@ -35,8 +35,7 @@ def disk_store(root: Path, num_pages: int = 16, page_size: int = 4, *, ops: File
 
 def close(store: PageStore) -> None:
     """What a restart does to the store's folder: the lock goes (the files stay)."""
-    if store.tier is not None:
-        store.tier.files.close()
+    store.close()
 
 
 def kv_of(token: int, position: int) -> torch.Tensor:

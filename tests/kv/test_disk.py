@@ -46,14 +46,14 @@ def test_save_restart_open_restores_every_byte(tmp_path: Path) -> None:
     assert again.list_snapshots() == ["a"]
     snap = again.snapshot("a")
     assert snap.state is None and snap.meta == "conv"
-    assert again.restore_snapshot("a") == (0, 2)  # both committed pages from disk
+    assert again.restore_snapshot("a") == (0, 3)  # 2 committed pages and the tail, from disk
     assert np.array_equal(again.snapshot("a").last_logits, logits)
     cid2 = again.open_snapshot("a")
     assert again.tokens(cid2) == A
     assert again.state(cid2).num_working_tokens == 2
     check_kv(again, cid2)
     again.check_invariants()
-    assert again.stats().disk_pages_loaded == 2
+    assert again.stats().disk_pages_loaded == 3
 
 
 def test_snapshots_sharing_a_prefix_share_files_and_delete_keeps_shared(tmp_path: Path) -> None:

@@ -59,6 +59,26 @@ class _EngineCollector:
         reuse.add_metric(["reused"], s.pages_reused)
         reuse.add_metric(["computed"], s.pages_computed)
         yield reuse
+        yield CounterMetricFamily("pie_ctx_prefix_pages_from_disk",
+                                  "of the reused prompt pages, those loaded from disk",
+                                  value=s.pages_from_disk)
+        yield GaugeMetricFamily("pie_ctx_snapshots_resident", "snapshots with pages in the pool",
+                                value=s.num_snapshots_resident)
+        disk = GaugeMetricFamily("pie_ctx_disk", "the snapshot directory's page files",
+                                 labels=["unit"])
+        disk.add_metric(["pages"], s.num_disk_pages)
+        disk.add_metric(["bytes"], s.disk_bytes)
+        yield disk
+        io = CounterMetricFamily("pie_ctx_disk_io", "pages and bytes moved to and from disk",
+                                 labels=["direction", "unit"])
+        io.add_metric(["written", "pages"], s.disk_pages_written)
+        io.add_metric(["written", "bytes"], s.disk_bytes_written)
+        io.add_metric(["loaded", "pages"], s.disk_pages_loaded)
+        io.add_metric(["loaded", "bytes"], s.disk_bytes_loaded)
+        yield io
+        yield CounterMetricFamily("pie_ctx_snapshots_spilled",
+                                  "snapshots dropped from the pool to disk under pressure",
+                                  value=s.num_snapshots_spilled)
         yield CounterMetricFamily("pie_ctx_tokens_computed", "tokens run through the model",
                                   value=s.tokens_computed)
         yield CounterMetricFamily("pie_ctx_model_steps", "engine steps", value=s.num_steps)

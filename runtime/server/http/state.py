@@ -116,8 +116,9 @@ def read_state(engine: Any, metrics: Any = None) -> dict[str, Any]:
         if cid not in claimed:  # the engine's own (not behind a public handle)
             holders.append(({"handle": None, "owner": None, "status": "internal", "job": None,
                              "rollback_working_pages": []}, s))
+    # a snapshot spilled to disk holds no page of the pool: it is not drawn
     snapshot_holders = [({"namespace": ns, "name": name}, snap.state)
-                        for (ns, name), snap in store.snapshots]
+                        for (ns, name), snap in store.snapshots if snap.state is not None]
 
     # ``through``: how many holders' chains run through each live node (a subtree sum of
     # the holders' tips over every pinned node, deepest first).
@@ -175,6 +176,7 @@ def read_state(engine: Any, metrics: Any = None) -> dict[str, Any]:
             "num_pages": info.num_pages, "dtype": info.dtype, "device": info.device,
             "attention": info.attention, "weights": info.weights, "kv_dtype": info.kv_dtype,
             "max_seq_len": info.max_seq_len, "max_pages_per_owner": info.max_pages_per_owner,
+            "snapshot_dir": info.snapshot_dir,
         },
         "stats": msgspec.structs.asdict(stats),
         "pages": asdict(store.stats()),

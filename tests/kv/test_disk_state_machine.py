@@ -1,0 +1,490 @@
+"""Hypothesis state machine for the page store with a disk tier.
+
+A small pool (6-12 pages of 2-4 tokens) over a snapshot folder (a fresh temporary
+directory per example, written through a ``FailingOps``), driven by random sequences of:
+contexts created, written (every token's K/V is ``kv_of(token, position)``, so the bytes
+say which token they belong to), forked, released; prefix reuse (``attach_prefix``, from
+the pool or from disk); snapshots saved, opened, taken and deleted in two namespaces;
+memory pressure that spills snapshots and evicts cached pages to disk; restarts (a new
+store on the same folder: live contexts are gone, snapshots remain); disk faults (ENOSPC /
+EIO while saving: the save fails typed and leaves no trace, before or after a restart);
+and damaged page files (the snapshots using them fail to open with ``SnapshotCorrupt``
+naming the file, the others open; the broken ones are then deleted).
+
+The model is deliberately simple: every live context's token list and every snapshot's
+token list and working-token count. After every step: ``check_invariants`` (which covers
+the disk tier), the listing of both namespaces, one manifest file per snapshot and nothing
+left in ``tmp/``, and every live context's tokens, counters and K/V bytes. Every restart
+then opens every snapshot (the pool is empty: each must fit) and checks its tokens and K/V.
+
+``OutOfPages`` is a legitimate outcome in a pool this small: it is accepted, and the store
+must then be unchanged as far as the model sees (listing, contexts, invariants).
+
+CI runs 60 examples; ``PIE_CTX_SLOW=1`` selects 2,000.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from pie_ctx.errors import (
+    ContextClosed,
+    InvalidArgument,
+    OutOfPages,
+    SnapshotCorrupt,
+    SnapshotExists,
+    SnapshotNotFound,
+    StorageError,
+)
+from runtime.kv import ContextId, PageStore
+
+from .disk_helpers import FailingOps, check_kv, close, disk_store, kv_of
+
+SLOW = os.environ.get("PIE_CTX_SLOW") == "1"
+NAMES = ["a", "b", "c"]
+NAMESPACES = ["default", "other"]
+OWNERS = [None, "alice"]
+TOKENS = st.integers(0, 3)  # a small alphabet: prefixes collide, pages dedup
+MAX_LIVE = 4  # live contexts at most (more would only make everything OutOfPages)
+Key = tuple[str, str]  # (namespace, name)
+
+
+def try_write(store: PageStore, cid: ContextId, tokens: list[int]) -> bool:
+    """``disk_helpers.write``, except that a failed reservation (the pool is full) returns
+    False with nothing changed."""
+    counters = store.state(cid)
+    room = counters.num_working_pages * store.page_size - counters.num_working_tokens
+    need = len(tokens) - room
+    if need > 0 and not store.reserve_working_pages(cid, -(-need // store.page_size)):
+        return False
+    start = store.next_position(cid)
+    positions = list(range(start, start + len(tokens)))
+    slots = store.write_tokens(cid, tokens, positions)
+    for (page, slot), tok, pos in zip(slots, tokens, positions, strict=True):
+        store.pool.kv[page, slot] = kv_of(tok, pos)
+    store.commit_full_pages(cid)
+    return True
+
+
+def logits_of(tokens: list[int]) -> np.ndarray:
+    """The last logits saved with a snapshot of ``tokens`` (never empty)."""
+    return np.asarray([len(tokens), *tokens], dtype="<f4") + 0.5
+
+
+def meta_of(key: Key, tokens: list[int]) -> str:
+    return f"{key[0]}/{key[1]}/{len(tokens)}"
+
+
+def common_pages(a: list[int], b: list[int], ps: int) -> int:
+    """Leading full pages ``a`` and ``b`` have in common."""
+    n = 0
+    while (n + 1) * ps <= min(len(a), len(b)) and a[n * ps:(n + 1) * ps] == b[n * ps:(n + 1) * ps]:
+        n += 1
+    return n
+
+
+class DiskStoreMachine(RuleBasedStateMachine):
+    """A small PageStore on a snapshot folder, against a token-list model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="pie-disk-sm-"))
+        self.ops = FailingOps()
+        self.store: PageStore | None = None
+        self.num_pages = self.page_size = self.cache_pages = 0
+        self.ctx: dict[ContextId, list[int]] = {}  # live context -> its tokens
+        self.snaps: dict[Key, tuple[list[int], int]] = {}  # -> (tokens, working tokens)
+        self.seen: list[list[int]] = []  # token lists of released contexts (prefix reuse)
+
+    def teardown(self) -> None:
+        if self.store is not None:
+            close(self.store)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @initialize(num_pages=st.integers(6, 12), page_size=st.integers(2, 4),
+                cache_pages=st.sampled_from([0, 2, 64]))
+    def setup(self, num_pages: int, page_size: int, cache_pages: int) -> None:
+        self.num_pages, self.page_size, self.cache_pages = num_pages, page_size, cache_pages
+        self.store = self._new_store()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    @property
+    def s(self) -> PageStore:
+        assert self.store is not None
+        return self.store
+
+    def _new_store(self) -> PageStore:
+        return disk_store(self.root, self.num_pages, self.page_size, ops=self.ops,
+                          cache_pages=self.cache_pages)
+
+    def _live(self, data: st.DataObject) -> ContextId | None:
+        if not self.ctx:
+            return None
+        return data.draw(st.sampled_from(sorted(self.ctx)))
+
+    def _working(self, tokens: list[int]) -> int:
+        return len(tokens) % self.page_size  # every full page is committed (try_write)
+
+    def _listing(self) -> dict[str, list[str]]:
+        return {ns: self.s.list_snapshots(ns) for ns in NAMESPACES}
+
+    def _check_context(self, cid: ContextId, tokens: list[int]) -> None:
+        store = self.s
+        assert store.tokens(cid) == tokens
+        counters = store.state(cid)
+        assert counters.num_working_tokens == self._working(tokens)
+        assert counters.seq_len == len(tokens)
+        assert store.next_position(cid) == len(tokens)
+        check_kv(store, cid)
+
+    def _check_opened(self, key: Key, cid: ContextId) -> None:
+        """``cid`` was just opened from snapshot ``key``: tokens, K/V, meta, logits."""
+        tokens, working = self.snaps[key]
+        self._check_context(cid, tokens)
+        assert self.s.state(cid).num_working_tokens == working
+        snap = self.s.snapshot(key[1], key[0])
+        assert snap.meta == meta_of(key, tokens)
+        assert np.array_equal(snap.last_logits, logits_of(tokens))
+
+    def _remember(self, tokens: list[int]) -> None:
+        if tokens and tokens not in self.seen:
+            self.seen = (self.seen + [tokens])[-8:]
+
+    def _restart(self) -> None:
+        """Close the folder and start a new store on it: contexts go, snapshots stay."""
+        for tokens in self.ctx.values():
+            self._remember(tokens)
+        close(self.s)
+        self.store = None
+        self.store = self._new_store()
+        self.ctx = {}
+        assert self._listing() == self._expected_listing()
+
+    def _verify_every_snapshot(self, *, must_open: bool) -> None:
+        """Open every snapshot, check it, release it. ``must_open``: no live context holds
+        pages, so each snapshot fits (it fitted beside its context when saved)."""
+        for key in sorted(self.snaps):
+            try:
+                cid = self.s.open_snapshot(key[1], key[0])
+            except OutOfPages:
+                assert not must_open, f"snapshot {key} does not fit in an empty pool"
+                continue
+            self._check_opened(key, cid)
+            self.s.release(cid)
+
+    def _expected_listing(self) -> dict[str, list[str]]:
+        return {ns: sorted(n for (s, n) in self.snaps if s == ns) for ns in NAMESPACES}
+
+    # -- contexts ----------------------------------------------------------------------
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def create(self, owner: str | None) -> None:
+        if len(self.ctx) < MAX_LIVE:
+            self.ctx[self.s.create_context(owner)] = []
+
+    @rule(data=st.data(), tokens=st.lists(TOKENS, min_size=1, max_size=9))
+    def write(self, data: st.DataObject, tokens: list[int]) -> None:
+        cid = self._live(data)
+        if cid is None:
+            return
+        if try_write(self.s, cid, tokens):
+            self.ctx[cid] = self.ctx[cid] + tokens
+        else:
+            event("write: pool full")
+
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        cid = self._live(data)
+        if cid is None or len(self.ctx) >= MAX_LIVE:
+            return
+        try:
+            child = self.s.fork(cid)
+        except OutOfPages:
+            return
+        self.ctx[child] = list(self.ctx[cid])
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        cid = self._live(data)
+        if cid is None:
+            return
+        self.s.release(cid)
+        self._remember(self.ctx.pop(cid))
+        try:
+            self.s.release(cid)
+        except ContextClosed:
+            pass
+        else:
+            raise AssertionError("releasing a released context must raise ContextClosed")
+
+    @rule(k=st.integers(1, 12))
+    def pressure(self, k: int) -> None:
+        """A burst of working pages: spills snapshots and evicts cached pages (to disk)."""
+        hog = self.s.create_context()
+        self.s.reserve_working_pages(hog, min(k, self.num_pages))
+        self.s.release(hog)
+
+    @rule(data=st.data(), then_write=st.booleans())
+    def attach(self, data: st.DataObject, then_write: bool) -> None:
+        """Prefix reuse: continue a context with a sequence seen before (a snapshot's, a
+        released context's) or random tokens, attaching what the pool or the disk has."""
+        cid = self._live(data)
+        if cid is None:
+            return
+        have, ps = self.ctx[cid], self.page_size
+        sources = [t for t, _ in self.snaps.values()] + self.seen
+        sources = [t for t in sources if len(t) > len(have) and t[: len(have)] == have]
+        if sources and data.draw(st.integers(0, 3)) > 0:
+            full = data.draw(st.sampled_from(sources))
+        else:
+            full = have + data.draw(st.lists(TOKENS, min_size=1, max_size=8))
+        suffix = full[len(have):]
+        positions = list(range(len(have), len(full)))
+        if self._working(have):
+            try:
+                self.s.attach_prefix(cid, suffix, positions)
+            except InvalidArgument:
+                return
+            raise AssertionError("attach_prefix with working tokens must raise InvalidArgument")
+        n = self.s.attach_prefix(cid, suffix, positions)
+        assert 0 <= n <= len(suffix) // ps
+        # A snapshot's committed pages are always in the pool or on disk: they attach
+        # unless the pool has no page left to load them into.
+        floor = 0
+        for tokens, working in self.snaps.values():
+            k = common_pages(full, tokens[: len(tokens) - working], ps) - len(have) // ps
+            floor = max(floor, k)
+        if n < floor:
+            assert self.s.num_pages_available() == 0, (n, floor)
+            assert self.s.stats().num_snapshots_resident == 0, (n, floor)
+        event(f"attach: {'no' if n == 0 else 'some'} pages, floor {min(floor, 1)}")
+        self.ctx[cid] = have + suffix[: n * ps]
+        rest = suffix[n * ps:]
+        if then_write and rest and try_write(self.s, cid, rest):
+            self.ctx[cid] = full
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def _save(self, cid: ContextId, key: Key) -> None:
+        tokens = self.ctx[cid]
+        self.s.save_snapshot(cid, key[1], key[0], meta=meta_of(key, tokens),
+                             last_logits=logits_of(tokens))
+        self.snaps[key] = (list(tokens), self._working(tokens))
+
+    @rule(data=st.data(), name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
+    def save(self, data: st.DataObject, name: str, ns: str) -> None:
+        cid = self._live(data)
+        if cid is None:
+            return
+        if (ns, name) in self.snaps:
+            try:
+                self.s.save_snapshot(cid, name, ns)
+            except SnapshotExists:
+                return
+            raise AssertionError("saving over a snapshot must raise SnapshotExists")
+        try:
+            self._save(cid, (ns, name))
+        except OutOfPages:
+            event("save: OutOfPages")
+        else:
+            event("save: ok")
+
+    @rule(data=st.data(), name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES),
+          after=st.sampled_from([0, 0, 1, 2, 4, 8, 30]),
+          error=st.sampled_from([errno.ENOSPC, errno.EIO]), restart=st.booleans())
+    def save_with_disk_fault(self, data: st.DataObject, name: str, ns: str, after: int,
+                             error: int, restart: bool) -> None:
+        """The disk fails ``after`` writes into a save: the save raises a StorageError and
+        leaves no trace (not listed, now or after a restart), or it completed first."""
+        cid = self._live(data)
+        if cid is None or (ns, name) in self.snaps:
+            return
+        before = self._listing()
+        self.ops.fail_after(after, error)
+        try:
+            self._save(cid, (ns, name))
+        except OutOfPages:
+            assert self._listing() == before
+            event("fault save: OutOfPages")
+        except StorageError as err:
+            event(f"fault save: {type(err).__name__}")
+            assert not isinstance(err, SnapshotCorrupt), err
+            assert ("disk is full" if error == errno.ENOSPC else "cannot write") in str(err)
+            assert self._listing() == before
+            assert (ns, name) not in self.snaps
+        else:
+            assert after > 0, "a save writes its manifest: it cannot succeed with no write"
+            event("fault save: completed first")
+        finally:
+            self.ops.heal()
+        self.s.check_invariants()
+        if restart:
+            self._restart()
+            self._verify_every_snapshot(must_open=True)
+
+    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES), keep=st.booleans(),
+          owner=st.sampled_from(OWNERS))
+    def open(self, name: str, ns: str, keep: bool, owner: str | None) -> None:
+        key = (ns, name)
+        if key not in self.snaps:
+            try:
+                self.s.open_snapshot(name, ns, owner)
+            except SnapshotNotFound:
+                return
+            raise AssertionError("opening a missing snapshot must raise SnapshotNotFound")
+        before = self._listing()
+        try:
+            cid = self.s.open_snapshot(name, ns, owner)
+        except OutOfPages:
+            assert self._listing() == before
+            return
+        self._check_opened(key, cid)
+        if keep and len(self.ctx) < MAX_LIVE:
+            self.ctx[cid] = list(self.snaps[key][0])
+        else:
+            self.s.release(cid)
+
+    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES),
+          owner=st.sampled_from(OWNERS))
+    def take(self, name: str, ns: str, owner: str | None) -> None:
+        key = (ns, name)
+        if key not in self.snaps:
+            try:
+                self.s.take_snapshot(name, ns, owner)
+            except SnapshotNotFound:
+                return
+            raise AssertionError("taking a missing snapshot must raise SnapshotNotFound")
+        before = self._listing()
+        try:
+            cid = self.s.take_snapshot(name, ns, owner)
+        except OutOfPages:
+            assert self._listing() == before
+            return
+        tokens, working = self.snaps.pop(key)
+        self._check_context(cid, tokens)
+        assert self.s.state(cid).num_working_tokens == working
+        if len(self.ctx) < MAX_LIVE:
+            self.ctx[cid] = tokens
+        else:
+            self.s.release(cid)
+            self._remember(tokens)
+
+    @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
+    def delete(self, name: str, ns: str) -> None:
+        key = (ns, name)
+        if key not in self.snaps:
+            try:
+                self.s.delete_snapshot(name, ns)
+            except SnapshotNotFound:
+                return
+            raise AssertionError("deleting a missing snapshot must raise SnapshotNotFound")
+        self.s.delete_snapshot(name, ns)
+        self._remember(self.snaps.pop(key)[0])
+
+    @rule()
+    def verify_snapshots(self) -> None:
+        """Open every snapshot (spilled ones come back from disk) and check it."""
+        self._verify_every_snapshot(must_open=not self.ctx)
+
+    @rule()
+    def restart(self) -> None:
+        self._restart()
+        self._verify_every_snapshot(must_open=True)
+
+    @rule(data=st.data(), damage=st.sampled_from(["flip", "truncate", "remove"]),
+          restart=st.booleans())
+    def corrupt_page_file(self, data: st.DataObject, damage: str, restart: bool) -> None:
+        """Damage one page file a snapshot uses. After a restart (nothing in the pool) every
+        snapshot listing it fails to open with SnapshotCorrupt naming the file and the
+        snapshot; without one, such a snapshot may still open from the pool's copy (and
+        must then be right). Every other snapshot opens. The broken ones are deleted."""
+        heads = {key: self.s.snapshot(key[1], key[0]).head for key in self.snaps}
+        used = sorted({h for head in heads.values() for h in head.pages})
+        if not used:
+            return
+        victim_hash = data.draw(st.sampled_from(used))
+        if damage == "remove" and not restart:
+            damage = "flip"  # a file vanishing under a running store is not a store bug
+        victim = self.s.tier.files.page_path(victim_hash)  # type: ignore[union-attr]
+        if restart:
+            for tokens in self.ctx.values():
+                self._remember(tokens)
+            close(self.s)
+            self.store = None
+        payload = victim.read_bytes()
+        if damage == "flip":
+            at = data.draw(st.integers(0, len(payload) - 1))
+            victim.write_bytes(payload[:at] + bytes([payload[at] ^ 0x40]) + payload[at + 1:])
+        elif damage == "truncate":
+            victim.write_bytes(payload[: data.draw(st.integers(0, len(payload) - 1))])
+        else:
+            victim.unlink()
+        if restart:
+            self.store = self._new_store()
+            self.ctx = {}
+            assert self._listing() == self._expected_listing()
+        broken = sorted(key for key, head in heads.items() if victim_hash in head.pages)
+        for key in broken:
+            try:
+                cid = self.s.open_snapshot(key[1], key[0])
+            except SnapshotCorrupt as err:
+                event(f"corrupt: SnapshotCorrupt (restart {restart})")
+                assert victim.name in str(err), err
+                assert repr(key[1]) in str(err), err
+            except OutOfPages:
+                assert not restart
+            else:
+                assert not restart, f"snapshot {key} opened from a damaged file"
+                event("corrupt: opened from the pool")
+                self._check_opened(key, cid)
+                self.s.release(cid)
+            self.s.check_invariants()
+        for key in broken:
+            self.s.delete_snapshot(key[1], key[0])
+            self._remember(self.snaps.pop(key)[0])
+        assert not victim.exists()  # no snapshot lists it any more
+        self._verify_every_snapshot(must_open=not self.ctx)
+
+    # -- after every step --------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.store is None:
+            return
+        store = self.s
+        store.check_invariants()
+        assert self._listing() == self._expected_listing()
+        stats = store.stats()
+        assert stats.num_snapshots == len(self.snaps)
+        assert stats.num_contexts == len(self.ctx)
+        if stats.num_snapshots_spilled:
+            event("a snapshot was spilled")
+        if stats.disk_pages_loaded:
+            event("pages were loaded from disk")
+        if stats.num_disk_pages > sum(len(self.s.snapshot(n, ns).head.pages)
+                                      for ns, n in self.snaps):
+            event("cache pages on disk")
+        files = store.tier.files  # type: ignore[union-attr]
+        assert len(list(files.snaps_dir.glob("*.snap"))) == len(self.snaps)
+        assert not any(files.tmp_dir.iterdir())
+        for cid, tokens in self.ctx.items():
+            self._check_context(cid, tokens)
+
+
+DiskStoreMachine.TestCase.settings = settings(
+    max_examples=2_000 if SLOW else 60,
+    stateful_step_count=50 if SLOW else 30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestDiskStoreMachine = DiskStoreMachine.TestCase
