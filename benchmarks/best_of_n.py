@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from common import emit, kv_bytes_per_token, load_hf, prompt_tokens, summary, table
+
 import anyio
 import torch
-from common import emit, kv_bytes_per_token, load_hf, prompt_tokens, summary, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 

@@ -11,7 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# A script run from this folder has it first on sys.path, where benchmarks/http.py would
+# shadow the standard library's http package (torch imports it): load the stdlib's first.
+_HERE = Path(__file__).resolve().parent
+_PATH = sys.path[:]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import http.client  # noqa: E402,F401
+
+sys.path[:] = _PATH
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

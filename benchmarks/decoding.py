@@ -20,9 +20,10 @@ import json
 import statistics
 import time
 
+from common import emit, table
+
 import anyio
 import jsonschema
-from common import emit, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 from pie_ctx.constrain import JsonSchema

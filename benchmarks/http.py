@@ -41,8 +41,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import anyio  # noqa: E402
 from common import TEXT, emit, table  # noqa: E402
+
+import anyio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serving HTTP on (http://\S+)")
@@ -145,7 +146,8 @@ async def run_inprocess(system: str, chats: list[list[str]], args: argparse.Name
 
 def start_server(tmp: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "serve", "--socket",
-                             os.path.join(tmp, "e.sock"), "--http", "127.0.0.1:0"],
+                             os.path.join(tmp, "e.sock"), "--http", "127.0.0.1:0",
+                             "--memory-snapshots"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # type: ignore[union-attr]
         m = READY.search(line)

@@ -20,8 +20,9 @@ import argparse
 import statistics
 import time
 
-import torch
 from common import Ours, emit, prompt_tokens, table
+
+import torch
 
 from runtime.engine.boot import pool_pages_for
 from runtime.model.loader import load_model

@@ -21,11 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from common import Ours  # first: it puts the repository on sys.path (see common.py)
+
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import Ours  # noqa: E402
 from quality import agreement, perplexity, text_ids  # noqa: E402
 
 from runtime.model.loader import default_gguf_path, load_model  # noqa: E402

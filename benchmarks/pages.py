@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository on sys.path; see common.py)
 
-from runtime.kv import ContextId, PagePool, PageStore  # noqa: E402
+from runtime.kv import ContextId, PagePool, PageStore
 
 PAGE_SIZE = 16
 

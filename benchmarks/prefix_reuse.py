@@ -14,8 +14,9 @@ import argparse
 import statistics
 import time
 
-import anyio
 from common import TEXT, emit, summary, table
+
+import anyio
 
 from pie_ctx import Context, Runtime, Sampler
 

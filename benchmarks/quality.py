@@ -27,9 +27,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from common import Ours, emit, load_hf, table
+
 import torch
 import torch.nn.functional as F
-from common import Ours, emit, load_hf, table
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",

@@ -23,8 +23,9 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from common import emit, table
+
+import torch
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from common import emit, load_hf, prompt_tokens, table
+
 import anyio
 import torch
-from common import emit, load_hf, prompt_tokens, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 

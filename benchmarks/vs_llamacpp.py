@@ -53,11 +53,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import TEXT, Ours, emit, prompt_tokens
+
 import anyio
 import numpy as np
 import torch
 from best_of_n import run_ours
-from common import TEXT, Ours, emit, prompt_tokens
 
 INSTALL = ".venv/bin/pip install llama-cpp-python==0.3.36"
 PAGE_SIZE = 16

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.sdk.harness import TinyModel, tiny_model_folder
@@ -19,6 +21,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.get_closest_marker("fp32_only"):
         dtypes = ["float32"]
     metafunc.parametrize("tiny_folder", dtypes, indirect=True, ids=[SHORT[d] for d in dtypes])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_home(tmp_path_factory: pytest.TempPathFactory):
+    """Servers the tests start keep snapshots in a session folder, never in the user's
+    ~/.local/share (``serve``'s default snapshot directory)."""
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data-home"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = old
 
 
 @pytest.fixture(scope="session")

@@ -124,3 +124,15 @@ def test_importing_the_contract_loads_no_client_class_and_no_torch():
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['pie_ctx']"
+
+
+def test_every_benchmark_script_starts():
+    """Run from its folder, a benchmark has that folder first on sys.path, where
+    benchmarks/http.py could shadow the standard library's http (benchmarks/common.py)."""
+    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py")
+    procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True) for p in scripts}
+    failed = {name: proc.communicate(timeout=300)[1].strip().splitlines()[-1:]
+              for name, proc in procs.items() if proc.wait(timeout=300) != 0}
+    assert not failed, failed

@@ -187,6 +187,21 @@ def read_head(path: Path) -> ManifestHead:
         raise SnapshotCorrupt(f"manifest {path} is corrupt ({e})") from None
 
 
+def page_parts(page_hash: int, parent: int, tokens: Sequence[int], positions: Sequence[int],
+               extras: Sequence[int], payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """The bytes of one page file: header, tokens/positions/extras, KV payload, checksum."""
+    n = len(tokens)
+    payload = memoryview(payload).cast("B")
+    head = _PAGE_HEAD.pack(_PAGE_MAGIC, page_hash, parent, n, payload.nbytes)
+    body = struct.pack(f"<{n}q{n}q{n}Q", *tokens, *positions, *extras)
+    return [head, body, payload, _sum(head, body, payload)]
+
+
+def _write_error(path: Path, e: OSError) -> StorageError:
+    why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+    return StorageError(f"cannot write {path}: {why}; nothing was saved")
+
+
 class PageFiles:
     """One engine's folder in a snapshot directory (see the module docstring).
 
@@ -257,6 +272,62 @@ class PageFiles:
             StorageError: the write failed (the message names ``path`` and the cause);
                 nothing is left behind.
         """
+        tmp, total = self._write_tmp(path, parts, durable)
+        try:
+            self.ops.replace(tmp, path)
+            if durable:
+                self.ops.fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _write_error(path, e) from None
+        return total
+
+    def write_many(self, files: Sequence[tuple[Path, Sequence[bytes | memoryview]]],
+                   synced: Sequence[Path] = ()) -> list[Path]:
+        """Write several files of one folder durably, paying for the folder's fsync once:
+        every temp file is written, then each is fsynced, then all are renamed into place
+        and the folder is fsynced (after the files in ``synced``, already in place, are
+        fsynced too). Several times faster than ``write_atomic`` per file on ext4.
+
+        Returns:
+            The paths written (all of ``files``').
+
+        Raises:
+            StorageError: a write failed. Nothing was renamed into place unless the error's
+                ``written`` attribute lists it (the caller removes those).
+        """
+        tmps: list[tuple[Path, Path]] = []
+        done: list[Path] = []
+        try:
+            for path, parts in files:
+                tmps.append((self._write_tmp(path, parts, durable=False)[0], path))
+            for path in synced:
+                self.sync_file(path)
+            for tmp, path in tmps:
+                self._fsync_path(tmp, path)
+            for tmp, path in tmps:
+                try:
+                    self.ops.replace(tmp, path)
+                except OSError as e:
+                    raise _write_error(path, e) from None
+                done.append(path)
+            if files or synced:
+                folder = (files[0][0] if files else synced[0]).parent
+                try:
+                    self.ops.fsync_dir(folder)
+                except OSError as e:
+                    raise _write_error(folder, e) from None
+        except StorageError as err:
+            for tmp, _ in tmps:
+                tmp.unlink(missing_ok=True)
+            err.written = done  # type: ignore[attr-defined]
+            raise
+        return done
+
+    def _write_tmp(self, path: Path, parts: Sequence[bytes | memoryview],
+                   durable: bool) -> tuple[Path, int]:
+        """Write ``parts`` to a new file in ``tmp/`` (fsynced when ``durable``); returns it
+        and the bytes written. On failure the temp file is gone."""
         tmp = self.tmp_dir / f"{path.name}.{os.getpid()}.{next(self._counter)}"
         total = 0
         try:
@@ -272,21 +343,12 @@ class PageFiles:
                     self.ops.fsync(fd)
             finally:
                 os.close(fd)
-            self.ops.replace(tmp, path)
-            if durable:
-                self.ops.fsync_dir(path.parent)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
-            raise StorageError(f"cannot write {path}: {why}; nothing was saved") from None
-        return total
+            raise _write_error(path, e) from None
+        return tmp, total
 
-    def sync_file(self, path: Path) -> None:
-        """fsync an existing file (a cache page becoming part of a snapshot).
-
-        Raises:
-            StorageError: the file is gone or the fsync failed.
-        """
+    def _fsync_path(self, path: Path, named: Path) -> None:
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -294,7 +356,15 @@ class PageFiles:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise StorageError(f"cannot sync {path}: {e}") from None
+            raise _write_error(named, e) from None
+
+    def sync_file(self, path: Path) -> None:
+        """fsync an existing file (a cache page becoming part of a snapshot).
+
+        Raises:
+            StorageError: the file is gone or the fsync failed.
+        """
+        self._fsync_path(path, path)
 
     def page_path(self, page_hash: int) -> Path:
         return self.pages_dir / f"{page_hash:016x}.page"
@@ -306,12 +376,9 @@ class PageFiles:
                    positions: Sequence[int], extras: Sequence[int],
                    payload: bytes | memoryview, durable: bool = True) -> int:
         """Write one committed page file; returns its size in bytes."""
-        n = len(tokens)
-        payload = memoryview(payload).cast("B")
-        head = _PAGE_HEAD.pack(_PAGE_MAGIC, page_hash, parent, n, payload.nbytes)
-        body = struct.pack(f"<{n}q{n}q{n}Q", *tokens, *positions, *extras)
         return self.write_atomic(self.page_path(page_hash),
-                                 [head, body, payload, _sum(head, body, payload)], durable)
+                                 page_parts(page_hash, parent, tokens, positions, extras,
+                                            payload), durable)
 
     def write_manifest(self, head: ManifestHead, tail: bytes | memoryview,
                        logits: bytes | memoryview) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
-from runtime.kv.disk import ManifestHead, PageFiles, PageRecord
+from runtime.kv.disk import ManifestHead, PageFiles, PageRecord, page_parts
 from runtime.kv.hashing import fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
@@ -189,18 +189,19 @@ class DiskTier:
             StorageError: a write failed; the pages written so far are on the error's
                 ``written`` attribute, so the caller can remove them.
         """
-        written: list[PageHash] = []
+        files = self.files
+        pages = list(pages)
         try:
-            for h in to_sync:
-                self.files.sync_file(self.files.page_path(h))
-            for h, parent, tokens, positions, extras, page_id in pages:
-                self.files.write_page(h, parent, tokens, positions, extras,
-                                      self.view.read(page_id), durable=True)
-                written.append(h)
+            files.write_many(
+                [(files.page_path(h), page_parts(h, parent, tokens, positions, extras,
+                                                 self.view.read(page_id)))
+                 for h, parent, tokens, positions, extras, page_id in pages],
+                synced=[files.page_path(h) for h in to_sync])
         except StorageError as err:
-            err.written = written  # type: ignore[attr-defined]
+            done = set(getattr(err, "written", ()))
+            err.written = [h for h, *_ in pages if files.page_path(h) in done]  # type: ignore[attr-defined]
             raise
-        return written
+        return [h for h, *_ in pages]
 
     def adopt_written(self, written: Sequence[PageHash]) -> None:
         """Index pages ``write_snapshot_pages`` wrote (on the event loop)."""

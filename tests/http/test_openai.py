@@ -32,7 +32,8 @@ class LiveServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.server", "serve", "--model", folder, "--socket",
              os.path.join(tmp, "e.sock"), "--page-size", "4", "--http", "127.0.0.1:0", *extra],
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "XDG_DATA_HOME": os.path.join(tmp, "data")})  # its own snapshots
         self.url = ""
         deadline = time.monotonic() + 120
         lines = []

@@ -1,4 +1,5 @@
-"""Shared helpers for the server tests: a fake engine with a wire tokenizer, raw clients.
+"""Shared helpers for the server tests: a fake engine with a wire tokenizer, raw clients,
+``serve`` as a subprocess (``ServeProcess``).
 
 Owner: tests/server. ``RawClient`` speaks frames directly (for malformed input);
 ``collect`` drains a generation; ``wait_settled`` waits until the engine has released
@@ -7,9 +8,16 @@ every context of departed clients, then checks the page store's invariants.
 
 from __future__ import annotations
 
+import os
+import queue
+import re
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +29,9 @@ from pie_ctx.proto.address import parse_address
 from pie_ctx.proto.framing import FrameReader, FrameWriter
 from pie_ctx.socket_transport import SocketTransport
 from tests.engine.fake import FakeTokenizer, make_engine
+from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
+
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 class WireFakeTokenizer(FakeTokenizer):
@@ -151,6 +162,48 @@ class SyncRawClient:
 
 
 __all__ = [
-    "HELLO", "RawClient", "SyncRawClient", "WireFakeTokenizer", "collect", "connect",
-    "fake_engine", "sync_frame", "wait_settled",
+    "HELLO", "REPO", "RawClient", "ServeProcess", "SyncRawClient", "WireFakeTokenizer",
+    "collect", "connect", "fake_engine", "serve_env", "sync_frame", "wait_settled",
 ]
+
+
+def serve_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a server or CLI subprocess: this repository importable, and every
+    folder it writes by default (model cache, socket, snapshots) inside ``tmp_path``."""
+    return {**os.environ, "PYTHONPATH": REPO, "PIE_CTX_CACHE": str(tmp_path / "cache"),
+            "XDG_RUNTIME_DIR": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data")}
+
+
+class ServeProcess:
+    """A ``python -m runtime.server serve`` subprocess and its stderr lines."""
+
+    def __init__(self, tmp_path: Path, *args: str, model: Path | None = None) -> None:
+        model = model or write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.server", "serve", "--model", str(model),
+             "--num-pages", "64", *args],
+            stderr=subprocess.PIPE, text=True, env=serve_env(tmp_path), cwd=REPO)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"server never printed {pattern!r} (exit {self.proc.poll()})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
 import stat
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -20,61 +16,19 @@ import pytest
 from pie_ctx.errors import ProtocolError
 from pie_ctx.proto import messages as P
 from pie_ctx.socket_transport import SocketTransport
-from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
-
-REPO = str(Path(__file__).resolve().parents[2])
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": REPO, "PIE_CTX_CACHE": str(tmp_path / "cache"),
-            "XDG_RUNTIME_DIR": str(tmp_path)}
-
-
-class _Serve:
-    """A ``python -m runtime.server serve`` subprocess and its stderr lines."""
-
-    def __init__(self, tmp_path: Path, *args: str, model: Path | None = None) -> None:
-        model = model or write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.server", "serve", "--model", str(model),
-             "--num-pages", "64", *args],
-            stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=REPO)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if m := re.search(pattern, line):
-                return m
-        raise AssertionError(f"server never printed {pattern!r} (exit {self.proc.poll()})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+from tests.server.helpers import REPO, ServeProcess, serve_env
 
 
 def _stats(tmp_path: Path, *args: str) -> dict[str, object]:
     out = subprocess.run([sys.executable, "-m", "pie_ctx.cli", "stats", *args, "--json"],
-                         capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=60)
+                         capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_serve_on_unix_socket_exits_0_on_sigterm_mid_generation(tmp_path):
     sock = tmp_path / "s.sock"
-    srv = _Serve(tmp_path, "--socket", str(sock))
+    srv = ServeProcess(tmp_path, "--socket", str(sock))
     try:
         srv.wait_for(r"serving .* on unix:")
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
@@ -103,12 +57,12 @@ def test_serve_on_unix_socket_exits_0_on_sigterm_mid_generation(tmp_path):
 
 def test_serve_on_tcp_writes_a_0600_token_file_and_stops_on_sigint(tmp_path):
     token_file = tmp_path / "token"
-    srv = _Serve(tmp_path, "--port", "0", "--token-file", str(token_file))
+    srv = ServeProcess(tmp_path, "--port", "0", "--token-file", str(token_file))
     try:
         address = srv.wait_for(r"serving .* on (tcp:127\.0\.0\.1:\d+)").group(1)
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         refused = subprocess.run([sys.executable, "-m", "pie_ctx.cli", "stats", address],
-                                 capture_output=True, text=True, env=_env(tmp_path), cwd=REPO)
+                                 capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO)
         assert refused.returncode == 2 and "token" in refused.stderr
         assert _stats(tmp_path, address, "--token-file", str(token_file))["page_size"] == 16
         srv.proc.send_signal(signal.SIGINT)
@@ -135,7 +89,7 @@ def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
     from tests.sdk.harness import tiny_model_folder
 
     sock = tmp_path / "s.sock"
-    srv = _Serve(tmp_path, "--socket", str(sock), model=tiny_model_folder(tmp_path))
+    srv = ServeProcess(tmp_path, "--socket", str(sock), model=tiny_model_folder(tmp_path))
     try:
         srv.wait_for(r"serving .* on unix:")
         runs = []
@@ -143,7 +97,7 @@ def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
             out = subprocess.run(
                 [sys.executable, "-m", "pie_ctx.cli", "run", "examples/prefix_snapshot.py",
                  "--connect", f"unix:{sock}", "--", "--max-tokens", "4"],
-                capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=120)
+                capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)
             assert out.returncode == 0, out.stderr
             runs.append(out.stdout)
         assert "saved 'lighthouse-handbook'" in runs[0]

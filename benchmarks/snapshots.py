@@ -1,0 +1,231 @@
+"""Durable snapshots: reopen after a restart vs recompute, save speed vs the raw disk, and
+how many snapshots fit when the pool holds a tenth of them.
+
+    python benchmarks/snapshots.py [--tokens 4096] [--snapshots 1000] [--snapshot-tokens 1000]
+                                   [--pool-fraction 0.1] [--dir DIR] [--no-hf]
+
+1. Default model (SmolLM2-135M, fp32, page size 16): prefill ``--tokens`` tokens (timed: the
+   recompute), save the context (timed; repeated after deleting it, so every page file is
+   written each time), write the same bytes as one file with one fsync (the raw disk), stop
+   the engine, evict the folder's files from the OS page cache, boot a new engine on the
+   folder and reopen the snapshot (timed), then compare 16 greedy tokens with the ones
+   before the restart. transformers' own prefill of the same tokens is timed too.
+2. The tiny test model: save ``--snapshots`` snapshots of ``--snapshot-tokens`` distinct
+   tokens with a pool that holds ``--pool-fraction`` of their pages, reopen every one
+   (continuations of a sample compared), restart, reopen the sample again.
+
+The last line is one JSON object (``reopen_after_restart_over_recompute``, ``save_mb_s``,
+``disk_write_mb_s``, ``snapshots_saved``, ``pool_fraction``, ``identical_after_restart``...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, emit, load_hf, prompt_tokens, table  # first: see common.py
+
+import anyio
+
+from pie_ctx import Context, Runtime, Sampler
+
+GREEDY = Sampler.greedy()
+N_TOKENS = 16
+
+
+def evict_from_page_cache(folder: Path) -> None:
+    """Drop the folder's files from the OS page cache, so a reopen reads the disk."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_write_seconds(folder: Path, nbytes: int, chunk: int) -> float:
+    """Seconds to write ``nbytes`` to one new file in ``folder`` in ``chunk``-byte writes,
+    then fsync it: the disk's sequential write speed as this process sees it."""
+    data = os.urandom(chunk)
+    path = folder / "raw-write.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, data[: min(chunk, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return seconds
+
+
+async def continuation(ctx: Context) -> list[int]:
+    fork = ctx.fork()
+    try:
+        return await fork.generate(GREEDY, max_tokens=N_TOKENS, ignore_eos=True).tokens()
+    finally:
+        await fork.release()
+
+
+async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[dict, list[int]]:
+    from runtime.engine.boot import boot_engine
+
+    def boot():
+        return boot_engine(None, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder)
+
+    engine = boot()
+    tokens = prompt_tokens(engine.tokenizer, args.tokens)
+    async with engine, Runtime.local(engine=engine) as rt:
+        warm = Context(rt).append(tokens[:64])
+        await warm.generate(GREEDY, max_tokens=2).tokens()
+        await warm.release()
+        ctx = Context(rt).append(tokens)
+        t0 = time.perf_counter()
+        report = await ctx.flush()
+        prefill_s = time.perf_counter() - t0
+        assert report.tokens_computed == len(tokens), report
+        before = await continuation(ctx)
+        save_s, raw_s = [], []
+        nbytes = 0
+        for rep in range(args.repeats):
+            if rep:
+                await Context.delete(rt, "long")  # its page files go: the next save writes all
+            written = (await rt.stats()).disk_bytes_written
+            t0 = time.perf_counter()
+            await ctx.save("long")
+            save_s.append(time.perf_counter() - t0)
+            nbytes = (await rt.stats()).disk_bytes_written - written
+            page = engine.store.tier.page_bytes
+            raw_s.append(raw_write_seconds(engine.store.tier.files.folder, nbytes, page))
+        await ctx.release()
+    evict_from_page_cache(folder)
+    t0 = time.perf_counter()
+    engine = boot()
+    boot_s = time.perf_counter() - t0
+    async with engine, Runtime.local(engine=engine) as rt:
+        t0 = time.perf_counter()
+        opened = await Context.open(rt, "long")
+        reopen_s = time.perf_counter() - t0
+        open_report = opened.open_report
+        after = await opened.generate(GREEDY, max_tokens=N_TOKENS, ignore_eos=True).tokens()
+        await opened.release()
+    save_med, raw_med = statistics.median(save_s), statistics.median(raw_s)
+    out = {
+        "tokens": len(tokens), "prefill_s": prefill_s, "reopen_s": reopen_s,
+        "boot_s": boot_s, "reopen_after_restart_over_recompute": reopen_s / prefill_s,
+        "pages_from_disk": open_report.pages_from_disk,
+        "pages_computed_on_open": open_report.pages_computed,
+        "save_bytes": nbytes, "save_s": save_med,
+        "save_mb_s": nbytes / save_med / 1e6, "disk_write_mb_s": nbytes / raw_med / 1e6,
+        "save_mb_s_range": [nbytes / max(save_s) / 1e6, nbytes / min(save_s) / 1e6],
+        "disk_write_mb_s_range": [nbytes / max(raw_s) / 1e6, nbytes / min(raw_s) / 1e6],
+        "identical_after_restart": after == before,
+    }
+    out["save_over_raw"] = out["save_mb_s"] / out["disk_write_mb_s"]
+    return out, tokens
+
+
+def hf_prefill_seconds(tokens: list[int]) -> float:
+    """transformers' prefill of the same tokens on the same weights."""
+    import torch
+
+    from runtime.model.loader import resolve_model
+
+    _, folder = resolve_model(None, progress=False)
+    hf = load_hf(folder)
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        hf(ids[:, :64])  # warm up
+        t0 = time.perf_counter()
+        hf(ids)
+        return time.perf_counter() - t0
+
+
+async def capacity(args: argparse.Namespace, folder: Path) -> dict:
+    from tests.sdk.harness import tiny_engine, tiny_model_folder
+
+    model = tiny_model_folder(folder / "model")
+    page_size = 16
+    pages_each = -(-args.snapshot_tokens // page_size)
+    total_pages = args.snapshots * pages_each
+    pool = max(2 * pages_each, int(total_pages * args.pool_fraction))
+    rng = random.Random(7)
+    sample = set(range(0, args.snapshots, max(1, args.snapshots // 20)))
+    expected: dict[str, list[int]] = {}
+    snaps = folder / "tiny-snapshots"
+    snaps.mkdir()
+    kw = {"snapshot_dir": snaps, "page_size": page_size, "num_pages": pool}
+    t0 = time.perf_counter()
+    async with tiny_engine(model, **kw) as engine, Runtime.local(engine=engine) as rt:
+        for i in range(args.snapshots):
+            ctx = Context(rt).append([rng.randrange(3, 250) for _ in range(args.snapshot_tokens)])
+            await ctx.flush()
+            if i in sample:
+                expected[f"s{i}"] = await continuation(ctx)
+            await ctx.save(f"s{i}")
+            await ctx.release()
+        save_all_s = time.perf_counter() - t0
+        stats = await rt.stats()
+        reopened, same = 0, True
+        for i in range(args.snapshots):
+            ctx = await Context.open(rt, f"s{i}")
+            reopened += ctx.seq_len == args.snapshot_tokens
+            if f"s{i}" in expected:
+                same &= await continuation(ctx) == expected[f"s{i}"]
+            await ctx.release()
+        engine.store.check_invariants()
+    async with tiny_engine(model, **kw) as engine, Runtime.local(engine=engine) as rt:
+        for name, tokens in expected.items():
+            ctx = await Context.open(rt, name)
+            same &= await continuation(ctx) == tokens
+            await ctx.release()
+        listed = len(await rt.snapshots())
+    return {
+        "snapshots_saved": listed, "snapshots_reopened": reopened,
+        "snapshot_tokens": args.snapshot_tokens, "pool_pages": pool,
+        "pool_fraction": pool / total_pages, "capacity_disk_mb": stats.disk_bytes / 1e6,
+        "capacity_spills": stats.num_snapshots_spilled, "capacity_save_all_s": save_all_s,
+        "capacity_identical": same,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--snapshots", type=int, default=1000)
+    ap.add_argument("--snapshot-tokens", type=int, default=1000)
+    ap.add_argument("--pool-fraction", type=float, default=0.1)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prefill")
+    args = ap.parse_args()
+    os.chdir(ROOT)
+    folder = Path(tempfile.mkdtemp(prefix="pie-ctx-bench-", dir=args.dir))
+    try:
+        (folder / "default").mkdir()
+        result, tokens = anyio.run(reopen_after_restart, args, folder / "default")
+        if not args.no_hf:
+            hf_s = hf_prefill_seconds(tokens)
+            result["hf_prefill_s"] = hf_s
+            result["reopen_over_hf_prefill"] = result["reopen_s"] / hf_s
+        result.update(anyio.run(capacity, args, folder))
+        result["identical_after_restart"] = (result["identical_after_restart"]
+                                             and result["capacity_identical"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    table([(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()])
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
