@@ -86,7 +86,7 @@ async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[
     engine = boot()
     tokens = prompt_tokens(engine.tokenizer, args.tokens)
     async with engine, Runtime.local(engine=engine) as rt:
-        warm = Context(rt).append(tokens[:64])
+        warm = Context(rt).append(prompt_tokens(engine.tokenizer, 64, salt="Warm up. "))
         await warm.generate(GREEDY, max_tokens=2).tokens()
         await warm.release()
         ctx = Context(rt).append(tokens)
