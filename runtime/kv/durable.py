@@ -121,17 +121,36 @@ class RestoreJob:
     tail: bytes = b""
     logits: bytes = b""
     error: PieError | None = None
+    damaged: PageHash | None = None  # the page file that failed its checks, if one did
 
     def read(self) -> None:
         """The I/O half (any thread): read and verify the files. Never raises."""
         try:
             for h in self.to_read:
+                self.damaged = h
                 self.records[h] = self.tier.read(h)
+            self.damaged = None
             self.tail, self.logits = self.tier.files.read_blob(self.head)
         except SnapshotCorrupt as err:
-            self.error = SnapshotCorrupt(
-                f"snapshot {self.key[1]!r} (namespace {self.key[0]!r}) cannot be opened: {err}; "
-                "delete it and save it again")
+            self.error = self.unreadable(err)
+
+    def read_page(self, h: PageHash) -> PageRecord:
+        """One page of the snapshot: read by ``read``, or now (a page that left the pool
+        since the plan). Raises ``SnapshotCorrupt`` naming the snapshot and the file, with
+        ``damaged`` set."""
+        record = self.records.get(h)
+        if record is None:
+            try:
+                record = self.tier.read(h)
+            except SnapshotCorrupt as err:
+                self.damaged = h
+                raise self.unreadable(err) from None
+        return record
+
+    def unreadable(self, err: SnapshotCorrupt) -> SnapshotCorrupt:
+        return SnapshotCorrupt(
+            f"snapshot {self.key[1]!r} (namespace {self.key[0]!r}) cannot be opened: {err}; "
+            "delete it and save it again")
 
 
 def plan_restore(key: tuple[str, str], head: ManifestHead, tier: DiskTier,

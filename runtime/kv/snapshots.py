@@ -48,6 +48,13 @@ class Snapshot:
     last_logits: Any = None  # float32 [vocab] of the last token written, or None
     head: Any = None  # the durable manifest's head (runtime.kv.disk.ManifestHead), or None
 
+    @property
+    def pages(self) -> PageState:
+        """The page state of a resident snapshot (the store restores a spilled one first)."""
+        if self.state is None:
+            raise RuntimeError("the snapshot is spilled: restore it before using its pages")
+        return self.state
+
 
 def snapshot_key(name: object, namespace: object) -> tuple[str, str]:
     """``(namespace, name)``, checked."""

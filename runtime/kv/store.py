@@ -127,6 +127,13 @@ class PageStore:
     # -- capacity ----------------------------------------------------------------------
 
     @property
+    def _disk(self) -> DiskTier:
+        """The disk tier, in code that runs only with one."""
+        if self.tier is None:
+            raise RuntimeError("no snapshot directory: this path needs the disk tier")
+        return self.tier
+
+    @property
     def num_pages_total(self) -> int:
         """Pages in the pool: the most any single request can ever hold."""
         return self.pool.num_pages
@@ -151,15 +158,15 @@ class PageStore:
         resident = self.snapshots.resident
         while resident and self.pool.num_free + self.trie.num_cached < n:
             _, snap = resident.popitem(last=False)
-            self._release_state(snap.state)  # type: ignore[arg-type]
+            self._release_state(snap.pages)
             snap.state = None
             snap.last_logits = None  # on disk too; read back on open
-            self.tier.counters.snapshots_spilled += 1  # type: ignore[union-attr]
+            self._disk.counters.snapshots_spilled += 1
         return self.pool.num_free + self.trie.num_cached >= n
 
     def _spill_page(self, node: Node) -> None:
         """The trie evicts ``node``: keep its page on disk (the disk tier decides)."""
-        self.tier.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),  # type: ignore[union-attr]
+        self._disk.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
                         node.tokens, node.positions, node.extras, node.page_id)
 
     def owner_pages(self, owner: Any) -> int:
@@ -494,18 +501,18 @@ class PageStore:
         """Continue ``state``'s chain with full pages from ``start`` on that the disk tier
         holds: each is read, verified, copied into a new page and committed. Stops at the
         first page not on disk (or when the pool has no room). Returns the pages attached."""
-        ps, tier = self.page_size, self.tier
+        ps, tier = self.page_size, self._disk
         num = 0
         for i in range(start, len(toks) // ps):
             lo, hi = i * ps, (i + 1) * ps
-            record = tier.find(parent_hash(state.tip, self.trie.root_hash),  # type: ignore[union-attr]
+            record = tier.find(parent_hash(state.tip, self.trie.root_hash),
                                toks[lo:hi], poss[lo:hi], extras[lo:hi])
             if record is None:
                 break
             pages = self._allocate(1)  # state's chain is held: never evicted for this
             if pages is None:
                 break
-            tier.install(pages[0], record.payload)  # type: ignore[union-attr]
+            tier.install(pages[0], record.payload)
             self._commit_page(state, pages[0], record.tokens, record.positions, record.extras)
             num += 1
         return num
@@ -638,17 +645,17 @@ class PageStore:
         Raises:
             StorageError: the write failed; no trace of the snapshot is left.
         """
-        tier = self.tier
+        tier = self._disk
         self.snapshots.unreserve(job.key)
         if job.error is not None:
             for h in job.written:
-                if h not in tier.index:  # type: ignore[union-attr]
-                    tier.remove_page(h)  # type: ignore[union-attr]
-            tier.drop_refs(job.known)  # type: ignore[union-attr]
-            self._release_state(job.snap.state)  # type: ignore[arg-type]
+                if h not in tier.index:
+                    tier.remove_page(h)
+            tier.drop_refs(job.known)
+            self._release_state(job.snap.pages)
             raise job.error
-        tier.adopt_written(job.written)  # type: ignore[union-attr]
-        tier.add_refs(job.written)  # type: ignore[union-attr]
+        tier.adopt_written(job.written)
+        tier.add_refs(job.written)
         job.snap.head = job.head
         self.snapshots.put(job.key, job.snap)
 
@@ -671,7 +678,7 @@ class PageStore:
         snap = self.snapshots.get(name, namespace)
         if snap.state is not None:
             return None
-        return plan_restore(snapshot_key(name, namespace), snap.head, self.tier,  # type: ignore[arg-type]
+        return plan_restore(snapshot_key(name, namespace), snap.head, self._disk,
                             self.trie.by_hash)
 
     def restore_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
@@ -697,20 +704,22 @@ class PageStore:
             self.snapshots.touch(key, snap)
             return snap.state.num_committed_pages + len(snap.state.working), 0
         if job is None or job.head is not snap.head:
-            job = self.plan_restore(name, namespace)
-            job.read()  # type: ignore[union-attr]
-        if job.error is not None:  # type: ignore[union-attr]
-            raise job.error  # type: ignore[union-attr]
-        state, from_memory = self._install(job)  # type: ignore[arg-type]
+            job = plan_restore(key, snap.head, self._disk, self.trie.by_hash)
+            job.read()
+        if job.error is not None:
+            if job.damaged is not None:
+                self._disk.drop_damaged(job.damaged)
+            raise job.error
+        state, from_memory = self._install(job)
         snap.state = state
-        snap.last_logits = np.frombuffer(job.logits, dtype="<f4") if job.logits else None  # type: ignore[union-attr]
+        snap.last_logits = np.frombuffer(job.logits, dtype="<f4") if job.logits else None
         self.snapshots.touch(key, snap)
         return from_memory, state.num_committed_pages + len(state.working) - from_memory
 
     def _install(self, job: RestoreJob) -> tuple[PageState, int]:
         """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
         pages found in the pool. On any error every page taken goes back."""
-        head, ps, tier = job.head, self.page_size, self.tier
+        head, ps, tier = job.head, self.page_size, self._disk
         state = PageState()
         from_memory = 0
         try:
@@ -726,19 +735,23 @@ class PageStore:
                     state.tip = node
                     from_memory += 1
                     continue
-                record = job.records.get(h) or tier.read(h)  # type: ignore[union-attr]
+                try:
+                    record = job.read_page(h)
+                except SnapshotCorrupt:
+                    tier.drop_damaged(h)  # no save may reuse it
+                    raise
                 if (record.parent, record.tokens, record.positions, record.extras) != (
                         parent_hash(state.tip, self.trie.root_hash), toks, poss, extras):
-                    raise SnapshotCorrupt(f"page file {tier.files.page_path(h)} does not hold "  # type: ignore[union-attr]
+                    raise SnapshotCorrupt(f"page file {tier.files.page_path(h)} does not hold "
                                           f"page {i} of snapshot {job.key[1]!r}")
                 page = self._allocate_or_raise(1, f"reopen snapshot {job.key[1]!r}")
-                tier.install(page[0], record.payload)  # type: ignore[union-attr]
+                tier.install(page[0], record.payload)
                 self._commit_page(state, page[0], toks, poss, extras)
             state.committed_ids = None  # recomputed from the tip on first use
             tail = self._allocate_or_raise(head.tail_pages, f"reopen snapshot {job.key[1]!r}")
             state.working = tail
             for j, page_id in enumerate(tail):
-                tier.install(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])  # type: ignore[union-attr]
+                tier.install(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])
             state.tokens = list(head.tail_tokens)
             state.positions = list(head.tail_positions)
             state.extras = list(head.tail_extras)
@@ -769,7 +782,7 @@ class PageStore:
         snap = self.snapshots.get(name, namespace)
         self.snapshots.resident.pop(key, None)  # never spilled while it is forked from
         try:
-            return self._register(self._fork_state(snap.state, owner))  # type: ignore[arg-type]
+            return self._register(self._fork_state(snap.pages, owner))
         finally:
             self.snapshots.touch(key, snap)
 
@@ -784,15 +797,14 @@ class PageStore:
             StorageError: its manifest could not be deleted (nothing changed).
         """
         self.restore_snapshot(name, namespace)
-        snap = self._forget(name, namespace)
-        state = snap.state
+        state = self._forget(name, namespace).pages
         if owner is not None:  # snapshots count against nobody: the new owner takes them on
-            if state.tip is not None:  # type: ignore[union-attr]
-                self.trie.add_holder(state.tip, owner)  # type: ignore[union-attr]
-                self.trie.drop_holder(state.tip)  # type: ignore[union-attr]
-            state.owner = owner  # type: ignore[union-attr]
-            self._count_working(state, len(state.working))  # type: ignore[arg-type, union-attr]
-        return self._register(state)  # type: ignore[arg-type]
+            if state.tip is not None:
+                self.trie.add_holder(state.tip, owner)
+                self.trie.drop_holder(state.tip)
+            state.owner = owner
+            self._count_working(state, len(state.working))
+        return self._register(state)
 
     def delete_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Delete the snapshot, dropping its references and working pages, and its files
@@ -811,10 +823,10 @@ class PageStore:
         references. Its page state, if any, is the caller's."""
         snap = self.snapshots.get(name, namespace)
         if snap.head is not None:
-            self.tier.files.remove(self.tier.files.manifest_path(namespace, name))  # type: ignore[union-attr]
+            self._disk.files.remove(self._disk.files.manifest_path(namespace, name))
         self.snapshots.pop(name, namespace)
         if snap.head is not None:
-            self.tier.drop_refs(snap.head.pages)  # type: ignore[union-attr]
+            self._disk.drop_refs(snap.head.pages)
         return snap
 
     def list_snapshots(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:

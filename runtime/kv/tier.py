@@ -106,7 +106,9 @@ class DiskTier:
         self.max_cache_pages = max_cache_pages
         self.index: dict[PageHash, DiskPage] = {}
         self.cache: OrderedDict[PageHash, None] = OrderedDict()  # refs == 0, LRU first
-        self.missing: set[PageHash] = set()  # listed by a manifest, file gone (found at boot)
+        # Pages manifests list whose file is gone (found at boot) or was found damaged (and
+        # removed): hash -> how many manifests list it. Writing the page again restores it.
+        self.missing: dict[PageHash, int] = {}
         self.counters = TierCounters()
 
     @property
@@ -141,8 +143,8 @@ class DiskTier:
             self.files.remove(self.files.page_path(h), durable=False)
             swept += 1
         for h in [h for h in self.index if h not in on_disk]:
-            del self.index[h]  # referenced but missing: opening its snapshot says so
-            self.missing.add(h)
+            # referenced but missing: opening its snapshot says so, until a save writes it
+            self.missing[h] = self.index.pop(h).refs
             log.warning("snapshot directory %s: page file %s is missing",
                         self.files.folder, self.files.page_path(h))
         if swept:
@@ -160,8 +162,8 @@ class DiskTier:
             if page_hash in self.cache:
                 self.cache.move_to_end(page_hash)
             return
-        if self.max_cache_pages <= 0:
-            return
+        if self.max_cache_pages <= 0 or page_hash in self.missing:
+            return  # (a missing snapshot page is written back only by a durable save)
         try:
             n = self.files.write_page(page_hash, parent, tokens, positions, extras,
                                       self.view.read(page_id), durable=False)
@@ -207,7 +209,8 @@ class DiskTier:
         """Index pages ``write_snapshot_pages`` wrote (on the event loop)."""
         for h in written:
             if h not in self.index:
-                self.index[h] = DiskPage(self.page_bytes)
+                # a page that went missing is whole again: the manifests listing it count
+                self.index[h] = DiskPage(self.page_bytes, refs=self.missing.pop(h, 0))
                 self._count_write(self.page_bytes)
 
     def add_refs(self, hashes: Iterable[int]) -> None:
@@ -223,6 +226,10 @@ class DiskTier:
         for h in hashes:
             page = self.index.get(PageHash(h))
             if page is None:
+                if self.missing.get(PageHash(h), 0) > 1:
+                    self.missing[PageHash(h)] -= 1
+                else:
+                    self.missing.pop(PageHash(h), None)
                 continue
             page.refs -= 1
             if page.refs <= 0:
@@ -260,8 +267,7 @@ class DiskTier:
             record = self.read(h)
         except SnapshotCorrupt as err:
             log.warning("%s; computing the page instead", err)
-            if self.index[h].refs == 0:
-                self.remove_page(h)
+            self.drop_damaged(h)
             return None
         if (record.parent, record.tokens, record.positions, record.extras) != (
                 parent, tuple(tokens), tuple(positions), tuple(extras)):
@@ -279,6 +285,17 @@ class DiskTier:
         if h not in self.index:
             raise SnapshotCorrupt(f"page file {self.files.page_path(h)} is missing")
         return self.files.read_page(h, self.page_bytes)
+
+    def drop_damaged(self, h: PageHash) -> None:
+        """A page file failed its checks: delete it, so no save reuses it. The manifests
+        listing it keep their count (``missing``); a save that computes the page again
+        writes it afresh, which heals them too."""
+        page = self.index.get(h)
+        if page is None:
+            return
+        if page.refs:
+            self.missing[h] = page.refs
+        self.remove_page(h)
 
     def install(self, page_id: PageId, payload: bytes) -> None:
         """Copy a page's bytes read from disk into the pool (on the event loop)."""
@@ -314,5 +331,9 @@ class DiskTier:
                                    f"manifests list it {refs.get(h, 0)} times")
             if (page.refs == 0) != (h in self.cache):
                 raise RuntimeError(f"disk tier: page {h:016x} cache membership is wrong")
-        if missing := set(refs) - set(self.index) - self.missing:
-            raise RuntimeError(f"disk tier: manifests list pages not on disk: {sorted(missing)[:3]}")
+        if lost := set(refs) - set(self.index) - set(self.missing):
+            raise RuntimeError(f"disk tier: manifests list pages not on disk: {sorted(lost)[:3]}")
+        for h, n in self.missing.items():
+            if h in self.index or n != refs.get(h, 0):
+                raise RuntimeError(f"disk tier: missing page {h:016x} counts {n} manifests, "
+                                   f"they list it {refs.get(h, 0)} times")
