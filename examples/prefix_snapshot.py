@@ -1,7 +1,8 @@
 """Save a long system prompt once as a named snapshot; answer questions from it.
 
 Run it twice: the second run (same engine, e.g. under `pie-ctx serve`) finds the snapshot
-and computes only the questions.
+and computes only the questions. Restart the server between the runs and the second run
+still finds it: the snapshot's pages come back from the snapshot directory, not recomputed.
 """
 
 from pie_ctx import Context, Sampler
@@ -30,9 +31,10 @@ async def main(rt, args):
         await base.release()
     for question in QUESTIONS:
         async with await Context.open(rt, NAME) as ctx:
-            shared = ctx.num_committed_pages
+            shared, from_disk = ctx.num_committed_pages, ctx.open_report.pages_from_disk
             ctx.user(question).cue()
             report = await ctx.flush()
             answer = await ctx.generate(Sampler.greedy(), max_tokens=args.max_tokens).text()
             print(f"{question} -> {answer.strip()!r}  ({shared} pages shared from the "
-                  f"snapshot, {report.tokens_computed} tokens computed)")
+                  f"snapshot, {from_disk} loaded from disk, {report.tokens_computed} tokens "
+                  "computed)")

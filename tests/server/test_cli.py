@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -89,20 +90,38 @@ def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
     from tests.sdk.harness import tiny_model_folder
 
     sock = tmp_path / "s.sock"
-    srv = ServeProcess(tmp_path, "--socket", str(sock), model=tiny_model_folder(tmp_path))
+    model = tiny_model_folder(tmp_path)
+
+    def run_example() -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "pie_ctx.cli", "run", "examples/prefix_snapshot.py",
+             "--connect", f"unix:{sock}", "--", "--max-tokens", "4"],
+            capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    srv = ServeProcess(tmp_path, "--socket", str(sock), model=model)
     try:
-        srv.wait_for(r"serving .* on unix:")
-        runs = []
-        for _ in range(2):
-            out = subprocess.run(
-                [sys.executable, "-m", "pie_ctx.cli", "run", "examples/prefix_snapshot.py",
-                 "--connect", f"unix:{sock}", "--", "--max-tokens", "4"],
-                capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)
-            assert out.returncode == 0, out.stderr
-            runs.append(out.stdout)
+        srv.wait_for(r"snapshots: 0 in .*/data/pie-ctx/snapshots/")  # the default folder
+        runs = [run_example(), run_example()]
         assert "saved 'lighthouse-handbook'" in runs[0]
         assert "saved" not in runs[1] and runs[1].count("pages shared from the snapshot") == 3
         stats = _stats(tmp_path, f"unix:{sock}")
         assert stats["num_contexts"] == 0 and stats["num_snapshots"] == 1
+    finally:
+        srv.stop()
+    # A restart keeps the snapshot (serve's default snapshot directory); its pages come
+    # back from disk, not recomputed.
+    srv = ServeProcess(tmp_path, "--socket", str(sock), model=model)
+    try:
+        srv.wait_for(r"snapshots: 1 in ")
+        after = run_example()
+        assert "saved" not in after
+        shared, from_disk = map(int, re.search(
+            r"\((\d+) pages shared from the snapshot, (\d+) loaded from disk", after).groups())
+        assert shared > 0 and from_disk >= shared
+        stats = _stats(tmp_path, f"unix:{sock}")
+        assert stats["disk_pages_loaded"] >= shared and stats["snapshot_dir"].startswith(
+            str(tmp_path / "data"))
     finally:
         srv.stop()
