@@ -8,8 +8,8 @@ how many snapshots fit when the pool holds a tenth of them.
    recompute), save the context (timed; repeated after deleting it, so every page file is
    written each time), write the same bytes as one file with one fsync (the raw disk), stop
    the engine, evict the folder's files from the OS page cache, boot a new engine on the
-   folder and reopen the snapshot (timed), then compare 16 greedy tokens with the ones
-   before the restart. transformers' own prefill of the same tokens is timed too.
+   folder in a new process and reopen the snapshot (timed), then compare 16 greedy tokens
+   with the ones before the restart. transformers' own prefill of the same tokens is timed too.
 2. The tiny test model: save ``--snapshots`` snapshots of ``--snapshot-tokens`` distinct
    tokens with a pool that holds ``--pool-fraction`` of their pages, reopen every one
    (continuations of a sample compared), restart, reopen the sample again.
@@ -21,10 +21,13 @@ The last line is one JSON object (``reopen_after_restart_over_recompute``, ``sav
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +35,10 @@ from pathlib import Path
 from common import ROOT, emit, load_hf, prompt_tokens, table  # first: see common.py
 
 import anyio
+import msgspec
 
 from pie_ctx import Context, Runtime, Sampler
+from pie_ctx.proto import messages as P
 
 GREEDY = Sampler.greedy()
 N_TOKENS = 16
@@ -80,10 +85,7 @@ async def continuation(ctx: Context) -> list[int]:
 async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[dict, list[int]]:
     from runtime.engine.boot import boot_engine
 
-    def boot():
-        return boot_engine(None, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder)
-
-    engine = boot()
+    engine = boot_engine(None, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder)
     tokens = prompt_tokens(engine.tokenizer, args.tokens)
     async with engine, Runtime.local(engine=engine) as rt:
         warm = Context(rt).append(prompt_tokens(engine.tokenizer, 64, salt="Warm up. "))
@@ -108,17 +110,9 @@ async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[
             page = engine.store.tier.page_bytes
             raw_s.append(raw_write_seconds(engine.store.tier.files.folder, nbytes, page))
         await ctx.release()
-    evict_from_page_cache(folder)
-    t0 = time.perf_counter()
-    engine = boot()
-    boot_s = time.perf_counter() - t0
-    async with engine, Runtime.local(engine=engine) as rt:
-        t0 = time.perf_counter()
-        opened = await Context.open(rt, "long")
-        reopen_s = time.perf_counter() - t0
-        open_report = opened.open_report
-        after = await opened.generate(GREEDY, max_tokens=N_TOKENS, ignore_eos=True).tokens()
-        await opened.release()
+    reopened = reopen_in_new_process(folder, args.settle)
+    reopen_s, boot_s, after = reopened["reopen_s"], reopened["boot_s"], reopened["tokens"]
+    open_report = P.PassReport(**reopened["report"])
     save_med, raw_med = statistics.median(save_s), statistics.median(raw_s)
     out = {
         "tokens": len(tokens), "prefill_s": prefill_s, "reopen_s": reopen_s,
@@ -133,6 +127,34 @@ async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[
     }
     out["save_over_raw"] = out["save_mb_s"] / out["disk_write_mb_s"]
     return out, tokens
+
+
+def reopen_in_new_process(folder: Path, settle: float) -> dict:
+    """The restart: a new process, as after a crash or an upgrade, with the folder's files
+    evicted from the OS page cache (so the reopen reads the disk)."""
+    time.sleep(settle)
+    evict_from_page_cache(folder)
+    out = subprocess.run([sys.executable, __file__, "--reopen", str(folder)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def reopen(folder: Path) -> dict:
+    """The restarted process: boot on ``folder``, reopen "long", generate."""
+    from runtime.engine.boot import boot_engine
+
+    t0 = time.perf_counter()
+    engine = boot_engine(None, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder,
+                         progress=False)
+    boot_s = time.perf_counter() - t0
+    async with engine, Runtime.local(engine=engine) as rt:
+        t0 = time.perf_counter()
+        opened = await Context.open(rt, "long")
+        reopen_s = time.perf_counter() - t0
+        tokens = await opened.generate(GREEDY, max_tokens=N_TOKENS, ignore_eos=True).tokens()
+        await opened.release()
+    return {"reopen_s": reopen_s, "boot_s": boot_s, "tokens": tokens,
+            "report": msgspec.structs.asdict(opened.open_report)}
 
 
 def hf_prefill_seconds(tokens: list[int]) -> float:
@@ -207,8 +229,14 @@ def main() -> None:
     ap.add_argument("--snapshot-tokens", type=int, default=1000)
     ap.add_argument("--pool-fraction", type=float, default=0.1)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait before the restart (lets the disk finish writing)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' prefill")
+    ap.add_argument("--reopen", default=None, help=argparse.SUPPRESS)  # the restarted process
     args = ap.parse_args()
+    if args.reopen:
+        print(json.dumps(anyio.run(reopen, Path(args.reopen))))
+        return
     os.chdir(ROOT)
     folder = Path(tempfile.mkdtemp(prefix="pie-ctx-bench-", dir=args.dir))
     try:
