@@ -55,6 +55,11 @@ class SaveJob:
     written: list[PageHash] = field(default_factory=list)
     error: PieError | None = None
 
+    @property
+    def new_hashes(self) -> list[PageHash]:
+        """The pages this save writes."""
+        return [page[0] for page in self.new_pages]
+
     def write(self) -> None:
         """The I/O half (any thread): page files, then the manifest. Never raises."""
         try:

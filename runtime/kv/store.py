@@ -636,6 +636,7 @@ class PageStore:
             return None
         job = plan_save(key, snap, self.tier, self.trie.root_hash, self.tier.files.fingerprint.key)
         self.tier.add_refs(job.known)  # no delete may remove them while the job writes
+        self.tier.begin_writes(job.new_hashes)  # nor the files it writes before end_save
         self.snapshots.reserve(key, job)
         return job
 
@@ -647,6 +648,7 @@ class PageStore:
         """
         tier = self._disk
         self.snapshots.unreserve(job.key)
+        tier.end_writes(job.new_hashes)
         if job.error is not None:
             for h in job.written:
                 if h not in tier.index:

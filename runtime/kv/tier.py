@@ -109,6 +109,9 @@ class DiskTier:
         # Pages manifests list whose file is gone (found at boot) or was found damaged (and
         # removed): hash -> how many manifests list it. Writing the page again restores it.
         self.missing: dict[PageHash, int] = {}
+        # Pages saves in flight are writing (hash -> how many saves): their files may exist
+        # before they are indexed (``adopt_written``), and nothing may delete them meanwhile.
+        self.pending: dict[PageHash, int] = {}
         self.counters = TierCounters()
 
     @property
@@ -235,10 +238,25 @@ class DiskTier:
             if page.refs <= 0:
                 self.remove_page(PageHash(h))
 
+    def begin_writes(self, hashes: Iterable[PageHash]) -> None:
+        """A save will write these pages (``end_writes`` when it is finished or failed)."""
+        for h in hashes:
+            self.pending[h] = self.pending.get(h, 0) + 1
+
+    def end_writes(self, hashes: Iterable[PageHash]) -> None:
+        for h in hashes:
+            if self.pending.get(h, 0) > 1:
+                self.pending[h] -= 1
+            else:
+                self.pending.pop(h, None)
+
     def remove_page(self, h: PageHash) -> None:
-        """Delete one page file (an orphan left by a failure is swept at the next boot)."""
+        """Delete one page file (an orphan left by a failure is swept at the next boot).
+        A file a save in flight is writing stays: that save indexes it when it ends."""
         self.index.pop(h, None)
         self.cache.pop(h, None)
+        if h in self.pending:
+            return
         try:
             self.files.remove(self.files.page_path(h), durable=False)
         except StorageError as err:
@@ -293,6 +311,11 @@ class DiskTier:
         page = self.index.get(h)
         if page is None:
             return
+        try:  # written afresh since it failed (a stale restore job)? then it is fine
+            self.files.read_page(h, self.page_bytes)
+            return
+        except SnapshotCorrupt:
+            pass
         if page.refs:
             self.missing[h] = page.refs
         self.remove_page(h)
@@ -321,10 +344,11 @@ class DiskTier:
             RuntimeError: a page file is lost or orphaned, or a count is off.
         """
         on_disk = self.files.page_files()
-        if set(on_disk) != set(self.index):
-            lost = sorted(set(self.index) - set(on_disk))[:3]
-            orphans = sorted(set(on_disk) - set(self.index))[:3]
-            raise RuntimeError(f"disk tier: index != files (lost {lost}, orphans {orphans})")
+        lost = set(self.index) - set(on_disk)
+        orphans = set(on_disk) - set(self.index) - set(self.pending)  # (pending: being saved)
+        if lost or orphans:
+            raise RuntimeError(f"disk tier: index != files (lost {sorted(lost)[:3]}, "
+                               f"orphans {sorted(orphans)[:3]})")
         for h, page in self.index.items():
             if page.refs != refs.get(h, 0):
                 raise RuntimeError(f"disk tier: page {h:016x} has refs {page.refs}, "

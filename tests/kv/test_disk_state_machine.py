@@ -4,23 +4,28 @@ A small pool (6-12 pages of 2-4 tokens) over a snapshot folder (a fresh temporar
 directory per example, written through a ``FailingOps``), driven by random sequences of:
 contexts created, written (every token's K/V is ``kv_of(token, position)``, so the bytes
 say which token they belong to), forked, released; prefix reuse (``attach_prefix``, from
-the pool or from disk); snapshots saved, opened, taken and deleted in two namespaces;
-memory pressure that spills snapshots and evicts cached pages to disk; restarts (a new
-store on the same folder: live contexts are gone, snapshots remain); disk faults (ENOSPC /
-EIO while saving: the save fails typed and leaves no trace, before or after a restart);
-and damaged page files (the snapshots using them fail to open with ``SnapshotCorrupt``
-naming the file, the others open; the broken ones are then deleted).
+the pool or from disk); snapshots saved, opened, taken and deleted in two namespaces,
+synchronously or as the engine does (``begin_save``, ``job.write()``, ``end_save``, with
+other steps in between); memory pressure that spills snapshots and evicts cached pages to
+disk (sometimes on a full disk); restarts (a new store on the same folder: live contexts
+are gone, snapshots remain, a save cut short is there only if its manifest was written);
+disk faults (ENOSPC / EIO while saving: the save fails typed and leaves no trace, before
+or after a restart); and damaged page files (the snapshots using them fail to open with
+``SnapshotCorrupt`` naming the file and the snapshot, the others open; then the broken
+snapshots are deleted, or healed by saving their pages computed again).
 
 The model is deliberately simple: every live context's token list and every snapshot's
 token list and working-token count. After every step: ``check_invariants`` (which covers
-the disk tier), the listing of both namespaces, one manifest file per snapshot and nothing
-left in ``tmp/``, and every live context's tokens, counters and K/V bytes. Every restart
-then opens every snapshot (the pool is empty: each must fit) and checks its tokens and K/V.
+the disk tier), the listing of both namespaces, one manifest file per durable snapshot and
+nothing left in ``tmp/``, and every live context's tokens, counters and K/V bytes. Every
+restart then opens every snapshot (the pool is empty: each must fit) and checks its
+tokens, K/V, meta and last logits.
 
 ``OutOfPages`` is a legitimate outcome in a pool this small: it is accepted, and the store
 must then be unchanged as far as the model sees (listing, contexts, invariants).
 
-CI runs 200 examples of up to 40 steps; ``PIE_CTX_SLOW=1`` selects 2,000 of up to 50.
+CI runs 200 examples of up to 40 steps; ``PIE_CTX_SLOW=1`` selects 2,000 of up to 50. At
+the end: regression tests for the bugs the machine found.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import errno
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,7 @@ from pie_ctx.errors import (
     StorageError,
 )
 from runtime.kv import ContextId, PageStore
+from runtime.kv.durable import RestoreJob, SaveJob
 
 from .disk_helpers import FailingOps, check_kv, close, disk_store, kv_of
 
@@ -57,6 +64,26 @@ OWNERS = [None, "alice"]
 TOKENS = st.integers(0, 3)  # a small alphabet: prefixes collide, pages dedup
 MAX_LIVE = 4  # live contexts at most (more would only make everything OutOfPages)
 Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class InFlight:
+    """A save begun (``begin_save``: name reserved, state forked) and not ended yet."""
+
+    job: SaveJob
+    key: Key
+    tokens: list[int]
+    written: bool = False  # job.write() ran (its manifest is on disk unless job.error)
+
+
+@dataclass
+class Restoring:
+    """A restore planned (``plan_restore``; None: the snapshot was resident), maybe read,
+    not finished yet (``restore_snapshot``). Kept across restarts: a stale job is re-read."""
+
+    key: Key
+    job: RestoreJob | None
+    read: bool
 
 
 def try_write(store: PageStore, cid: ContextId, tokens: list[int]) -> bool:
@@ -105,6 +132,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.ctx: dict[ContextId, list[int]] = {}  # live context -> its tokens
         self.snaps: dict[Key, tuple[list[int], int]] = {}  # -> (tokens, working tokens)
         self.seen: list[list[int]] = []  # token lists of released contexts (prefix reuse)
+        self.flight: InFlight | None = None  # the save being written, if any
+        self.restoring: Restoring | None = None  # the restore being read, if any
 
     def teardown(self) -> None:
         if self.store is not None:
@@ -139,6 +168,9 @@ class DiskStoreMachine(RuleBasedStateMachine):
             self.ctx[cid] = tokens
         return cid
 
+    def _check_invariants(self) -> None:
+        self.s.check_invariants()  # (a save in flight: its written files are pending)
+
     def _working(self, tokens: list[int]) -> int:
         return len(tokens) % self.page_size  # every full page is committed (try_write)
 
@@ -168,9 +200,16 @@ class DiskStoreMachine(RuleBasedStateMachine):
             self.seen = (self.seen + [tokens])[-8:]
 
     def _restart(self) -> None:
-        """Close the folder and start a new store on it: contexts go, snapshots stay."""
+        """Close the folder and start a new store on it: contexts go, snapshots stay.
+        A save in flight is cut short (a crash): its snapshot is there after the restart
+        if its manifest was written, else not at all."""
         for tokens in self.ctx.values():
             self._remember(tokens)
+        if self.flight is not None:
+            flight, self.flight = self.flight, None
+            if flight.written and flight.job.error is None:
+                event("restart: a written save in flight survives")
+                self.snaps[flight.key] = (flight.tokens, self._working(flight.tokens))
         close(self.s)
         self.store = None
         self.store = self._new_store()
@@ -181,8 +220,10 @@ class DiskStoreMachine(RuleBasedStateMachine):
         assert self.s.stats().num_disk_pages == len(pages)
 
     def _verify_every_snapshot(self, *, must_open: bool, reverse: bool = False) -> None:
-        """Open every snapshot, check it, release it. ``must_open``: no live context holds
-        pages, so each snapshot fits (it fitted beside its context when saved)."""
+        """Open every snapshot, check it, release it. ``must_open``: no live context (or
+        save in flight) holds pages, so each snapshot fits (it fitted beside its context
+        when saved)."""
+        must_open = must_open and self.flight is None
         for key in sorted(self.snaps, reverse=reverse):
             try:
                 cid = self.s.open_snapshot(key[1], key[0])
@@ -320,10 +361,86 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.s.delete_snapshot(key[1], key[0])
         self._remember(self.snaps.pop(key)[0])
 
+    def _settle(self, key: Key | None = None) -> None:
+        """Before a save of ``key`` (or, None, a step that needs no save in flight):
+        finish the save in flight, unless it has another name (saves overlap)."""
+        if self.flight is not None and (key is None or self.flight.key == key):
+            self._finish(None)
+
+    def _finish(self, fault: int | None) -> None:
+        """Write the save in flight if not yet (the disk failing after ``fault`` writes),
+        then end it: listed, or a StorageError and no trace."""
+        flight = self.flight
+        assert flight is not None
+        if not flight.written:
+            self._write_flight(fault)
+        self.flight = None
+        try:
+            self.s.end_save(flight.job)
+        except StorageError as err:
+            assert flight.job.error is err
+            event("in flight: failed")
+        else:
+            assert flight.job.error is None
+            self.snaps[flight.key] = (flight.tokens, self._working(flight.tokens))
+            event("in flight: saved")
+
+    def _write_flight(self, fault: int | None) -> None:
+        flight = self.flight
+        assert flight is not None and not flight.written
+        if fault is not None:
+            self.ops.fail_after(fault)
+        try:
+            flight.job.write()  # never raises: the error is kept for end_save
+        finally:
+            self.ops.heal()
+        flight.written = True
+        if fault == 0:
+            assert isinstance(flight.job.error, StorageError)
+
+    @rule(data=st.data(), name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES))
+    def begin_save(self, data: st.DataObject, name: str, ns: str) -> None:
+        """The engine's save: begun on the event loop, written later off it, then ended;
+        other rules run in between. The name is taken but not listed meanwhile."""
+        key = (ns, name)
+        self._settle(key)
+        if self.flight is not None:
+            return
+        cid = self._live(data)
+        if key in self.snaps:
+            self._delete(key)
+        tokens = self.ctx[cid]
+        before = self._listing()
+        try:
+            job = self.s.begin_save(cid, name, ns, meta=meta_of(key, tokens),
+                                    last_logits=logits_of(tokens))
+        except OutOfPages:
+            return
+        assert job is not None
+        self.flight = InFlight(job, key, list(tokens))
+        assert self._listing() == before
+        try:
+            self.s.begin_save(cid, name, ns)
+        except SnapshotExists:
+            pass
+        else:
+            raise AssertionError("a name being saved must be taken")
+
+    @rule(fault=st.sampled_from([None, None, None, 0, 6]))
+    def write_in_flight(self, fault: int | None) -> None:
+        if self.flight is not None and not self.flight.written:
+            self._write_flight(fault)
+
+    @rule(fault=st.sampled_from([None, None, None, 0, 6]))
+    def end_in_flight(self, fault: int | None) -> None:
+        if self.flight is not None:
+            self._finish(fault)
+
     @rule(data=st.data(), name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES),
           replace=st.booleans())
     def save(self, data: st.DataObject, name: str, ns: str, replace: bool) -> None:
         """Save a context (``replace``: deleting the snapshot of that name first)."""
+        self._settle((ns, name))
         cid = self._live(data)
         if (ns, name) in self.snaps and replace:
             self._delete((ns, name))
@@ -348,6 +465,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
                              error: int, restart: bool) -> None:
         """The disk fails ``after`` writes into a save: the save raises a StorageError and
         leaves no trace (not listed, now or after a restart), or it completed first."""
+        self._settle((ns, name))
         cid = self._live(data)
         if (ns, name) in self.snaps:
             self._delete((ns, name))
@@ -369,10 +487,65 @@ class DiskStoreMachine(RuleBasedStateMachine):
             event("fault save: completed first")
         finally:
             self.ops.heal()
-        self.s.check_invariants()
+        self._check_invariants()
         if restart:
             self._restart()
             self._verify_every_snapshot(must_open=True)
+
+    @rule(data=st.data(), read_now=st.booleans(), spill_first=st.booleans())
+    def begin_restore(self, data: st.DataObject, read_now: bool, spill_first: bool) -> None:
+        """The engine's reopen of a snapshot: planned on the event loop, read off it (now
+        or later), finished on the loop; other steps (even restarts) run in between.
+        ``spill_first``: a burst first spills every snapshot (this one comes from disk)."""
+        self.end_restore(check=False)  # one at a time
+        if not self.snaps:
+            try:
+                self.s.plan_restore("a")
+            except SnapshotNotFound:
+                return
+            raise AssertionError("planning a missing snapshot's restore must raise")
+        ns, name = data.draw(st.sampled_from(sorted(self.snaps)))
+        if spill_first:
+            self._flush_pool()
+        job = self.s.plan_restore(name, ns)
+        if job is not None and read_now:
+            job.read()
+        self.restoring = Restoring((ns, name), job, read_now)
+        event(f"restore: planned ({'resident' if job is None else 'spilled'})")
+
+    @rule(check=st.booleans())
+    def end_restore(self, check: bool) -> None:
+        """Finish the restore: the snapshot is resident (its pages counted by where they
+        came from), or it was deleted meanwhile (SnapshotNotFound); ``check``: open it."""
+        restoring, self.restoring = self.restoring, None
+        if restoring is None:
+            return
+        (ns, name), job = restoring.key, restoring.job
+        if job is not None and not restoring.read:
+            job.read()
+        if restoring.key not in self.snaps:
+            try:
+                self.s.restore_snapshot(name, ns, job)
+            except SnapshotNotFound:
+                event("restore: deleted meanwhile")
+                return
+            raise AssertionError("restoring a deleted snapshot must raise SnapshotNotFound")
+        try:
+            from_memory, from_disk = self.s.restore_snapshot(name, ns, job)
+        except OutOfPages:
+            event("restore: OutOfPages")
+            return
+        event(f"restore: {'some' if from_disk else 'no'} pages from disk")
+        tokens, working = self.snaps[restoring.key]
+        ps = self.page_size
+        assert from_memory + from_disk == (len(tokens) - working) // ps + -(-working // ps)
+        if check:
+            try:
+                cid = self.s.open_snapshot(name, ns)
+            except OutOfPages:
+                return
+            self._check_opened(restoring.key, cid)
+            self.s.release(cid)
 
     @rule(name=st.sampled_from(NAMES), ns=st.sampled_from(NAMESPACES), keep=st.booleans(),
           owner=st.sampled_from(OWNERS))
@@ -463,13 +636,17 @@ class DiskStoreMachine(RuleBasedStateMachine):
                    for have in self.ctx.values())
 
     @rule(data=st.data(), damage=st.sampled_from(["flip", "truncate", "remove"]),
-          mode=st.sampled_from(["restart", "flush", "live"]))
-    def corrupt_page_file(self, data: st.DataObject, damage: str, mode: str) -> None:
+          mode=st.sampled_from(["restart", "flush", "live"]), heal=st.booleans())
+    def corrupt_page_file(self, data: st.DataObject, damage: str, mode: str,
+                          heal: bool) -> None:
         """Damage one page file a snapshot uses. Every snapshot listing it then fails to
         open with SnapshotCorrupt naming the file and the snapshot, unless the page is
         still in the pool: after a restart nothing is; after a flush only what live
         contexts hold; else (``live``) the pool's copy may serve it (and must be right).
-        Every other snapshot opens. The broken snapshots are then deleted."""
+        Every other snapshot opens. Then, with ``heal`` and once the store has found the
+        damage, the page is computed again and saved, which heals the broken snapshots;
+        else (or if that cannot be done) the broken snapshots are deleted."""
+        self._settle()
         heads = {key: self.s.snapshot(key[1], key[0]).head for key in self.snaps}
         used = sorted({h for head in heads.values() for h in head.pages})
         if not used:
@@ -515,11 +692,39 @@ class DiskStoreMachine(RuleBasedStateMachine):
                 event(f"corrupt: opened from the pool ({mode})")
                 self._check_opened(key, cid)
                 self.s.release(cid)
-            self.s.check_invariants()
-        for key in broken:
-            self._delete(key)
-        assert not victim.exists()  # no snapshot lists it any more
+            self._check_invariants()
+        if heal and not victim.exists() and self._heal(broken[0], victim_hash):
+            event(f"corrupt: healed ({mode})")
+            assert victim.exists()
+            self._flush_pool()  # the healed snapshots now open from disk
+        else:
+            for key in broken:
+                self._delete(key)
+            assert not victim.exists()  # no snapshot lists it any more
         self._verify_every_snapshot(must_open=not self.ctx)
+
+    def _heal(self, key: Key, page_hash: int) -> bool:
+        """Compute snapshot ``key``'s pages up to ``page_hash`` again in a new context and
+        save them under a free name; False when the pool or the names do not allow it."""
+        free = [(ns, n) for ns in NAMESPACES for n in NAMES if (ns, n) not in self.snaps]
+        if not free:
+            return False
+        head = self.s.snapshot(key[1], key[0]).head
+        tokens = self.snaps[key][0][: (head.pages.index(page_hash) + 1) * self.page_size]
+        cid = self.s.create_context()
+        self.ctx[cid] = []
+        try:
+            if not try_write(self.s, cid, tokens):
+                return False
+            self.ctx[cid] = list(tokens)
+            try:
+                self._save(cid, free[0])
+            except OutOfPages:
+                return False
+            return True
+        finally:
+            self.s.release(cid)
+            self._remember(self.ctx.pop(cid))
 
     # -- after every step --------------------------------------------------------------
 
@@ -528,7 +733,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
         if self.store is None:
             return
         store = self.s
-        store.check_invariants()
+        self._check_invariants()
+        flight = self.flight
         assert self._listing() == self._expected_listing()
         stats = store.stats()
         assert stats.num_snapshots == len(self.snaps)
@@ -541,7 +747,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
                                       for ns, n in self.snaps):
             event("cache pages on disk")
         files = store.tier.files  # type: ignore[union-attr]
-        assert len(list(files.snaps_dir.glob("*.snap"))) == len(self.snaps)
+        durable = flight is not None and flight.written and flight.job.error is None
+        assert len(list(files.snaps_dir.glob("*.snap"))) == len(self.snaps) + durable
         assert not any(files.tmp_dir.iterdir())
         for cid, tokens in self.ctx.items():
             self._check_context(cid, tokens)
@@ -556,9 +763,8 @@ DiskStoreMachine.TestCase.settings = settings(
 TestDiskStoreMachine = DiskStoreMachine.TestCase
 
 
-# ------------------------------------------------------------------ known store bugs
-# Found while writing the machine above (which deletes the snapshots a damaged file breaks
-# before saving anything again, so that it stays green). Remove the xfail when fixed.
+# ---------------------------------------------------------- bugs the machine found
+# Damaged or missing page files, then the same pages saved again (fixed in 7d91138).
 
 
 def _saved_then_damaged(root: Path, damage: str) -> tuple[list[int], Path]:
@@ -580,28 +786,27 @@ def _saved_then_damaged(root: Path, damage: str) -> tuple[list[int], Path]:
     return tokens, victim
 
 
-@pytest.mark.xfail(strict=True, raises=SnapshotCorrupt, reason=(
-    "store bug: DiskTier.boot drops a missing page file from the index together with the "
-    "references the manifests listing it hold; a new save writing that page again counts "
-    "refs from 0, so deleting the old snapshot deletes the new snapshot's page file"))
 def test_resaving_a_page_whose_file_went_missing_keeps_the_new_snapshot(tmp_path: Path) -> None:
+    """Boot must keep the count of manifests listing a missing page: a save writing the
+    page again then counts them, and deleting the old snapshot keeps the new one's file."""
     tokens, _ = _saved_then_damaged(tmp_path, "remove")
     store = disk_store(tmp_path)
     cid = store.create_context()
     try_write(store, cid, tokens)  # the same pages, computed again
-    store.save_snapshot(cid, "b")  # (check_invariants: the page has refs 1, listed twice)
-    store.delete_snapshot("a")  # what SnapshotCorrupt advises for "a"
+    store.save_snapshot(cid, "b")
+    store.check_invariants()
+    store.delete_snapshot("a")
+    store.check_invariants()
     close(store)
     again = disk_store(tmp_path)
-    cid = again.open_snapshot("b")  # fails: its page file was deleted with "a"
+    cid = again.open_snapshot("b")
     assert again.tokens(cid) == tokens
     check_kv(again, cid)
 
 
-@pytest.mark.xfail(strict=True, raises=SnapshotCorrupt, reason=(
-    "store bug: plan_save reuses a page file already on disk without checking it, even one "
-    "the store has found corrupt, so a fresh save of the same pages is born broken"))
 def test_a_fresh_save_does_not_reuse_a_page_file_found_corrupt(tmp_path: Path) -> None:
+    """A page file found damaged is not reused by a later save of the same pages (which
+    writes it afresh, healing the snapshot that found it damaged too)."""
     tokens, victim = _saved_then_damaged(tmp_path, "flip")
     store = disk_store(tmp_path)
     with pytest.raises(SnapshotCorrupt, match=victim.name):
@@ -612,6 +817,102 @@ def test_a_fresh_save_does_not_reuse_a_page_file_found_corrupt(tmp_path: Path) -
     store.check_invariants()
     close(store)
     again = disk_store(tmp_path)
-    cid = again.open_snapshot("b")  # fails: "b" lists the damaged file of "a"
+    for name in ("b", "a"):
+        cid = again.open_snapshot(name)
+        assert again.tokens(cid) == tokens
+        check_kv(again, cid)
+    again.check_invariants()
+
+
+# ------------------------------------------------- regressions: saves and restores in flight
+# 1. A save in flight (begin_save, job.write() off the event loop, end_save) has written
+#    page files the disk index learns of only at end_save. Another save of the same pages
+#    that is deleted, or fails, must not delete them (DiskTier.pending).
+# 2. check_invariants must not take those files for orphans.
+# 3. A restore job whose read failed, finished after the page was written afresh, must not
+#    delete the healthy file (drop_damaged re-reads it).
+
+
+class _ManifestFails(FailingOps):
+    """When ``armed``, a save writes its page files, then fails renaming its manifest
+    into place (ENOSPC)."""
+
+    armed = False
+
+    def replace(self, src: Path, dst: Path) -> None:
+        if self.armed and dst.suffix == ".snap":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().replace(src, dst)
+
+
+def _in_flight(store: PageStore, tokens: list[int]) -> tuple[ContextId, SaveJob]:
+    """A context of ``tokens`` and its save "slow", begun and written but not ended."""
+    cid = store.create_context()
+    try_write(store, cid, tokens)
+    job = store.begin_save(cid, "slow")
+    assert job is not None
+    job.write()  # a worker thread writes it ...
+    assert job.error is None
+    return cid, job
+
+
+def _slow_survives(root: Path, store: PageStore, job: SaveJob, tokens: list[int]) -> None:
+    store.end_save(job)  # ... and the event loop ends it: listed
+    assert "slow" in store.list_snapshots()
+    close(store)
+    again = disk_store(root)
+    cid = again.open_snapshot("slow")
+    assert again.tokens(cid) == tokens
+    check_kv(again, cid)
+
+
+def test_deleting_a_snapshot_keeps_the_files_of_a_save_in_flight(tmp_path: Path) -> None:
+    tokens = list(range(100, 108))
+    store = disk_store(tmp_path)
+    cid, job = _in_flight(store, tokens)
+    store.save_snapshot(cid, "quick")  # meanwhile on the loop: the same pages, saved ...
+    store.delete_snapshot("quick")  # ... and deleted: their page files go
+    _slow_survives(tmp_path, store, job, tokens)
+
+
+def test_a_failed_save_keeps_the_files_of_a_save_in_flight(tmp_path: Path) -> None:
+    tokens = list(range(100, 108))
+    ops = _ManifestFails()
+    store = disk_store(tmp_path, ops=ops)
+    cid, job = _in_flight(store, tokens)
+    ops.armed = True
+    with pytest.raises(StorageError, match="disk is full"):
+        store.save_snapshot(cid, "quick")  # writes the same page files, then fails
+    ops.armed = False
+    _slow_survives(tmp_path, store, job, tokens)
+
+
+def test_invariants_hold_between_a_save_write_and_its_end(tmp_path: Path) -> None:
+    store = disk_store(tmp_path)
+    _, job = _in_flight(store, list(range(100, 108)))
+    store.check_invariants()
+    store.end_save(job)
+
+
+def test_a_stale_failed_restore_does_not_delete_a_page_file_written_since(tmp_path: Path) -> None:
+    tokens, victim = _saved_then_damaged(tmp_path, "flip")
+    store = disk_store(tmp_path)
+    job = store.plan_restore("a")  # a request reopens "a": its read (off the loop) fails
+    assert job is not None
+    job.read()
+    assert job.error is not None
+    with pytest.raises(SnapshotCorrupt):  # meanwhile another request finds the damage
+        store.open_snapshot("a")
+    cid = store.create_context()
+    try_write(store, cid, tokens)
+    store.save_snapshot(cid, "b")  # the pages computed again: a healthy file
+    try:  # the first request ends with its stale job: re-read, or its error, either is fine
+        store.restore_snapshot("a", job=job)
+    except SnapshotCorrupt:
+        pass
+    store.check_invariants()
+    close(store)
+    again = disk_store(tmp_path)
+    cid = again.open_snapshot("b")  # fails: the healthy file was deleted
     assert again.tokens(cid) == tokens
     check_kv(again, cid)
