@@ -32,7 +32,7 @@ log = logging.getLogger("pie_ctx.engine")
 
 
 def page_bytes_for(config: Any, page_size: int, dtype: torch.dtype,
-                     kv_dtype: str = "fp32") -> int:
+                   kv_dtype: str = "fp32") -> int:
     """The bytes of one page of this model (``dtype``: the compute dtype; ``kv_dtype``: how
     entries are stored, see runtime/kv/layout)."""
     entry = entry_bytes(kv_dtype, config.head_dim, dtype)
