@@ -648,15 +648,13 @@ class PageStore:
         """
         tier = self._disk
         self.snapshots.unreserve(job.key)
-        tier.end_writes(job.new_hashes)
         if job.error is not None:
-            for h in job.written:
-                if h not in tier.index:
-                    tier.remove_page(h)
+            tier.end_writes(job.new_hashes)  # deletes what it wrote that nothing else uses
             tier.drop_refs(job.known)
             self._release_state(job.snap.pages)
             raise job.error
         tier.adopt_written(job.written)
+        tier.end_writes(job.new_hashes)
         tier.add_refs(job.written)
         job.snap.head = job.head
         self.snapshots.put(job.key, job.snap)

@@ -244,15 +244,20 @@ class DiskTier:
             self.pending[h] = self.pending.get(h, 0) + 1
 
     def end_writes(self, hashes: Iterable[PageHash]) -> None:
+        """A save that called ``begin_writes`` ended (after ``adopt_written`` if it
+        succeeded). A page no other save is writing and nothing indexed is an orphan of a
+        failed save: its file, if any, is deleted now."""
         for h in hashes:
             if self.pending.get(h, 0) > 1:
                 self.pending[h] -= 1
-            else:
-                self.pending.pop(h, None)
+                continue
+            self.pending.pop(h, None)
+            if h not in self.index:
+                self.remove_page(h)
 
     def remove_page(self, h: PageHash) -> None:
         """Delete one page file (an orphan left by a failure is swept at the next boot).
-        A file a save in flight is writing stays: that save indexes it when it ends."""
+        A file a save in flight is writing stays until that save ends (``end_writes``)."""
         self.index.pop(h, None)
         self.cache.pop(h, None)
         if h in self.pending:
