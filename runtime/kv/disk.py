@@ -408,7 +408,12 @@ class PageFiles:
             raise _write_error(path, e) from None
         return total
 
-    def _fsync_path(self, path: Path, named: Path) -> None:
+    def sync_file(self, path: Path) -> None:
+        """fsync an existing file (a cache page becoming part of a snapshot).
+
+        Raises:
+            StorageError: the file is gone or the fsync failed.
+        """
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -416,15 +421,7 @@ class PageFiles:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise _write_error(named, e) from None
-
-    def sync_file(self, path: Path) -> None:
-        """fsync an existing file (a cache page becoming part of a snapshot).
-
-        Raises:
-            StorageError: the file is gone or the fsync failed.
-        """
-        self._fsync_path(path, path)
+            raise _write_error(path, e) from None
 
     def page_path(self, page_hash: int) -> Path:
         return self.pages_dir / f"{page_hash:016x}.page"

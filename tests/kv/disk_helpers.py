@@ -15,6 +15,8 @@ from runtime.kv import ContextId, PageStore
 from runtime.kv.context import chain_nodes
 from runtime.kv.disk import FileOps, Fingerprint, PageFiles
 
+from .helpers import reserve_for
+
 FINGERPRINT = Fingerprint(model="tiny", weights_digest="0" * 32, weights="fp32",
                           dtype="float32", kv_dtype="fp32", page_size=4, num_layers=2,
                           num_kv_heads=1, head_dim=2)
@@ -44,19 +46,23 @@ def kv_of(token: int, position: int) -> torch.Tensor:
     return torch.arange(4, dtype=torch.float32).view(2, 2, 1, 1).expand(2, 2, 1, 2) + base
 
 
-def write(store: PageStore, cid: ContextId, tokens: list[int]) -> None:
-    """Reserve, write ``tokens`` at the next positions with their K/V, commit full pages."""
-    counters = store.state(cid)
-    room = counters.num_working_pages * store.page_size - counters.num_working_tokens
-    need = len(tokens) - room
-    if need > 0:
-        assert store.reserve_working_pages(cid, -(-need // store.page_size))
+def try_write(store: PageStore, cid: ContextId, tokens: list[int]) -> bool:
+    """Reserve, write ``tokens`` at the next positions with their K/V, commit full pages;
+    False, with nothing changed, when the pool has no room for them."""
+    if not reserve_for(store, cid, len(tokens)):
+        return False
     start = store.next_position(cid)
     positions = list(range(start, start + len(tokens)))
     slots = store.write_tokens(cid, tokens, positions)
     for (page, slot), tok, pos in zip(slots, tokens, positions, strict=True):
         store.pool.kv[page, slot] = kv_of(tok, pos)
     store.commit_full_pages(cid)
+    return True
+
+
+def write(store: PageStore, cid: ContextId, tokens: list[int]) -> None:
+    """``try_write``, which must find room."""
+    assert try_write(store, cid, tokens)
 
 
 def check_kv(store: PageStore, cid: ContextId) -> None:

@@ -17,13 +17,17 @@ def make_store(num_pages: int = 16, page_size: int = 4) -> PageStore:
     return PageStore(num_pages, page_size, num_layers=2, num_kv_heads=1, head_dim=2)
 
 
+def reserve_for(store: PageStore, cid: ContextId, n: int) -> bool:
+    """Reserve working pages so ``n`` more tokens fit; False (nothing changed) when the
+    pool cannot give them."""
+    counters = store.state(cid)
+    need = n - (counters.num_working_pages * store.page_size - counters.num_working_tokens)
+    return need <= 0 or store.reserve_working_pages(cid, -(-need // store.page_size))
+
+
 def fill(store: PageStore, cid: ContextId, tokens: list[int], extra: int = 0) -> None:
     """Reserve room for ``tokens``, write them at the next positions, keep them working."""
-    counters = store.state(cid)
-    room = counters.num_working_pages * store.page_size - counters.num_working_tokens
-    need = len(tokens) - room
-    if need > 0:
-        assert store.reserve_working_pages(cid, -(-need // store.page_size))
+    assert reserve_for(store, cid, len(tokens))
     start = store.next_position(cid)
     store.write_tokens(cid, tokens, list(range(start, start + len(tokens))), extra)
 
