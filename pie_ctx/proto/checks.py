@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 MAX_NAME_CHARS = 256
+MAX_DRAFT = 64  # the most tokens one step may draft (prompt lookup, forced tokens)
 _INT64 = 2**63
 
 
@@ -312,6 +313,12 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
     logit_bias(req.logit_bias, info.vocab_size)
     allowed_tokens(req.allowed_tokens, info.vocab_size)
     top_logprobs_k(req.top_logprobs, info.max_top_logprobs)
+    count(req.min_tokens, "min_tokens")
+    if not isinstance(req.jump_forward, bool):
+        raise InvalidArgument(f"jump_forward must be a bool, got {req.jump_forward!r}")
+    if not is_int(req.prompt_lookup) or not 0 <= req.prompt_lookup <= MAX_DRAFT:
+        raise InvalidArgument(f"prompt_lookup must be an int in [0, {MAX_DRAFT}] (the most "
+                              f"tokens drafted per step), got {req.prompt_lookup!r}")
     if constraint(req.constraint) is not None and not info.can_constrain:
         raise InvalidArgument("this engine cannot compile constraints (its tokenizer is not "
                               "a Hugging Face tokenizer.json)")

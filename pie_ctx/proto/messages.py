@@ -238,6 +238,9 @@ class Generate(_Request):
     logit_bias: dict[int, float] | None = None
     allowed_tokens: list[int] | None = None
     top_logprobs: int = 0  # per generated token: the k most likely tokens and the entropy
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    jump_forward: bool = True  # append the tokens a constraint forces in one pass
+    prompt_lookup: int = 0  # draft up to this many tokens per step from the context itself
 
 
 class Verify(_Request):

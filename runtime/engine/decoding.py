@@ -146,19 +146,47 @@ def adjust(logits: torch.Tensor, rows: Sequence[Any]) -> tuple[torch.Tensor, lis
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[torch.tensor(r.allowed, dtype=torch.int64)] = True
             out[i].masked_fill_(~keep, float("-inf"))
-    constrained = [i for i in touched if rows[i].matcher is not None]
+    # A constrained row masks itself; the first row of a speculative group also masks the
+    # rows after it, each with the matcher advanced over the draft tokens before it.
+    constrained = [i + j for i in touched if rows[i].matcher is not None
+                   for j in range(len(rows[i].verify or ()) + 1)]
     if constrained:
         import llguidance.numpy
 
         words = llguidance.numpy.allocate_token_bitmask(len(constrained), vocab)  # [m, V/32]
-        for j, i in enumerate(constrained):
-            llguidance.numpy.fill_next_token_bitmask(rows[i].matcher, words, j)
+        w = 0
+        for i in touched:
+            if rows[i].matcher is not None:
+                w = _fill_masks(rows[i].matcher, rows[i].verify or [], words, w)
         # bit t of the mask (little-endian words) allows token t
         allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         index = torch.tensor(constrained, dtype=torch.int64)
         out[index] = out[index].masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+        touched = sorted(set(touched) | set(constrained))
     empty = [i for i in touched if bool(torch.isneginf(out[i]).all())]
     return out, empty
+
+
+def _fill_masks(matcher: Any, draft: Sequence[int], words: np.ndarray, w: int) -> int:
+    """Fill ``len(draft) + 1`` mask rows from ``words[w]`` on: the matcher's mask now, then
+    after each draft token. The matcher ends where it started. Returns the next free row.
+
+    A draft token the matcher refuses ends the walk: the rows after it copy its mask (the
+    verification rejects that token at its own row, so later rows are never read).
+    """
+    import llguidance.numpy
+
+    llguidance.numpy.fill_next_token_bitmask(matcher, words, w)
+    consumed = 0
+    for j, token in enumerate(draft, start=1):
+        if consumed == j - 1 and matcher.try_consume_tokens([token]) == 1:
+            consumed += 1
+            llguidance.numpy.fill_next_token_bitmask(matcher, words, w + j)
+        else:
+            words[w + j] = words[w + j - 1]
+    if consumed:
+        matcher.rollback(consumed)
+    return w + len(draft) + 1
 
 
 def probes(raw: torch.Tensor, k: int) -> tuple[list[TopLogprobs], list[float]]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from pie_ctx.proto.stops import StopChecker
+    from runtime.engine.drafts import Drafter
     from runtime.engine.records import ContextRecord
 
 
@@ -73,6 +74,8 @@ class Job:
     stop: StopChecker | None = None
     first_logits: np.ndarray | None = None  # float32 [vocab]: sample the first token from it
     decoding: Decoding = field(default_factory=lambda: Decoding())  # how tokens are picked
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    drafter: Drafter | None = None  # proposes tokens to verify after the pending one
     # called once when the job ends (done, failed or cancelled), on the event loop
     waiter: Callable[[Job], None] | None = None
     on_chunk: Callable[[Job, int, str, Any], None] | None = None  # (job, token, text, row)
@@ -148,6 +151,8 @@ class Job:
             self.stop.reset()
         if self.decoding.matcher is not None:
             self.decoding.matcher.reset()  # the replay consumes its tokens again
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def fail(self, error: BaseException) -> None:
         self.error = error

@@ -30,6 +30,7 @@ from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
 from pie_ctx.proto.stops import StopChecker
 from runtime.engine.decoding import Grammars
+from runtime.engine.drafts import Drafter
 from runtime.engine.jobs import Decoding, Job, JobKind, JobQueue, VerifyRound
 from runtime.engine.records import ContextRecord, ContextTable
 from runtime.engine.stream import GenerationStream
@@ -160,6 +161,11 @@ class Passes:
             matcher = await anyio.to_thread.run_sync(self._grammars.matcher, req.constraint)
         stops = self._info().stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         sampler = _seeded(req.sampler)
+        drafter = None
+        if req.prompt_lookup or (matcher is not None and req.jump_forward):
+            history = self._store.tokens(record.cid) + tokens if req.prompt_lookup else []
+            drafter = Drafter(history, prompt_lookup=req.prompt_lookup,
+                              jump_forward=req.jump_forward)
         return self._new_job(
             JobKind.GENERATE, record, tokens, self._default_positions(record, len(tokens)),
             commit=True, reuse_prefix=True, sampler=sampler, seed=sampler.seed or 0,
@@ -168,6 +174,7 @@ class Passes:
             stop=StopChecker(self._new_decoder, req.stop_strings),
             decoding=Decoding(logit_bias=req.logit_bias, allowed=req.allowed_tokens,
                               matcher=matcher, top_logprobs=req.top_logprobs),
+            min_tokens=req.min_tokens, drafter=drafter,
         )
 
     async def _first_logits(self, record: ContextRecord) -> np.ndarray:

@@ -383,8 +383,7 @@ class Scheduler:
         for job in decoding:
             if budget < 1:
                 break
-            if self._add_decode(plan, job):
-                budget -= 1
+            budget -= self._add_decode(plan, job, budget)
         if prefilling:
             start = self._rr % len(prefilling)
             order = prefilling[start:] + prefilling[:start]
@@ -440,26 +439,43 @@ class Scheduler:
                      job.positions[start : start + length], probes, mask)
         return length
 
-    def _add_decode(self, plan: StepPlan, job: Job) -> bool:
-        if self._ensure_room(job, 1) is not Room.OK:
-            return False
-        token = job.generated[-1]
-        position = self.store.next_position(job.shadow)
-        self._append(plan, job, -1, [token], [position], [0], None)
-        return True
+    def _add_decode(self, plan: StepPlan, job: Job, budget: int) -> int:
+        """One decode step of ``job``: its pending token, then any draft its drafter
+        proposes (forced tokens, prompt lookup) as one speculative group; returns how many
+        tokens it added (0 when it has no room now)."""
+        draft: list[int] = []
+        if job.drafter is not None:
+            limit = min(budget, job.max_tokens - len(job.generated)) - 1
+            draft = job.drafter.propose(job.decoding.matcher, limit)
+        if draft and self._ensure_room(job, 1 + len(draft)) is not Room.OK:
+            draft = []  # no pages for the draft now: a plain step
+        if not draft and self._ensure_room(job, 1) is not Room.OK:
+            return 0
+        tokens = [job.generated[-1], *draft]
+        first = self.store.next_position(job.shadow)
+        rows = [self._row_request(job, -1)]
+        rows[0].verify = draft or None
+        rows[0].stops = job.stop_token_ids
+        for j in range(1, len(tokens)):  # the rows judging the draft, one per token
+            rows.append(self._draft_row(job, len(job.generated) + j))
+        self._append(plan, job, -1, tokens, list(range(first, first + len(tokens))),
+                     list(range(len(tokens))), None, rows)
+        return len(tokens)
 
     def _append(self, plan: StepPlan, job: Job, start: int, tokens: list[int],
-                positions: list[int], probes: list[int], mask: Any) -> None:
+                positions: list[int], probes: list[int], mask: Any,
+                requests: list[RowRequest] | None = None) -> None:
         num_cached = self.store.state(job.shadow).seq_len
         extras = [0] * len(tokens) if start < 0 else job.extras[start : start + len(tokens)]
         self.store.write_tokens(job.shadow, tokens, positions, extras)
         chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
                          probes, mask)
         rows: list[tuple[int, int]] = []
-        for local in probes:
+        for i, local in enumerate(probes):
             index = start + local if start >= 0 else -1
             rows.append((index, len(plan.rows)))
-            plan.rows.append(self._row_request(job, index))
+            plan.rows.append(self._row_request(job, index) if requests is None
+                             else requests[i])
         plan.chunks.append(chunk)
         plan.entries.append((job, start, len(tokens), rows))
 
@@ -469,7 +485,8 @@ class Scheduler:
         if job.kind is JobKind.GENERATE and (index == -1 or index == len(job.tokens) - 1):
             req.sample = job.sampler
             req.generator_seed = job.seed if not job.generated else None
-            req.logit_bias, req.allowed, req.matcher = d.logit_bias, d.allowed, d.matcher
+            req.logit_bias = _min_tokens_bias(job, len(job.generated))
+            req.allowed, req.matcher = d.allowed, d.matcher
             req.top_logprobs = d.top_logprobs
             req.entropy = bool(d.top_logprobs)
             return req
@@ -500,6 +517,14 @@ class Scheduler:
             if lp.index == index:
                 req.logprob_ids = (req.logprob_ids or []) + list(lp.token_ids)
         return req
+
+    def _draft_row(self, job: Job, num_generated: int) -> RowRequest:
+        """A row judging one draft token of a generation, after ``num_generated`` tokens
+        (its constraint's mask comes from the group's first row: ``decoding.adjust``)."""
+        d = job.decoding
+        return RowRequest(job_key=job.key, logit_bias=_min_tokens_bias(job, num_generated),
+                          allowed=d.allowed, top_logprobs=d.top_logprobs,
+                          entropy=bool(d.top_logprobs))
 
     # ----------------------------------------------------------------------- completion
 
@@ -540,7 +565,10 @@ class Scheduler:
                 finished.append(job)
                 continue
             if job.kind is JobKind.GENERATE and rows and job.prompt_remaining == 0:
-                self._on_sampled(job, results[rows[-1][1]])
+                if start == -1:
+                    self._on_decoded(job, [results[r] for _, r in rows])
+                else:
+                    self._on_sampled(job, results[rows[-1][1]])
             if job.commit and (job.kind is JobKind.GENERATE or job.prompt_remaining == 0):
                 self._commit(job)
             if self._is_finished(job):
@@ -554,11 +582,29 @@ class Scheduler:
             for index, row in rows:
                 job.probe_rows[index] = results[row]
 
+    def _on_decoded(self, job: Job, group: list[RowResult]) -> None:
+        """A decode step's tokens: the kept draft tokens, then the one sampled after them,
+        up to where the generation ends. The step wrote the pending token and the whole
+        draft; what is not kept leaves the shadow, and the last token kept is pending."""
+        kept = 0
+        for row in group:
+            if row.sampled is None:
+                break  # a kept stop token ended the draft, or the group is shorter
+            self._on_sampled(job, row)
+            kept += 1
+            if job.finish_reason:
+                break
+        drop = len(group) - kept
+        if drop:
+            self.store.truncate_working_page_tokens(job.shadow, drop)
+
     def _on_sampled(self, job: Job, row: RowResult) -> None:
         token = row.sampled
         if token is None:
             raise RuntimeError("a generation row came back without a sampled token")
         job.generated.append(token)
+        if job.drafter is not None:
+            job.drafter.accept(token)
         n = len(job.generated)
         matcher = job.decoding.matcher
         if token in job.stop_token_ids:
@@ -673,6 +719,15 @@ def _need(rows: dict[int, RowResult], index: int) -> RowResult:
     if index not in rows:
         raise RuntimeError(f"probe row for token index {index} was never computed")
     return rows[index]
+
+
+def _min_tokens_bias(job: Job, num_generated: int) -> dict[int, float] | None:
+    """The logit bias of a generation's row after ``num_generated`` tokens: its own, plus
+    the stop tokens masked while ``min_tokens`` is not reached."""
+    bias = job.decoding.logit_bias
+    if num_generated >= job.min_tokens or not job.stop_token_ids:
+        return bias
+    return {**(bias or {}), **{t: -math.inf for t in job.stop_token_ids}}
 
 
 def _owner(job: Job) -> Any:

@@ -1,0 +1,97 @@
+"""Drafts for engine-driven generations: forced tokens (jump-forward) and prompt lookup.
+
+Owns: one generation's draft source, ``Drafter``. Before each decode step the scheduler
+asks it for tokens to append after the pending token; the step writes them in the same
+pass and verifies them like any speculative draft (``decoding.verify``: exact greedy
+decoding under greedy, the same distribution under sampling), with the constraint's mask
+applied to every row. So a draft costs tokens in the batch, never correctness.
+
+Two sources, in order:
+
+1. **Forced tokens** (jump-forward): under a constraint, the tokens the grammar allows
+   and nothing else could replace, as llguidance computes them (``compute_ff_tokens``):
+   JSON keys, a tool's name, punctuation. Where the model would write the same bytes with
+   other tokens, verification keeps the model's choice, so the output is exactly that of
+   plain constrained decoding.
+2. **Prompt lookup** (n-gram matching, asked for with ``prompt_lookup=k``): the tokens
+   that followed the latest earlier occurrence of the last few tokens, in the context and
+   what was generated so far, trimmed to what the constraint (if any) accepts. Lookups
+   are O(1): an index from each n-gram to where it last ended is kept as tokens arrive.
+
+Runs on the event loop, in ``Scheduler.plan``, between two steps (never beside the model
+thread's use of the same matcher).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Drafter"]
+
+
+class Drafter:
+    """The draft source of one generation.
+
+    Args:
+        history: the tokens before the generation (the context's, then the prompt); only
+            read when ``prompt_lookup`` is on.
+        prompt_lookup: the most tokens a prompt-lookup draft proposes (0: off).
+        jump_forward: propose the tokens a constraint forces.
+        ngram: the longest trailing n-gram matched (shorter ones are tried next).
+    """
+
+    def __init__(self, history: list[int], *, prompt_lookup: int = 0,
+                 jump_forward: bool = True, ngram: int = 3) -> None:
+        self.prompt_lookup = prompt_lookup
+        self.jump_forward = jump_forward
+        self.ngram = ngram
+        self._base = list(history) if prompt_lookup else []
+        self.num_forced = 0  # tokens proposed as forced (for reports and benchmarks)
+        self.num_looked_up = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every generated token (the generation starts again after a preemption)."""
+        self._history: list[int] = []
+        # _ends[n - 1][ngram] = the index just after that n-gram's latest occurrence that
+        # ends before the last token
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ngram)]
+        for token in self._base:
+            self.accept(token)
+
+    def accept(self, token: int) -> None:
+        """A token joined the sequence (generated, or drafted and kept)."""
+        if not self.prompt_lookup:
+            return
+        h = self._history
+        h.append(token)
+        last = len(h) - 1  # index the n-grams that end just before the new token
+        for n in range(1, self.ngram + 1):
+            if last - n >= 0:
+                self._ends[n - 1][tuple(h[last - n:last])] = last
+
+    def propose(self, matcher: Any, limit: int) -> list[int]:
+        """Tokens to append after the pending one (the matcher has consumed it), at most
+        ``limit``; empty when there is nothing worth verifying."""
+        if limit <= 0:
+            return []
+        if matcher is not None and self.jump_forward:
+            forced = list(matcher.compute_ff_tokens())[:limit]
+            if forced:
+                self.num_forced += len(forced)
+                return forced
+        if not self.prompt_lookup:
+            return []
+        draft = self._lookup(min(limit, self.prompt_lookup))
+        if draft and matcher is not None:
+            draft = draft[: matcher.validate_tokens(draft)]
+        self.num_looked_up += len(draft)
+        return draft
+
+    def _lookup(self, k: int) -> list[int]:
+        h = self._history
+        for n in range(min(self.ngram, len(h) - 1), 0, -1):
+            end = self._ends[n - 1].get(tuple(h[-n:]))
+            if end is not None:
+                return h[end: end + k]
+        return []
