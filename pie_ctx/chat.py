@@ -5,6 +5,12 @@ conversations, so a new turn's tokens are the difference between the rendering w
 the rendering without it. When the text already in the context is a prefix of the new
 rendering (the usual case, including after generation) the difference is exact and the
 context holds exactly what ``apply_chat_template`` would produce.
+
+Tools (``pie_ctx.tools``) are part of the conversation: declared once, at its start, they
+are rendered with every turn (``tools=`` for a template that describes them, the system
+turn's text otherwise; see ``pie_ctx.tools.formats``). The results of parallel calls are
+one group of tool messages that many templates render as one turn: while a group's tokens
+are still pending, adding a result renders the whole group again.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 from typing import Any
 
 from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.tools.formats import ToolFormat, format_named, tool_format
 
 __all__ = ["Conversation"]
 
@@ -20,7 +27,8 @@ __all__ = ["Conversation"]
 class Conversation:
     """Messages so far and the template text their tokens correspond to."""
 
-    __slots__ = ("messages", "text", "synced", "cued", "awaits_answer")
+    __slots__ = ("messages", "text", "synced", "cued", "awaits_answer", "tools", "format",
+                 "calls", "group")
 
     def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
@@ -30,19 +38,28 @@ class Conversation:
         # The last thing filled was a system or user turn: the next turn is the assistant's,
         # so generate() cues it itself (raw tokens, a cue or an answer clear this).
         self.awaits_answer = False
+        self.tools: list[dict[str, Any]] = []  # declared tools, OpenAI's shape
+        self.format = ""  # the tool format's name, once tools are declared
+        self.calls: dict[str, str] = {}  # call id -> tool name, for calls not yet answered
+        # The trailing group of tool results: the text before it, and how many tokens it
+        # added (all still pending while the group can be rendered again).
+        self.group: tuple[str, int] | None = None
 
     def copy(self) -> Conversation:
         other = Conversation()
         other.messages = [dict(m) for m in self.messages]
         other.text, other.synced, other.cued = self.text, self.synced, self.cued
         other.awaits_answer = self.awaits_answer
+        other.tools, other.format = list(self.tools), self.format
+        other.calls, other.group = dict(self.calls), self.group
         return other
 
     def to_meta(self) -> str:
         """The conversation as JSON, stored with a snapshot so ``open`` can continue it."""
         return json.dumps({"messages": self.messages, "text": self.text,
                            "synced": self.synced, "cued": self.cued,
-                           "awaits_answer": self.awaits_answer})
+                           "awaits_answer": self.awaits_answer, "tools": self.tools,
+                           "format": self.format, "calls": self.calls})
 
     @classmethod
     def from_meta(cls, meta: str) -> Conversation:
@@ -54,7 +71,75 @@ class Conversation:
             conv.synced = bool(data.get("synced", True))
             conv.cued = bool(data.get("cued", False))
             conv.awaits_answer = bool(data.get("awaits_answer", False))
+            conv.tools = list(data.get("tools", []))
+            conv.format = str(data.get("format", ""))
+            conv.calls = dict(data.get("calls", {}))
         return conv
+
+    # ------------------------------------------------------------------------ tools
+
+    def tool_format(self, tokenizer: Any) -> ToolFormat:
+        """The tool format of this conversation (the template's, until declared)."""
+        return format_named(self.format) if self.format else tool_format(tokenizer)
+
+    def declare_tools(self, tokenizer: Any, tools: list[Any]) -> None:
+        """Declare tools (``Tool`` objects) before the first turn is rendered.
+
+        Raises:
+            InvalidArgument: turns were already rendered (tools belong at the start).
+        """
+        if self.messages or self.text:
+            raise InvalidArgument(
+                "tools are declared at the start of a conversation: pass them to the first "
+                "system() turn (or to generate() on a context with nothing in it yet)")
+        self.format = tool_format(tokenizer).name
+        self.tools = [t.to_openai() for t in tools]
+
+    def add_tool_result(self, tokenizer: Any, call_id: str, content: str, pending: int
+                        ) -> tuple[int, list[int]]:
+        """Answer the call ``call_id``; return ``(n, tokens)``: drop the last ``n`` pending
+        tokens (the group of results so far, rendered again), then add ``tokens``.
+        ``pending`` is how many tokens are pending: a group already written to the KV
+        cache cannot be rendered again, and the new result follows it as it is.
+
+        Raises:
+            InvalidArgument: no call with that id awaits a result, or the assistant turn
+                is open.
+        """
+        if call_id not in self.calls:
+            waiting = ", ".join(self.calls) or "none"
+            raise InvalidArgument(f"no tool call with id {call_id!r} awaits a result "
+                                  f"(waiting: {waiting})")
+        if self.cued:
+            raise InvalidArgument("the assistant turn is open (cue): generate() or "
+                                  "assistant(text) must come before tool_result()")
+        message = self.tool_format(tokenizer).tool_message(call_id, self.calls[call_id],
+                                                           content)
+        retract = 0
+        saved = (self.text, self.synced, self.group)
+        if self.group is not None and self.group[1] <= pending:  # render the group again
+            self.text, retract = self.group
+            self.synced = True
+        before = self.text
+        try:
+            tokens = self._render(tokenizer, self.messages + [message], generation_prompt=False)
+        except BaseException:
+            self.text, self.synced, self.group = saved
+            raise
+        del self.calls[call_id]
+        self.group = (before, len(tokens))
+        self.awaits_answer = True
+        return retract, tokens
+
+    def record_tool_generation(self, text_with_specials: str, message: dict[str, Any],
+                               call_names: dict[str, str]) -> None:
+        """A generation with tools went into the context (see ``record_generation``)."""
+        self.text += text_with_specials
+        self.awaits_answer = False
+        self.group = None
+        self.messages = self.messages + [message]
+        self.cued = False
+        self.calls.update(call_names)
 
     def add(self, tokenizer: Any, role: str, content: str) -> list[int]:
         """Append a whole message and return its new tokens.
@@ -92,8 +177,9 @@ class Conversation:
                 generation_prompt: bool) -> list[int]:
         if getattr(tokenizer, "chat_template", None) is None and hasattr(tokenizer, "chat_template"):
             raise InvalidArgument("this model has no chat template; use append(tokens or text)")
-        rendered = tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+        rendered = self._render_text(tokenizer, messages, generation_prompt)
         delta = self._delta(tokenizer, rendered)
+        self.group = None
         self.messages = messages
         self.text = rendered
         self.synced = True
@@ -107,7 +193,7 @@ class Conversation:
             self.cued = False
             # The cue already rendered the turn's header: render the turn and diff.
             self.messages = self.messages + [{"role": "assistant", "content": content}]
-            rendered = tokenizer.render_chat(self.messages, add_generation_prompt=False)
+            rendered = self._render_text(tokenizer, self.messages, False)
             delta = self._delta(tokenizer, rendered)
             self.text = rendered
             return tokenizer.encode(delta) if delta else []
@@ -117,16 +203,23 @@ class Conversation:
         """Generated tokens went into the context: extend the text, remember the answer."""
         self.text += text_with_specials
         self.awaits_answer = False
+        self.group = None
         if self.cued:
             self.messages = self.messages + [{"role": "assistant", "content": answer}]
             self.cued = False
+
+    def _render_text(self, tokenizer: Any, messages: list[dict[str, Any]],
+                     generation_prompt: bool) -> str:
+        variables = self.tool_format(tokenizer).template_vars(self.tools) if self.tools else {}
+        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt,
+                                     **variables)
 
     def _delta(self, tokenizer: Any, rendered: str) -> str:
         if self.synced and rendered.startswith(self.text):
             return rendered[len(self.text):]
         # The context's text diverged (truncation, or a template that rewrites past turns):
         # take the difference against the template's own rendering of the past turns.
-        previous = tokenizer.render_chat(self.messages, add_generation_prompt=self.cued) if self.messages else ""
+        previous = self._render_text(tokenizer, self.messages, self.cued) if self.messages else ""
         if rendered.startswith(previous):
             return rendered[len(previous):]
         raise InvalidArgument(

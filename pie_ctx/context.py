@@ -30,6 +30,8 @@ from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.rounds import Rounds
 from pie_ctx.selection import SELECT_METHODS, select_scores
 from pie_ctx.speculate import Speculator
+from pie_ctx.tools.formats import ToolOffer, check_choice
+from pie_ctx.tools.tool import Tool, result_text
 
 if TYPE_CHECKING:
     from pie_ctx.forward import Forward
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from pie_ctx.runtime import Runtime
 
 __all__ = ["Context"]
+
+PROMPT_LOOKUP_DRAFT = 8  # the most tokens prompt lookup proposes per step
 
 
 class Context(Counters):
@@ -111,6 +115,15 @@ class Context(Counters):
         ``ContextClosed``."""
         return self._core.released
 
+    async def tokens(self) -> list[int]:
+        """Every token of this context, in order: those in the KV cache, then the pending
+        ones (what the model reads next time it runs)."""
+        core = self._core
+
+        async def body() -> list[int]:
+            return list((await core.request(P.GetTokens)).token_ids) + list(core.pending)
+        return await core.run(body)
+
     async def refresh(self) -> P.ContextState:
         """Ask the runtime for this context's counters now."""
         core = self._core
@@ -122,9 +135,83 @@ class Context(Counters):
 
     # ---------------------------------------------------------------------- fillers
 
-    def system(self, text: str) -> Context:
-        """Add a system turn (tokenized through the chat template into pending tokens)."""
-        return self._fill("system", text)
+    def system(self, text: str, *, tools: Sequence[Tool] | None = None) -> Context:
+        """Add a system turn (tokenized through the chat template into pending tokens).
+
+        Args:
+            text: the system prompt.
+            tools: declare the tools the model may call (``pie_ctx.tools.Tool``), once, in
+                the first turn: the template describes them (or, for a template without a
+                tool format, this turn's text does; docs/agents.md). ``generate()`` then
+                offers them.
+
+        Raises:
+            InvalidArgument: tools declared after the first turn, or not ``Tool`` values.
+        """
+        if tools is None:
+            return self._fill("system", text)
+        core = self._core
+        core.check_open()
+        text = checks.text(text, "system()")
+        chat = core.chat.copy()
+        tools = _tool_list(tools)
+        chat.declare_tools(core.rt.tokenizer, tools)
+        fmt = chat.tool_format(core.rt.tokenizer)
+        core.pending.extend(chat.add(core.rt.tokenizer, "system", fmt.system_text(text, tools)))
+        core.chat = chat
+        return self
+
+    def declare_tools(self, tools: Sequence[Tool]) -> Context:
+        """Declare the tools the model may call, without a system prompt of your own (the
+        template's default one stays). Only before the first turn; ``system(text,
+        tools=...)`` does the same with a system prompt.
+
+        Raises:
+            InvalidArgument: turns were already added, or not ``Tool`` values.
+        """
+        core = self._core
+        core.check_open()
+        chat = core.chat.copy()
+        tools = _tool_list(tools)
+        chat.declare_tools(core.rt.tokenizer, tools)
+        fmt = chat.tool_format(core.rt.tokenizer)
+        text = fmt.system_text("", tools)
+        if text:  # a format whose tools live in the system turn's text
+            core.pending.extend(chat.add(core.rt.tokenizer, "system", text))
+        core.chat = chat
+        return self
+
+    def tool_result(self, call_id: str, content: Any) -> Context:
+        """Answer a tool call with its result, as the template's tool turn.
+
+        After the results of every call, ``generate()`` continues the assistant's answer
+        (only the new tokens are computed). Results of parallel calls may come in any
+        order; add them all before the next ``generate()``.
+
+        Args:
+            call_id: ``ToolCall.id`` of the call this answers.
+            content: the result: a str, or anything JSON can hold (written as JSON).
+
+        Raises:
+            InvalidArgument: no call with that id awaits a result.
+        """
+        core = self._core
+        core.check_open()
+        text = checks.text(result_text(content), "tool_result()")
+        chat = core.chat.copy()
+        drop, tokens = chat.add_tool_result(core.rt.tokenizer, call_id, text,
+                                            len(core.pending))
+        if drop:
+            del core.pending[len(core.pending) - drop:]
+        core.pending.extend(tokens)
+        core.chat = chat
+        return self
+
+    @property
+    def tools(self) -> list[Tool]:
+        """The tools declared in this conversation (without their functions)."""
+        self._core.check_open()
+        return [Tool.from_openai(t) for t in self._core.chat.tools]
 
     def user(self, text: str) -> Context:
         """Add a user turn."""
@@ -180,7 +267,10 @@ class Context(Counters):
                  ignore_eos: bool = False, constrain: Any = None,
                  logit_bias: dict[int, float] | None = None,
                  allowed_tokens: Sequence[int] | None = None, top_logprobs: int = 0,
-                 speculator: Speculator | str | None = None, cue: bool = True) -> Generator:
+                 speculator: Speculator | str | None = None, cue: bool = True,
+                 min_tokens: int = 0, tools: Sequence[Tool] | None = None,
+                 tool_choice: str | None = None, parallel_tool_calls: bool = True,
+                 jump_forward: bool = True) -> Generator:
         """Generate from this context; returns a :class:`Generator` (nothing runs until it
         is iterated or collected).
 
@@ -199,10 +289,28 @@ class Context(Counters):
             allowed_tokens: only these token ids may be sampled.
             top_logprobs: per generated token, also report the ``k`` most likely tokens
                 with their log-probabilities and the entropy (``k <= 20``).
-            speculator: ``"prompt_lookup"`` or a ``pie_ctx.speculate.Speculator``: draft
-                tokens are verified in one pass per round, losslessly (docs/decoding.md).
+            speculator: ``"prompt_lookup"`` (drafts copied from the context's own tokens,
+                proposed and verified in the engine, with any constraint) or a
+                ``pie_ctx.speculate.Speculator`` of yours (driven round by round from this
+                process): draft tokens are verified in one pass, losslessly
+                (docs/decoding.md).
             cue: after a system or user turn, open the assistant turn first (as
                 ``cue()`` does); ``False`` generates right after the turn.
+            min_tokens: the stop tokens cannot end the generation before this many tokens
+                (they are masked until then); stop strings and constraints still can.
+            tools: the tools this generation may call, among those declared with
+                ``system(text, tools=...)`` or ``declare_tools`` (default: every declared
+                tool). With tools, the output is read back into ``Generator.tool_calls``
+                and ``finish_reason == "tool_calls"`` (docs/agents.md).
+            tool_choice: ``"auto"`` (default: text or calls, and a call the model starts
+                is constrained to its tool's schema), ``"none"`` (no call),
+                ``"required"`` (at least one call) or a tool's name (a call of that tool).
+                Every call is generated under a constraint: valid JSON for its schema.
+            parallel_tool_calls: allow several calls in one answer.
+            jump_forward: under a constraint, append the tokens it forces (JSON keys, tool
+                names, punctuation) in one pass instead of one step each; the output is
+                exactly what plain constrained decoding gives (greedy: the same tokens;
+                sampling: the same distribution). False decodes them step by step.
 
         Raises:
             InvalidArgument: a bad argument (the message says which).
@@ -218,18 +326,33 @@ class Context(Counters):
         for flag, name in ((ignore_eos, "ignore_eos"), (cue, "cue")):
             if not isinstance(flag, bool):
                 raise InvalidArgument(f"{name} must be a bool, got {flag!r}")
+        for flag, name in ((parallel_tool_calls, "parallel_tool_calls"),
+                           (jump_forward, "jump_forward")):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"{name} must be a bool, got {flag!r}")
+        checks.count(min_tokens, "min_tokens")
         constraint = constraint_spec(constrain)
+        offer = self._tool_offer(tools, tool_choice, parallel_tool_calls)
+        if offer is not None:
+            if constraint is not None:
+                raise InvalidArgument("constrain= cannot be combined with tools: the tool "
+                                      "format's grammar is the generation's constraint")
+            constraint = offer.constraint
         rounds = None
-        if speculator is not None:
-            if speculator != "prompt_lookup" and not isinstance(speculator, Speculator):
+        prompt_lookup = 0
+        if speculator == "prompt_lookup" and not isinstance(constraint, Constraint):
+            prompt_lookup = PROMPT_LOOKUP_DRAFT  # proposed and verified in the engine
+        elif speculator is not None:
+            if not isinstance(speculator, Speculator):
                 raise InvalidArgument("speculator takes 'prompt_lookup' or an object with "
                                       "draft(), accept(tokens) and rollback(n)")
             if isinstance(constraint, P.ConstraintSpec):
-                raise InvalidArgument("a speculator cannot be combined with an engine "
-                                      "constraint; constrain the drafts yourself")
+                raise InvalidArgument("a speculator of yours cannot be combined with an "
+                                      "engine constraint; constrain the drafts yourself")
             rounds = Rounds(speculator=speculator)
         if isinstance(constraint, Constraint):
-            rounds = Rounds(speculator=rounds.speculator if rounds else None,
+            rounds = Rounds(speculator=rounds.speculator if rounds else
+                            ("prompt_lookup" if speculator == "prompt_lookup" else None),
                             constraint=constraint)
             constraint = None
         defaults = [] if ignore_eos else list(info.stop_token_ids)
@@ -239,11 +362,36 @@ class Context(Counters):
             constraint=constraint, logit_bias=checks.logit_bias(logit_bias, info.vocab_size),
             allowed_tokens=checks.allowed_tokens(
                 None if allowed_tokens is None else list(allowed_tokens), info.vocab_size),
-            top_logprobs=checks.top_logprobs_k(top_logprobs, info.max_top_logprobs))
+            top_logprobs=checks.top_logprobs_k(top_logprobs, info.max_top_logprobs),
+            min_tokens=min_tokens, jump_forward=jump_forward, prompt_lookup=prompt_lookup)
         if constraint is not None and not info.can_constrain:
             raise InvalidArgument("this engine cannot compile constraints (its tokenizer is "
                                   "not a Hugging Face tokenizer.json)")
-        return Generator(core, req, rounds, cue=cue)
+        return Generator(core, req, rounds, cue=cue, tools=offer)
+
+    def _tool_offer(self, tools: Sequence[Tool] | None, choice: str | None,
+                    parallel: bool) -> ToolOffer | None:
+        """What a generation offers the model: the tools, the choice, the constraint."""
+        core = self._core
+        declared = {t["function"]["name"]: t for t in core.chat.tools}
+        if tools is None and choice is None and not declared:
+            return None
+        if not declared:
+            raise InvalidArgument("declare the tools first, in the prompt the model reads: "
+                                  "system(text, tools=[...]) or declare_tools([...])")
+        if tools is None:
+            offered = [Tool.from_openai(t) for t in declared.values()]
+        else:
+            offered = _tool_list(tools)
+            for t in offered:
+                if declared.get(t.name) != t.to_openai():
+                    raise InvalidArgument(
+                        f"tool {t.name!r} was not declared in this conversation (or was "
+                        f"declared with another description or schema); declared: "
+                        f"{', '.join(declared)}")
+        fmt = core.chat.tool_format(core.rt.tokenizer)
+        choice = check_choice("auto" if choice is None else choice, offered)
+        return ToolOffer(fmt, offered, choice, fmt.constraint(offered, choice, parallel))
 
     async def select(self, options: Sequence[str | Sequence[int]], *,
                      method: str = "token_length_normalized") -> tuple[int, list[float]]:
@@ -384,3 +532,15 @@ class Context(Counters):
 
         self._core.check_open()
         return Forward(self._core)
+
+
+def _tool_list(tools: Any) -> list[Tool]:
+    """``tools=`` checked: a non-empty list of ``Tool`` values with distinct names."""
+    if isinstance(tools, Tool) or not isinstance(tools, Sequence) or not tools or \
+            not all(isinstance(t, Tool) for t in tools):
+        raise InvalidArgument("tools= takes a non-empty list of pie_ctx.tools.Tool "
+                              "(Tool.from_function(fn), Tool(name, description, parameters))")
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"two tools share a name: {names}")
+    return list(tools)

@@ -17,6 +17,7 @@ Usage::
     async for delta in gen:
         print(delta.text, end="", flush=True)
     print(gen.finish_reason)   # "stop_token" | "stop_string" | "length" | "constraint"
+                               # | "tool_calls" (with tools= and a call made)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, error_from_name
 from pie_ctx.rounds import Rounds, RoundStream
 from pie_ctx.speculate import PromptLookup
+from pie_ctx.tools.formats import Parsed, ToolOffer
+from pie_ctx.tools.tool import ToolCall
 
 __all__ = ["Generator", "Delta"]
 
@@ -42,22 +45,32 @@ __all__ = ["Generator", "Delta"]
 @dataclass(slots=True, frozen=True)
 class Delta:
     """What one step of a generation produced (one token, or several in a speculative
-    round). ``logprobs``, ``top_logprobs`` and ``entropy`` have one entry per token; the
-    last two are filled when ``generate(top_logprobs=k)`` asked for them."""
+    round or a jump over forced tokens). ``logprobs``, ``top_logprobs`` and ``entropy`` have
+    one entry per token; the last two are filled when ``generate(top_logprobs=k)`` asked
+    for them.
+
+    ``text`` is the model's own text. With tools, ``content`` is the part of it meant for
+    the reader (tool-call markup held back and removed) and ``tool_calls`` the calls this
+    delta completed, so a program can start a tool while the answer goes on; without
+    tools, ``content == text``."""
 
     tokens: list[int]
     text: str
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class Generator(Cancellable):
     """One generation on one context; single use."""
 
     def __init__(self, core: ContextCore, req: P.Generate, rounds: Rounds | None = None,
-                 cue: bool = True) -> None:
+                 cue: bool = True, tools: ToolOffer | None = None) -> None:
         self._core = core
+        self._tools = tools
+        self._reader = None if tools is None else tools.format.stream()
         self._req = req  # the settings; ``ctx`` and ``tokens`` are filled in when it starts
         self._rounds = rounds
         self._cue = cue
@@ -74,8 +87,10 @@ class Generator(Cancellable):
         self.logprobs: list[float] = []  # the model's log-probability of each token
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per token, with top_logprobs=
         self.entropies: list[float] = []  # per token, with top_logprobs=
-        self.text_out = ""
-        self.finish_reason: str | None = None  # ... or "cancelled"
+        self.text_out = ""  # the model's text (with tools: tool-call markup included)
+        self.content = ""  # the text for the reader (with tools: without the markup)
+        self.tool_calls: list[ToolCall] = []  # with tools: the calls the model made
+        self.finish_reason: str | None = None  # ... or "tool_calls" or "cancelled"
         self.report: P.PassReport | None = None
 
     # ------------------------------------------------------------------ iteration
@@ -168,9 +183,11 @@ class Generator(Cancellable):
             self.top_logprobs.extend(tops)
             self.entropies.extend(msg.entropy)
             self.text_out += msg.text
+            content, calls = self._read(msg.text)
             self._deltas.append(Delta(tokens=list(msg.tokens), text=msg.text,
                                       logprobs=list(msg.logprobs), top_logprobs=tops,
-                                      entropy=list(msg.entropy)))
+                                      entropy=list(msg.entropy), content=content,
+                                      tool_calls=calls))
         elif isinstance(msg, P.GenerateDone):
             self._done(msg)
         elif isinstance(msg, P.ErrorReply):
@@ -181,13 +198,38 @@ class Generator(Cancellable):
             self._end(ProtocolError(f"unexpected message in a generation stream: "
                                     f"{type(msg).__name__}"))
 
+    def _read(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reader's part of new model text, and the tool calls it completed."""
+        if self._reader is None:
+            self.content += text
+            return text, []
+        done = len(self._reader.calls_done)
+        content = self._reader.feed(text)
+        calls = self._reader.calls_done[done:]
+        self.content += content
+        self.tool_calls.extend(calls)
+        return content, calls
+
     def _done(self, msg: P.GenerateDone) -> None:
         core = self._core
         core.set_state(msg.state)
         # Tokens filled in while it ran stay after the (pending) last generated token.
         core.pending[:] = list(msg.pending) + core.pending[len(self._prompt):]
-        core.chat.record_generation(core.rt.tokenizer.decode(msg.tokens), self.text_out)
+        raw = core.rt.tokenizer.decode(msg.tokens)
         self.finish_reason = msg.finish_reason
+        if self._reader is None:
+            core.chat.record_generation(raw, self.text_out)
+        else:
+            tail = self._reader.finish()
+            if tail:  # held back (an unfinished call, say): the reader gets it now
+                self.content += tail
+                self._deltas.append(Delta(tokens=[], text="", logprobs=[], content=tail))
+            message = self._tools.format.assistant_message(
+                self.text_out, Parsed(self.content, self.tool_calls))
+            core.chat.record_tool_generation(raw, message,
+                                             {c.id: c.name for c in self.tool_calls})
+            if self.tool_calls and msg.finish_reason != "length":
+                self.finish_reason = "tool_calls"
         self.report = msg.report
         self.tokens_out = list(msg.tokens)
         self._end(None)
@@ -269,10 +311,18 @@ class Generator(Cancellable):
     # ----------------------------------------------------------------- collection
 
     async def text(self) -> str:
-        """Run to the end; the generated text (without any stop string)."""
+        """Run to the end; the generated text (without any stop string). With tools, the
+        answer's content: tool-call markup is removed (``text_out`` keeps the model's own
+        text, and ``tool_calls`` the calls)."""
         async for _ in self:
             pass
-        return self.text_out
+        return self.content
+
+    async def calls(self) -> list[ToolCall]:
+        """Run to the end; the tool calls the model made (empty without tools)."""
+        async for _ in self:
+            pass
+        return list(self.tool_calls)
 
     async def tokens(self) -> list[int]:
         """Run to the end; every generated token id (the last one is still pending)."""

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pie_ctx  # noqa: E402
-from pie_ctx import constrain, errors, speculate  # noqa: E402
+from pie_ctx import constrain, errors, speculate, tools  # noqa: E402
 
 SECTIONS = [
     ("Runtime", pie_ctx.Runtime),
@@ -31,6 +31,8 @@ SECTIONS = [
     ("constrain.Grammar", constrain.Grammar),
     ("constrain.Choice", constrain.Choice),
     ("constrain.Constraint", constrain.Constraint),
+    ("tools.Tool", tools.Tool),
+    ("tools.ToolCall", tools.ToolCall),
     ("speculate.Speculator", speculate.Speculator),
     ("speculate.PromptLookup", speculate.PromptLookup),
     ("SamplerSpec", pie_ctx.SamplerSpec),

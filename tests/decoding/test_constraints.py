@@ -16,6 +16,7 @@ import pytest
 from pie_ctx import Context, Sampler, gather
 from pie_ctx.constrain import AnyJson, Choice, Grammar, JsonSchema, Regex
 from pie_ctx.errors import InvalidArgument
+from pie_ctx.speculate import PromptLookup
 from tests.sdk.harness import sdk_runtime
 
 GREEDY = Sampler.greedy()
@@ -165,7 +166,9 @@ BAD = {
     "grammar that does not parse": dict(constrain=Grammar("start: (")),
     "no token allowed": dict(constrain=Regex("[0-9]+"), allowed_tokens=[97]),
     "speculator of the wrong type": dict(speculator=3),
-    "speculator with a constraint": dict(speculator="prompt_lookup", constrain=Regex("a")),
+    # prompt lookup runs in the engine, under any constraint; a speculator of yours cannot
+    "speculator of yours with a constraint": dict(speculator=PromptLookup([1, 2, 3]),
+                                                  constrain=Regex("a")),
 }
 
 
