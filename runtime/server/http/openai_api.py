@@ -10,8 +10,14 @@ the response or its SSE chunks. Earlier turns of a conversation are not remember
 the engine's prefix reuse finds their pages again, and ``usage.prompt_tokens_details
 .cached_tokens`` says how many prompt tokens it did not have to compute.
 
-Extensions to OpenAI's bodies (docs/http.md): ``top_k``, ``min_p`` and ``snapshot`` (start
-the conversation from a saved snapshot: ``Context.open``, then the messages).
+Request bodies are checked against typed Structs of OpenAI's schema (``openai_schema``):
+a field this server does not implement is refused by name, never silently dropped. Tools,
+tool choices and tool messages map onto the SDK's tool API (``openai_chat``); calls come back
+as ``message.tool_calls`` or as ``delta.tool_calls`` chunks.
+
+Extensions to OpenAI's bodies (docs/http.md): ``top_k``, ``min_p``, ``min_tokens``,
+``ignore_eos`` (vLLM's names) and ``snapshot`` (start from a saved snapshot:
+``Context.open``, then the messages or the prompt).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 request, 404 for an unknown model or snapshot, 413 for a body over ``MAX_BODY_BYTES``, 503
@@ -28,7 +34,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from pie_ctx import Context, Runtime, gather
+from pie_ctx import Context, Delta, Runtime, gather
 from pie_ctx.constrain import JsonSchema
 from pie_ctx.proto.errors import (
     ContextTooLong,
@@ -38,14 +44,30 @@ from pie_ctx.proto.errors import (
     SnapshotNotFound,
 )
 from pie_ctx.proto.messages import SamplerSpec
+from pie_ctx.tools import Tool, ToolCall
+from runtime.server.http.openai_chat import (
+    build_context,
+    openai_call,
+    tool_choice_of,
+    tools_of,
+    turns_of,
+)
+from runtime.server.http.openai_schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    ResponseFormat,
+    decode,
+    error_body,
+    error_response,
+)
 
 __all__ = ["ApiError", "Observer", "OpenAIService", "error_response"]
 
 MAX_BODY_BYTES = 4 << 20
-MAX_N = 16
-MAX_STOP = 16
 DEFAULT_MAX_TOKENS = 512
-_FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "length": "length"}
+_FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "length": "length",
+           "tool_calls": "tool_calls"}
 
 
 class Observer(Protocol):
@@ -59,25 +81,6 @@ class Observer(Protocol):
 
     def tokens(self, prompt: int, cached: int, completion: int) -> None:
         """A finished request's prompt, cached-prompt and completion token counts."""
-
-
-class ApiError(Exception):
-    """A request the API refuses, with OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-
-
-def error_response(status: int, message: str, type: str, param: str | None = None,
-                   code: str | None = None) -> Any:
-    """OpenAI's error body with ``status``."""
-    from starlette.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "type": type, "param": param,
-                                   "code": code}}, status_code=status)
 
 
 def _as_api_error(err: BaseException) -> ApiError:
@@ -98,46 +101,7 @@ def _as_api_error(err: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(err).__name__}", type="server_error")
 
 
-def _error_body(err: ApiError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.type, "param": err.param,
-                      "code": err.code}}
-
-
 # ---------------------------------------------------------------------------- parameters
-
-
-def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None,
-           *, low: float | None = None, high: float | None = None) -> Any:
-    """``body[name]`` checked for type (bool is never a number) and range, or ``default``."""
-    value = body.get(name)
-    if value is None:
-        return default
-    numeric = kinds in (int, (int, float))
-    if isinstance(value, bool) and kinds is not bool or not isinstance(value, kinds):
-        want = {int: "an integer", (int, float): "a number", bool: "a boolean",
-                str: "a string"}.get(kinds, "valid")  # type: ignore[call-overload]
-        raise ApiError(400, f"'{name}' must be {want}, got {json.dumps(value)[:80]}", param=name)
-    if numeric and (value != value or (low is not None and value < low)
-                    or (high is not None and value > high)):
-        raise ApiError(400, f"'{name}' must be in [{low}, {high}], got {value}", param=name)
-    return value
-
-
-def _text_content(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts (other part types are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}: only text content parts are supported",
-                               param="messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts",
-                   param="messages")
 
 
 @dataclass(slots=True)
@@ -156,6 +120,11 @@ class _Decoding:
     top_logprobs: int
     constrain: Any
     logit_bias: dict[int, float] | None
+    min_tokens: int
+    ignore_eos: bool
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
 
     def sampler(self, choice: int) -> SamplerSpec:
         if self.temperature == 0:
@@ -164,74 +133,69 @@ class _Decoding:
         return SamplerSpec(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                            min_p=self.min_p, seed=seed)
 
+    def tool_options(self) -> dict[str, Any]:
+        """``generate()``'s tool arguments (the declared tools are offered)."""
+        if not self.tools:
+            return {}
+        return {"tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
 
-def _decoding(body: dict[str, Any], *, chat: bool) -> _Decoding:
-    max_tokens = _field(body, "max_completion_tokens", int, None, low=1, high=1 << 20)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS, low=1, high=1 << 20)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and len(stop) <= MAX_STOP
-              and all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP} "
-                            "non-empty strings", param="stop")
+
+def _decoding(req: ChatRequest | CompletionRequest) -> _Decoding:
+    """The decoding settings of a request the schema accepted (what it cannot check: one
+    field against another)."""
+    chat = isinstance(req, ChatRequest)
+    max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens \
+        or DEFAULT_MAX_TOKENS
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if chat:
-        logprobs = _field(body, "logprobs", bool, False)
-        top = _field(body, "top_logprobs", int, 0, low=0, high=20)
+        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        top = _field(body, "logprobs", int, 0, low=0, high=5)
-        logprobs = top is not None and "logprobs" in body and body["logprobs"] is not None
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _field(body, name, (int, float), 0, low=-2, high=2):
-            raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict) or len(bias) > 1024:
-            raise ApiError(400, "'logit_bias' must map token ids to biases", param="logit_bias")
-        try:
-            bias = {int(k): float(v) for k, v in bias.items()
-                    if not isinstance(v, bool) and -100 <= float(v) <= 100}
-        except (TypeError, ValueError):
-            raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in "
-                                "[-100, 100]", param="logit_bias") from None
-    return _Decoding(
-        n=_field(body, "n", int, 1, low=1, high=MAX_N), max_tokens=max_tokens,
-        temperature=float(_field(body, "temperature", (int, float), 1.0, low=0, high=2)),
-        top_p=float(_field(body, "top_p", (int, float), 1.0, low=0, high=1)) or 1.0,
-        top_k=_field(body, "top_k", int, 0, low=0, high=1 << 20),
-        min_p=float(_field(body, "min_p", (int, float), 0.0, low=0, high=1)),
-        seed=_field(body, "seed", int, None, low=-(1 << 62), high=1 << 62),
-        stop=stop, logprobs=bool(logprobs), top_logprobs=top or 0,
-        constrain=_response_format(body.get("response_format")) if chat else None,
-        logit_bias=bias or None)
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
+    try:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in "
+                            "[-100, 100]", param="logit_bias") from None
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"'min_tokens' ({min_tokens}) is over the most tokens to "
+                            f"generate ({max_tokens})", param="min_tokens")
+    d = _Decoding(
+        n=req.n or 1, max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=float(req.top_p or 1.0), top_k=max(0, req.top_k or 0),
+        min_p=float(req.min_p or 0.0), seed=req.seed, stop=stop, logprobs=logprobs,
+        top_logprobs=top, constrain=None, logit_bias=bias or None, min_tokens=min_tokens,
+        ignore_eos=bool(req.ignore_eos))
+    if chat:
+        d.constrain = _response_format(req.response_format)
+        d.tools = tools_of(req)
+        d.tool_choice = tool_choice_of(req, d.tools)
+        d.parallel_tool_calls = req.parallel_tool_calls is not False
+        if d.tools and d.constrain is not None:
+            raise ApiError(400, "'response_format' cannot be combined with 'tools' here: the "
+                                "tool format's grammar is the generation's constraint",
+                           param="response_format")
+    return d
 
 
-def _response_format(fmt: Any) -> Any:
+def _response_format(fmt: ResponseFormat | None) -> Any:
     """``response_format`` -> a ``pie_ctx.constrain`` constraint (or None for text)."""
-    if fmt is None:
+    if fmt is None or fmt.type == "text":
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if fmt.type == "json_object":
         return JsonSchema({"type": "object"})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ApiError(400, "response_format json_schema needs 'json_schema': "
-                                "{'schema': {...}}", param="response_format")
-        try:
-            return JsonSchema(schema)
-        except InvalidArgument as err:
-            raise ApiError(400, f"response_format: {err}", param="response_format") from None
-    raise ApiError(400, "response_format 'type' must be 'text', 'json_object' or "
-                        "'json_schema'", param="response_format")
+    schema = fmt.json_schema.schema if fmt.json_schema is not None else None
+    if schema is None:
+        raise ApiError(400, "response_format json_schema needs 'json_schema': "
+                            "{'schema': {...}}", param="response_format")
+    try:
+        return JsonSchema(schema)
+    except InvalidArgument as err:
+        raise ApiError(400, f"response_format: {err}", param="response_format") from None
 
 
 # ------------------------------------------------------------------------------ choices
@@ -246,6 +210,7 @@ class _Choice:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -271,14 +236,16 @@ class _Request:
         self.contexts.extend(forks)
         return forks
 
-    async def run(self, i: int, ctx: Context, on_delta: Callable[[_Choice, str, int], Any]
+    async def run(self, i: int, ctx: Context, on_delta: Callable[[_Choice, Delta, int], Any]
                   ) -> _Choice:
-        """Generate choice ``i`` on ``ctx``; ``on_delta(choice, text, first_token_index)``
-        hears each delta."""
+        """Generate choice ``i`` on ``ctx``; ``on_delta(choice, delta, first_token_index)``
+        hears each delta (``delta.content``: the text for the client; ``delta.tool_calls``:
+        the calls it completed)."""
         d, choice = self.d, _Choice(i)
         gen = ctx.generate(d.sampler(i), max_tokens=d.max_tokens, stop=d.stop or None,
                            constrain=d.constrain, logit_bias=d.logit_bias,
-                           top_logprobs=d.top_logprobs, cue=False)
+                           top_logprobs=d.top_logprobs, cue=False, min_tokens=d.min_tokens,
+                           ignore_eos=d.ignore_eos, **d.tool_options())
         last = None
         async for delta in gen:
             now = time.perf_counter()
@@ -290,11 +257,12 @@ class _Request:
                         self.observer.next_token((now - last) / max(1, len(delta.tokens)))
             self._first_seen, last = True, now
             start = len(choice.tokens)
-            choice.text.append(delta.text)
+            choice.text.append(delta.content)
             choice.tokens.extend(delta.tokens)
             choice.logprobs.extend(delta.logprobs)
             choice.top.extend(delta.top_logprobs)
-            await on_delta(choice, delta.text, start)
+            await on_delta(choice, delta, start)
+            choice.calls.extend(delta.tool_calls)
         choice.finish_reason = _FINISH.get(gen.finish_reason or "", "stop")
         return choice
 
@@ -373,52 +341,31 @@ class OpenAIService:
                                 f"'{self.model_name}'", param="model", code="model_not_found")
 
     @staticmethod
-    async def _body(request: Any) -> dict[str, Any]:
+    async def _body(request: Any) -> bytes:
         raw = b""
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return raw
 
     # ------------------------------------------------------------------ completions
 
     async def chat(self, request: Any) -> Any:
-        body = await self._body(request)
-        self._check_model(body.get("model"))
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        turns = []
-        for i, m in enumerate(messages):
-            role = m.get("role") if isinstance(m, dict) else None
-            if role not in ("system", "developer", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}]: role must be system, developer, user or "
-                                    f"assistant (tool messages are not supported by this "
-                                    f"server)", param="messages")
-            turns.append(("system" if role == "developer" else role,
-                          _text_content(m.get("content"), f"messages[{i}]")))
-        snapshot = _field(body, "snapshot", str, None)
-        decoding = _decoding(body, chat=True)
+        req = decode(await self._body(request), ChatRequest)
+        self._check_model(req.model)
+        turns = turns_of(req.messages)
+        decoding = _decoding(req)
 
         async def build(rt: Runtime) -> Context:
-            ctx = await Context.open(rt, snapshot) if snapshot else Context(rt)
-            for role, text in turns:
-                getattr(ctx, role)(text)
-            return ctx.cue()
+            return await build_context(rt, turns, decoding.tools, req.snapshot)
 
-        return await self._respond(body, decoding, build, chat=True)
+        return await self._respond(req, decoding, build, chat=True)
 
     async def completions(self, request: Any) -> Any:
-        body = await self._body(request)
-        self._check_model(body.get("model"))
-        prompt = body.get("prompt")
+        req = decode(await self._body(request), CompletionRequest)
+        self._check_model(req.model)
+        prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         ok = isinstance(prompt, str) and prompt or (
@@ -427,22 +374,19 @@ class OpenAIService:
         if not ok:
             raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
                                 "(one prompt per request)", param="prompt")
-        if body.get("echo"):
-            raise ApiError(400, "'echo' is not supported", param="echo")
-        if body.get("suffix"):
-            raise ApiError(400, "'suffix' is not supported", param="suffix")
-        decoding = _decoding(body, chat=False)
+        decoding = _decoding(req)
 
         async def build(rt: Runtime) -> Context:
-            return Context(rt).append(prompt)
+            ctx = await Context.open(rt, req.snapshot) if req.snapshot else Context(rt)
+            return ctx.append(prompt)
 
-        return await self._respond(body, decoding, build, chat=False)
+        return await self._respond(req, decoding, build, chat=False)
 
-    async def _respond(self, body: dict[str, Any], d: _Decoding,
+    async def _respond(self, body: ChatRequest | CompletionRequest, d: _Decoding,
                        build: Callable[[Runtime], Any], *, chat: bool) -> Any:
-        stream = _field(body, "stream", bool, False)
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        stream = bool(body.stream)
+        include_usage = body.stream_options is not None and \
+            body.stream_options.include_usage is True
         rt = self.get_runtime()
         req = _Request(rt, d, self.observer)
         ident = ("chatcmpl-" if chat else "cmpl-") + _new_id()
@@ -453,7 +397,7 @@ class OpenAIService:
             try:
                 contexts = await req.prefill(await build(rt))
 
-                async def quiet(choice: _Choice, text: str, start: int) -> None:
+                async def quiet(choice: _Choice, delta: Delta, start: int) -> None:
                     return None
 
                 choices = await gather(*(req.run(i, c, quiet) for i, c in enumerate(contexts)))
@@ -495,9 +439,14 @@ class OpenAIService:
                      "finish_reason": finish}
             return {**head, "choices": [c]}
 
-        async def on_delta(choice: _Choice, text: str, start: int) -> None:
+        async def on_delta(choice: _Choice, delta: Delta, start: int) -> None:
             lp = self._logprobs(rt, choice, start, chat) if req.d.logprobs else None
-            await send.send(chunk(choice.index, {"content": text}, None, lp))
+            if delta.content or (lp is not None and delta.tokens) or not req.d.tools:
+                await send.send(chunk(choice.index, {"content": delta.content}, None, lp))
+            if delta.tool_calls:  # each call whole, in the chunk where it completed
+                first = len(choice.calls)
+                calls = [openai_call(c, first + j) for j, c in enumerate(delta.tool_calls)]
+                await send.send(chunk(choice.index, {"tool_calls": calls}, None))
 
         scope = anyio.CancelScope()
 
@@ -519,7 +468,7 @@ class OpenAIService:
                         if include_usage:
                             await send.send({**head, "choices": [], "usage": req.usage(done)})
                     except Exception as err:  # noqa: BLE001 - after the headers: an error event
-                        await send.send(_error_body(_as_api_error(err)))
+                        await send.send(error_body(_as_api_error(err)))
 
         rt.spawn(produce)
         try:
@@ -538,8 +487,12 @@ class OpenAIService:
         lp = self._logprobs(rt, c, 0, chat) if logprobs else None
         text = "".join(c.text)
         if chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": text},
-                    "logprobs": lp, "finish_reason": c.finish_reason}
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": text if text or not c.calls else None}
+            if c.calls:
+                message["tool_calls"] = [openai_call(call) for call in c.calls]
+            return {"index": c.index, "message": message, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
         return {"index": c.index, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason}
 
