@@ -1,52 +1,45 @@
-"""A tool-calling agent whose calls always fit a JSON schema.
+"""A tool-calling agent: the model calls Python functions, the inferlet runs them.
 
-Each turn the model either calls a tool or answers, as one JSON object constrained by a
-schema (a `oneOf` of the two shapes). Tool results go back into the conversation as user
-turns; the context keeps the whole exchange, so every turn only computes its new tokens.
+    pie-ctx run examples/tool_agent.py -- "What is (12 + 30) * 2?"
+
+Every call is generated under a constraint, so its arguments always fit the function's
+signature. The context keeps the whole exchange: each round computes only the tool's
+result and the next call, never the conversation again.
 """
 
-import json
-
 from pie_ctx import Context, Sampler
-from pie_ctx.constrain import JsonSchema
+from pie_ctx.tools import Tool
 
-TOOLS = {
-    "add": lambda a, b: a + b,
-    "multiply": lambda a, b: a * b,
-}
-SCHEMA = {
-    "oneOf": [
-        {"type": "object",
-         "properties": {"tool": {"enum": sorted(TOOLS)},
-                        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
-         "required": ["tool", "a", "b"], "additionalProperties": False},
-        {"type": "object",
-         "properties": {"answer": {"type": "string", "maxLength": 80}},
-         "required": ["answer"], "additionalProperties": False},
-    ]
-}
-SYSTEM = ("You can call tools by replying with JSON: {\"tool\": \"add\" or \"multiply\", "
-          "\"a\": int, \"b\": int}. When you know the answer reply {\"answer\": \"...\"}.")
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+TOOLS = {t.name: t for t in map(Tool.from_function, (add, multiply))}
 
 
 def add_arguments(parser):
     parser.add_argument("question", nargs="?", default="What is (12 + 30) * 2?")
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
 
 
 async def main(rt, args):
-    async with Context(rt).system(SYSTEM).user(args.question) as ctx:
-        for turn in range(args.turns):
-            gen = ctx.generate(Sampler.greedy(), max_tokens=160, constrain=JsonSchema(SCHEMA))
-            text = await gen.text()
-            if gen.finish_reason != "constraint":  # cut off by max_tokens: not whole JSON
-                print(f"turn {turn}: no complete reply ({gen.finish_reason})")
-                return None
-            reply = json.loads(text)
-            print(f"turn {turn}: {json.dumps(reply)}")
-            if "answer" in reply:
-                return reply["answer"]
-            result = TOOLS[reply["tool"]](reply["a"], reply["b"])
-            ctx.user(f"Tool result: {result}")
-    return None
+    system = "Use the tools for arithmetic, then answer in one sentence."
+    async with Context(rt).system(system, tools=list(TOOLS.values())) as ctx:
+        ctx.user(args.question)
+        for _ in range(args.rounds):
+            gen = ctx.generate(Sampler.greedy(), max_tokens=96, tool_choice="required",
+                               parallel_tool_calls=False)
+            for call in await gen.calls():  # valid for the tool's schema, always
+                result = await TOOLS[call.name].run(call.arguments)
+                print(f"{call.name}({call.arguments}) -> {result}")
+                ctx.tool_result(call.id, result)
+        answer = await ctx.generate(Sampler.greedy(), max_tokens=48, tool_choice="none").text()
+        print(answer)
+        return answer

@@ -102,8 +102,11 @@ def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
 
 
 # The one place the runtime uses the SDK itself: the HTTP server hosts an inferlet, the
-# OpenAI-compatible API, written over the public SDK (docs/http.md).
-ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain"}}
+# OpenAI-compatible API, written over the public SDK (docs/http.md): it may use the SDK's
+# constraint and tool modules.
+ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain",
+                                                             "pie_ctx.tools"},
+                          "runtime.server.http.openai_chat": {"pie_ctx.tools"}}
 
 
 def test_the_runtime_depends_only_on_the_contract():

@@ -16,7 +16,7 @@ ALL = sorted(p.name for p in EXAMPLES.glob("*.py"))
 
 def test_every_example_is_listed():
     assert ALL == sorted(["hello.py", "best_of_n.py", "prefix_snapshot.py", "speculative.py",
-                          "structured_output.py", "classify.py", "constrained_agent.py",
+                          "structured_output.py", "classify.py", "tool_agent.py",
                           "attention_sink.py", "tree_of_thought.py", "beam_search.py"])
 
 
