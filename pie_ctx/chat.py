@@ -19,7 +19,8 @@ import json
 from typing import Any
 
 from pie_ctx.proto.errors import InvalidArgument
-from pie_ctx.tools.formats import ToolFormat, format_named, tool_format
+from pie_ctx.tools.formats import Parsed, ToolFormat, format_named, tool_format
+from pie_ctx.tools.tool import ToolCall
 
 __all__ = ["Conversation"]
 
@@ -139,7 +140,8 @@ class Conversation:
         self.group = None
         self.messages = self.messages + [message]
         self.cued = False
-        self.calls.update(call_names)
+        if call_names:  # the calls of the latest assistant turn await their results
+            self.calls = dict(call_names)
 
     def add(self, tokenizer: Any, role: str, content: str) -> list[int]:
         """Append a whole message and return its new tokens.
@@ -148,12 +150,16 @@ class Conversation:
             InvalidArgument: the assistant turn is open (``cue()`` was called): only the
                 answer (``assistant(text)`` or ``generate()``) may follow.
         """
+        return self.add_message(tokenizer, {"role": role, "content": content})
+
+    def add_message(self, tokenizer: Any, message: dict[str, Any]) -> list[int]:
+        """``add`` for a message with more keys than a role and a content (tool calls)."""
+        role = message["role"]
         if self.cued:
             raise InvalidArgument(
                 f"the assistant turn is open (cue): generate() or assistant(text) must come "
                 f"before {role}()")
-        tokens = self._render(tokenizer, self.messages + [{"role": role, "content": content}],
-                              generation_prompt=False)
+        tokens = self._render(tokenizer, self.messages + [message], generation_prompt=False)
         self.awaits_answer = role in ("system", "user")
         return tokens
 
@@ -186,18 +192,28 @@ class Conversation:
         self.cued = generation_prompt
         return tokenizer.encode(delta) if delta else []
 
-    def add_assistant(self, tokenizer: Any, content: str) -> list[int]:
-        """Write the assistant turn yourself (after a cue, or as a whole turn)."""
-        self.awaits_answer = False
+    def add_assistant(self, tokenizer: Any, content: str,
+                      calls: list[ToolCall] | None = None) -> list[int]:
+        """Write the assistant turn yourself (after a cue, or as a whole turn), with the
+        tool calls it made, if any (they then await their results)."""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            fmt = self.tool_format(tokenizer)
+            message = fmt.assistant_message(fmt.model_text(content, calls),
+                                            Parsed(content, list(calls)))
         if self.cued:
-            self.cued = False
             # The cue already rendered the turn's header: render the turn and diff.
-            self.messages = self.messages + [{"role": "assistant", "content": content}]
-            rendered = self._render_text(tokenizer, self.messages, False)
+            messages = self.messages + [message]
+            rendered = self._render_text(tokenizer, messages, False)
             delta = self._delta(tokenizer, rendered)
-            self.text = rendered
-            return tokenizer.encode(delta) if delta else []
-        return self.add(tokenizer, "assistant", content)
+            self.messages, self.text, self.cued, self.group = messages, rendered, False, None
+            tokens = tokenizer.encode(delta) if delta else []
+        else:
+            tokens = self.add_message(tokenizer, message)
+        self.awaits_answer = False
+        if calls:
+            self.calls = {c.id: c.name for c in calls}
+        return tokens
 
     def record_generation(self, text_with_specials: str, answer: str) -> None:
         """Generated tokens went into the context: extend the text, remember the answer."""

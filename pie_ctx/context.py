@@ -31,7 +31,7 @@ from pie_ctx.rounds import Rounds
 from pie_ctx.selection import SELECT_METHODS, select_scores
 from pie_ctx.speculate import Speculator
 from pie_ctx.tools.formats import ToolOffer, check_choice
-from pie_ctx.tools.tool import Tool, result_text
+from pie_ctx.tools.tool import Tool, ToolCall, result_text
 
 if TYPE_CHECKING:
     from pie_ctx.forward import Forward
@@ -217,12 +217,29 @@ class Context(Counters):
         """Add a user turn."""
         return self._fill("user", text)
 
-    def assistant(self, text: str) -> Context:
-        """Add an assistant turn (or complete the one a ``cue()`` opened)."""
+    def assistant(self, text: str, *, tool_calls: Sequence[ToolCall] | None = None
+                  ) -> Context:
+        """Add an assistant turn (or complete the one a ``cue()`` opened).
+
+        Args:
+            text: what the assistant said.
+            tool_calls: the calls it made (a conversation replayed from elsewhere, say):
+                written in the model's tool format, as if the model had made them; each
+                then awaits ``tool_result(call.id, ...)``.
+
+        Raises:
+            InvalidArgument: not ``ToolCall`` values, or two calls with one id.
+        """
         core = self._core
         core.check_open()
         text = checks.text(text, "assistant()")
-        core.pending.extend(core.chat.add_assistant(core.rt.tokenizer, text))
+        calls = list(tool_calls or ())
+        if not all(isinstance(c, ToolCall) for c in calls) or \
+                len({c.id for c in calls}) != len(calls):
+            raise InvalidArgument("tool_calls= takes ToolCall values with distinct ids")
+        chat = core.chat.copy()
+        core.pending.extend(chat.add_assistant(core.rt.tokenizer, text, calls))
+        core.chat = chat
         return self
 
     def cue(self) -> Context:

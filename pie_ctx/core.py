@@ -157,8 +157,9 @@ class ContextCore:
     def adopt(self, reply: P.ContextReply) -> None:
         """Take the handle and counters of a context the runtime just created."""
         self.handle, self.state = reply.ctx, reply.state
-        if self.released:  # released before creation finished
+        if self.released:  # released before creation finished: release it here, once
             self.transport.release_soon(reply.ctx)
+            self.handle = None
 
     def set_state(self, state: P.ContextState) -> None:
         """Record the counters of the runtime's latest reply."""

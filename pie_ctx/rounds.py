@@ -176,6 +176,7 @@ class RoundStream:
         self._report.pages_reused += r.pages_reused
         self._report.pages_computed += r.pages_computed
         self._report.pages_from_disk += r.pages_from_disk
+        self._report.num_steps += r.num_steps
 
     async def _rollback(self) -> None:
         """Take back everything this generation wrote (its pages were never committed)."""

@@ -86,6 +86,7 @@ class PassReport(msgspec.Struct, kw_only=True):
     pages_reused: int = 0
     pages_computed: int = 0
     pages_from_disk: int = 0
+    num_steps: int = 0  # model calls this pass took part in (a generation: one per step)
 
     @property
     def pages_from_memory(self) -> int:

@@ -10,7 +10,8 @@ Owns: the two formats pie-ctx speaks (docs/agents.md explains the choice):
   instruction go into the system turn, and the whole answer is one JSON object:
   ``{"tool_call": {"name": ..., "arguments": {...}}}`` (``{"tool_calls": [...]}`` when
   parallel calls are allowed) or ``{"response": "..."}``. llama.cpp's server answered
-  templates without a tool format the same way.
+  templates without a tool format the same way. Under ``tool_choice="none"`` the answer
+  is free text, as in the other format.
 
 A call is always generated under a constraint built here (a Lark grammar or a JSON
 Schema that the engine compiles): it is valid JSON for its tool's schema. The JSON is
@@ -114,6 +115,11 @@ class ToolFormat:
         """The constraint of one generation under ``tool_choice=choice``."""
         raise NotImplementedError
 
+    def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
+        """What the model writes to say ``content`` and make ``calls`` (``parse``'s
+        inverse: a conversation replayed from elsewhere)."""
+        raise NotImplementedError
+
     def parse(self, raw: str) -> Parsed:
         """The content and calls of a whole output."""
         stream = self.stream()
@@ -183,6 +189,10 @@ class HermesFormat(ToolFormat):
     def stream(self) -> OutputStream:
         return _HermesStream()
 
+    def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
+        blocks = "\n".join(f"{_OPEN}\n{_call_json(c)}\n{_CLOSE}" for c in calls)
+        return f"{content}\n{blocks}" if content and blocks else content or blocks
+
     def assistant_message(self, raw: str, parsed: Parsed) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
@@ -227,6 +237,11 @@ class _HermesStream(OutputStream):
         rest = self.raw[self._pos:]
         self._pos = len(self.raw)
         return rest.rstrip() if self.calls_done else rest
+
+
+def _call_json(call: ToolCall) -> str:
+    """A call as the model writes it (one line, json.dumps' separators)."""
+    return json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -285,8 +300,10 @@ class GenericFormat(ToolFormat):
                    parallel: bool) -> ConstraintSpec | None:
         response = {"type": "object", "properties": {"response": {"type": "string"}},
                     "required": ["response"], "additionalProperties": False}
+        if choice == "none":  # no call: free text, as for a template's own format
+            return None
         options: list[dict[str, Any]] = []
-        if choice != "none" and tools:
+        if tools:
             chosen = [t for t in tools if t.name == choice] or list(tools)
             call = _call_schema(chosen)
             options.append({"type": "object", "properties": {"tool_call": call},
@@ -296,13 +313,21 @@ class GenericFormat(ToolFormat):
                                 "properties": {"tool_calls": {"type": "array", "items": call,
                                                               "minItems": 1}},
                                 "required": ["tool_calls"], "additionalProperties": False})
-        if choice in ("auto", "none") or not tools:
+        if choice == "auto" or not tools:
             options.append(response)
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return ConstraintSpec(kind="json_schema", source=json.dumps(schema))
 
     def stream(self) -> OutputStream:
         return _GenericStream()
+
+    def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
+        # One JSON object: a call leaves no room for text beside it.
+        if not calls:
+            return json.dumps({"response": content}, ensure_ascii=False)
+        if len(calls) == 1:
+            return f'{{"tool_call": {_call_json(calls[0])}}}'
+        return f'{{"tool_calls": [{", ".join(_call_json(c) for c in calls)}]}}'
 
     def assistant_message(self, raw: str, parsed: Parsed) -> dict[str, Any]:
         # The template knows nothing of calls: the message is the JSON the model wrote.
@@ -325,6 +350,11 @@ class _GenericStream(OutputStream):
         self.raw += text
         if self._done:
             return ""
+        head = self.raw.lstrip()
+        if head and not head.startswith("{"):  # free text (tool_choice="none")
+            new = self.raw[self._shown:]
+            self._shown = len(self.raw)
+            return new
         try:
             data = json.loads(self.raw)
         except ValueError:
@@ -342,9 +372,10 @@ class _GenericStream(OutputStream):
         return new
 
     def finish(self) -> str:
-        if self._done or self.raw.startswith(_RESPONSE) or not self.raw:
-            return ""
-        return self.raw  # not the JSON this format asks for: show it as it is
+        head = self.raw.lstrip()
+        if self._done or self.raw.startswith(_RESPONSE) or not head.startswith("{"):
+            return self.raw[self._shown:] if not head.startswith("{") else ""
+        return self.raw  # an object that did not end (max_tokens): show it as it is
 
 
 def _generic_calls(data: dict[str, Any]) -> list[ToolCall]:

@@ -553,6 +553,8 @@ class Scheduler:
                 finished.append(job)
                 continue
             job.report.tokens_computed += length
+            if start != -2:  # a seed row runs no model
+                job.report.num_steps += 1
             if start >= 0 and length:
                 job.num_written += length
                 job.report.tokens_written += length

@@ -145,7 +145,7 @@ def test_tool_results_round_trip(served: Served) -> None:
     assert same.usage.prompt_tokens == answer.usage.prompt_tokens
     for c in same.choices[0].message.tool_calls or ():
         _check(c)
-    with pytest.raises(openai.BadRequestError, match="answers no tool call") as bad:
+    with pytest.raises(openai.BadRequestError, match="awaits a result") as bad:
         served.chat(messages=[*ASK, message, {**result, "tool_call_id": "call_nope"}],
                     tools=TOOLS)
     assert bad.value.param == "messages"

@@ -253,3 +253,33 @@ async def test_tool_turns_match_transformers_apply_chat_template(tiny_folder, tr
     assert ours[: len(prompt)] == theirs[: len(prompt)]
     tail = ours[len(prompt) + len(gen.tokens_out):]  # the tool turn and the cue
     assert len(tail) > 10 and theirs[-len(tail):] == tail
+
+
+async def test_a_replayed_assistant_turn_with_calls_awaits_its_results(tools_folder, transport):
+    """``assistant(text, tool_calls=...)`` writes the calls as the model would have, so a
+    generated call and a replayed one leave the same conversation behind."""
+    async with sdk_runtime(tools_folder, transport) as (rt, _):
+        made = Context(rt).system("s", tools=TOOLS).user("Weather in Oslo?")
+        gen = made.generate(GREEDY, max_tokens=300, tool_choice="get_weather",
+                            parallel_tool_calls=False)
+        (call,) = await gen.calls()
+        mine = ToolCall(id="call_mine", name=call.name, arguments=call.arguments)
+        replayed = Context(rt).system("s", tools=TOOLS).user("Weather in Oslo?")
+        replayed.cue().assistant("", tool_calls=[mine]).tool_result("call_mine", "18 C")
+        made.tool_result(call.id, "18 C")
+        fmt = made._core.chat.tool_format(rt.tokenizer)
+        assert fmt.parse(fmt.model_text("", [mine])).calls[0].arguments == call.arguments
+        tok = rt.tokenizer
+        assert tok.decode(await replayed.tokens()).replace("call_mine", call.id) == \
+            tok.decode(await made.tokens())
+        with pytest.raises(InvalidArgument, match="distinct ids"):
+            replayed.assistant("x", tool_calls=[mine, mine])
+
+
+async def test_release_before_creation_finishes_releases_once(tiny_folder, transport):
+    async with sdk_runtime(tiny_folder, transport) as (rt, engine):
+        ctx = Context(rt)
+        ctx.user("hi")
+        await ctx.release()  # creation still in flight: no error, and nothing left
+        await Context(rt).refresh()
+        assert engine.store.stats().num_contexts <= 1

@@ -9,28 +9,22 @@ How a conversation is built (docs/http.md):
 
 * the tools are declared at the start of the context: ``system(text, tools=...)`` when the
   first message is a system (or developer) message, else ``declare_tools(tools)``;
-* every turn up to the first one that carries tool calls goes through the SDK's chat
-  fillers (``user``, ``assistant``, ``system``), then ``cue()``;
-* the SDK has no filler for a *past* assistant turn with tool calls (their ids are the
-  client's), nor for a tool result that answers one. From the first such turn on, the
-  remaining turns are rendered with the chat template exactly as the SDK renders a
-  conversation (the same messages: each past call is the assistant message the SDK would
-  have recorded had the model written it, each result the tool format's tool message) and
-  the difference from the turns already filled is appended, with the generation prompt.
-  The context then holds what ``apply_chat_template`` gives for the whole conversation.
+* every turn goes through the SDK's chat fillers: ``system``, ``user``, ``assistant(text,
+  tool_calls=...)`` (a past call, with the client's id, written as the model would have
+  written it) and ``tool_result(id, text)``, then ``cue()``. The context then holds what
+  ``apply_chat_template`` gives for the whole conversation.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pie_ctx import Context, Runtime
-from pie_ctx.proto.errors import InvalidArgument, PieError
-from pie_ctx.tools import Tool, ToolCall, tool_format
+from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.tools import Tool, ToolCall
 from runtime.server.http.openai_schema import (
     ApiError,
     AssistantMessage,
@@ -178,52 +172,29 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
     """
     ctx = await Context.open(rt, snapshot) if snapshot else Context(rt)
     try:
-        _fill(ctx, rt, turns, tools, from_snapshot=snapshot is not None)
+        _fill(ctx, turns, tools)
     except BaseException:
-        # Releasing a context whose creation is still in flight raises ContextClosed
-        # although it is released (the SDK releases it twice); nothing else can fail here.
-        with contextlib.suppress(PieError):
-            await ctx.release()
+        await ctx.release()
         raise
     return ctx
 
 
-def _fill(ctx: Context, rt: Runtime, turns: list[Turn], tools: list[Tool], *,
-          from_snapshot: bool) -> None:
-    fmt = tool_format(rt.tokenizer)
-    split = next((i for i, t in enumerate(turns) if t.calls or t.role == "tool"), len(turns))
-    if from_snapshot and split < len(turns):
-        raise ApiError(400, "tool calls and tool messages cannot follow a snapshot (its "
-                            "earlier turns are not in the request)", param="messages")
-    template: list[dict[str, Any]] = []  # the conversation as the SDK renders it
-    rest = turns
-    if tools:
-        rest = _declare(ctx, fmt, turns, tools, template)
-    waiting: dict[str, str] = {}  # call id -> tool name, for calls not answered yet
-    head = len(template)  # messages filled through the SDK
+def _fill(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
+    rest = _declare(ctx, turns, tools) if tools else turns
     for turn in rest:
-        message = _message(fmt, turn, waiting)
-        if turn.index < split:
-            getattr(ctx, turn.role)(turn.text)
-            head += 1
-        template.append(message)
-    if split == len(turns):
-        ctx.cue()
-        return
-    variables = fmt.template_vars([t.to_openai() for t in tools]) if tools else {}
-    try:
-        done = rt.tokenizer.render_chat(template[:head], False, **variables) if head else ""
-        whole = rt.tokenizer.render_chat(template, True, **variables)
-    except InvalidArgument as err:
-        raise ApiError(400, str(err), param="messages") from None
-    if not whole.startswith(done):
-        raise ApiError(400, "the chat template renders the earlier turns differently once "
-                            "the tool calls are added", param="messages")
-    ctx.append(whole[len(done):])
+        try:
+            if turn.role == "tool":
+                ctx.tool_result(turn.call_id, turn.text)
+            elif turn.role == "assistant":
+                ctx.assistant(turn.text, tool_calls=turn.calls)
+            else:
+                getattr(ctx, turn.role)(turn.text)
+        except InvalidArgument as err:
+            raise ApiError(400, f"messages[{turn.index}]: {err}", param="messages") from None
+    ctx.cue()
 
 
-def _declare(ctx: Context, fmt: Any, turns: list[Turn], tools: list[Tool],
-             template: list[dict[str, Any]]) -> list[Turn]:
+def _declare(ctx: Context, turns: list[Turn], tools: list[Tool]) -> list[Turn]:
     """Declare ``tools`` in the context; return the turns left to fill."""
     declared = ctx.tools  # a snapshot's conversation may have declared them already
     if declared:
@@ -234,51 +205,8 @@ def _declare(ctx: Context, fmt: Any, turns: list[Turn], tools: list[Tool],
     try:
         if turns and turns[0].role == "system":
             ctx.system(turns[0].text, tools=tools)
-            template.append({"role": "system",
-                             "content": fmt.system_text(turns[0].text, tools)})
             return turns[1:]
         ctx.declare_tools(tools)
     except InvalidArgument as err:
         raise ApiError(400, str(err), param="tools") from None
-    text = fmt.system_text("", tools)
-    if text:  # a format whose tools live in the system turn's text
-        template.append({"role": "system", "content": text})
     return turns
-
-
-def _message(fmt: Any, turn: Turn, waiting: dict[str, str]) -> dict[str, Any]:
-    """The template message of ``turn``, as the SDK records it."""
-    where = f"messages[{turn.index}]"
-    if turn.role == "tool":
-        name = waiting.pop(turn.call_id, None)
-        if name is None:
-            raise ApiError(400, f"{where}: tool_call_id {turn.call_id!r} answers no tool call "
-                                f"of an earlier assistant message (waiting: "
-                                f"{', '.join(waiting) or 'none'})", param="messages")
-        return fmt.tool_message(turn.call_id, name, turn.text)
-    if turn.role != "assistant" or not turn.calls:
-        return {"role": turn.role, "content": turn.text}
-    waiting.clear()
-    waiting.update({c.id: c.name for c in turn.calls})
-    raw = _model_text(fmt.name, turn.text, turn.calls)
-    parsed = fmt.parse(raw)
-    if [(c.name, c.arguments) for c in parsed.calls] != \
-            [(c.name, c.arguments) for c in turn.calls]:
-        raise ApiError(400, f"{where}: these tool calls cannot be written in the model's "
-                            f"tool format", param="messages")
-    parsed.calls = list(turn.calls)  # the client's ids
-    return fmt.assistant_message(raw, parsed)
-
-
-def _model_text(format_name: str, content: str, calls: list[ToolCall]) -> str:
-    """What the model writes for ``content`` and ``calls`` in a tool format (the inverse
-    of the format's ``parse``; the SDK does not expose one)."""
-    bodies = [{"name": c.name, "arguments": c.arguments} for c in calls]
-    if format_name == "hermes":
-        blocks = "\n".join(f"<tool_call>\n{json.dumps(b, ensure_ascii=False)}\n</tool_call>"
-                           for b in bodies)
-        return f"{content}\n{blocks}" if content else blocks
-    if format_name == "generic":  # one JSON object; it has no room for content
-        body = {"tool_call": bodies[0]} if len(bodies) == 1 else {"tool_calls": bodies}
-        return json.dumps(body, ensure_ascii=False)
-    raise RuntimeError(f"no way to write calls in the tool format {format_name!r}")
