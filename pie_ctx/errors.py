@@ -21,3 +21,6 @@ AuthError = _contract.AuthError
 StorageError = _contract.StorageError
 SnapshotCorrupt = _contract.SnapshotCorrupt
 SnapshotIncompatible = _contract.SnapshotIncompatible
+MessageTooLarge = _contract.MessageTooLarge
+TooManyChannels = _contract.TooManyChannels
+SubscriptionLagged = _contract.SubscriptionLagged

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pie_ctx.proto import messages as M
-from pie_ctx.proto.errors import ContextTooLong, InvalidArgument
+from pie_ctx.proto.errors import ContextTooLong, InvalidArgument, MessageTooLarge
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,6 +28,9 @@ __all__ = [
     "positions",
     "indices",
     "snapshot_name",
+    "channel_name",
+    "message",
+    "payload",
     "text",
     "stop",
     "mask",
@@ -118,6 +121,58 @@ def snapshot_name(name: Any) -> str:
         raise InvalidArgument(
             f"snapshot names are non-empty str of at most {MAX_NAME_CHARS} chars, got {name!r}")
     return name
+
+
+def channel_name(name: Any, what: str) -> str:
+    """A channel or topic name: a non-empty str of at most 256 characters, none of them a
+    control character (names show up in logs and URLs)."""
+    if (not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS
+            or any(c < " " or "\x7f" <= c <= "\x9f" for c in name)):
+        raise InvalidArgument(
+            f"{what} names are non-empty str of at most {MAX_NAME_CHARS} chars without control "
+            f"characters, got {name!r:.80}")
+    return text(name, what)
+
+
+def _message_size(num_bytes: int, limit: int) -> None:
+    if num_bytes > limit:
+        raise MessageTooLarge(
+            f"the message is {num_bytes} bytes, over the engine's limit of {limit} "
+            "(rt.info.max_message_bytes): split it, or keep the bulk elsewhere (a snapshot, "
+            "a file) and send its name")
+
+
+def message(value: Any, limit: int) -> tuple[bytes, bool]:
+    """A channel message (the SDK's side): a str (sent as UTF-8) or bytes of at most
+    ``limit`` bytes.
+
+    Returns:
+        ``(payload, text)``: the bytes to send and whether they are text.
+    """
+    if isinstance(value, str):
+        data = text(value, "a message").encode("utf-8")
+        _message_size(len(data), limit)
+        return data, True
+    if isinstance(value, bytes):
+        _message_size(len(value), limit)
+        return value, False
+    raise InvalidArgument(
+        f"a message is a str or bytes, got {type(value).__name__}; encode other data first "
+        "(e.g. json.dumps)")
+
+
+def payload(data: Any, is_text: Any, limit: int) -> None:
+    """A channel message as the engine receives it: ``data`` bytes of at most ``limit``,
+    valid UTF-8 when ``is_text``."""
+    if not isinstance(data, bytes) or not isinstance(is_text, bool):
+        raise InvalidArgument("a message's payload must be bytes and its text flag a bool")
+    _message_size(len(data), limit)
+    if is_text:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidArgument(f"a text message must be UTF-8; byte {err.start} is not "
+                                  "(send bytes instead)") from None
 
 
 def text(value: Any, what: str) -> str:

@@ -25,6 +25,9 @@ __all__ = [
     "StorageError",
     "SnapshotCorrupt",
     "SnapshotIncompatible",
+    "MessageTooLarge",
+    "TooManyChannels",
+    "SubscriptionLagged",
     "error_from_name",
     "known_name",
     "single_exception",
@@ -89,6 +92,25 @@ class SnapshotIncompatible(StorageError):
     runs: the message says which. Reopen it with that engine, or save it again."""
 
 
+class MessageTooLarge(InvalidArgument):
+    """A channel message is over the engine's ``max_message_bytes`` (see ``rt.info``):
+    nothing was sent. Split it, or keep the bulk elsewhere (a snapshot, a file) and send
+    its name."""
+
+
+class TooManyChannels(PieError):
+    """The namespace already has ``max_channels`` queues and topics in use, or this
+    runtime holds ``max_subscriptions`` subscriptions (see ``rt.info``). Drain queues
+    nobody reads, or close subscriptions you no longer need (``async with
+    rt.subscribe(...)`` closes one for you)."""
+
+
+class SubscriptionLagged(PieError):
+    """A subscription's buffer was full, so broadcasts dropped its oldest messages; the
+    message says how many. Nothing else changed: the next receive goes on with the oldest
+    message still buffered. Read faster, or treat the topic as lossy."""
+
+
 _BY_NAME: dict[str, type[PieError]] = {
     cls.__name__: cls
     for cls in (
@@ -105,6 +127,9 @@ _BY_NAME: dict[str, type[PieError]] = {
         StorageError,
         SnapshotCorrupt,
         SnapshotIncompatible,
+        MessageTooLarge,
+        TooManyChannels,
+        SubscriptionLagged,
     )
 }
 

@@ -6,6 +6,8 @@ a socket (MessagePack frames, see ``pie_ctx.proto.wire``). Part of the torch-fre
 Requests are a tagged union (``Request``); each request has exactly one reply type, or an
 ``ErrorReply`` carrying the typed error's class name and message. ``Generate`` is the one
 streaming request: it yields ``GenerateChunk`` messages and ends with ``GenerateDone``.
+The channel requests (``ChannelSend`` ... ``SettleMessage``) carry messages between
+inferlets through the engine (docs/messages.md).
 """
 
 from __future__ import annotations
@@ -293,6 +295,61 @@ class GetStats(_Request):
     pass
 
 
+# Channels between inferlets (docs/messages.md). A message is ``payload`` bytes; ``text``
+# says they are UTF-8 text, so the receiver gets back a str. A receive takes a message
+# under a *lease* (a positive id the client picks, unique among its unsettled ones): the
+# engine keeps it until ``SettleMessage`` says whether the client handed it on, and gives
+# it back to the front of its queue if not, or if the client leaves first.
+
+
+class ChannelSend(_Request):
+    """Put a message at the back of a queue; waits while the queue is full."""
+
+    channel: str
+    payload: bytes
+    text: bool = False
+
+
+class ChannelReceive(_Request):
+    """Take the message at the front of a queue, waiting for one (reply: ``ChannelMessage``)."""
+
+    channel: str
+    lease: int
+
+
+class Broadcast(_Request):
+    """Give a message to every present subscription of a topic (never waits)."""
+
+    topic: str
+    payload: bytes
+    text: bool = False
+
+
+class Subscribe(_Request):
+    """Start a subscription to a topic: from now on it gets every broadcast."""
+
+    topic: str
+
+
+class SubscriptionReceive(_Request):
+    """Take the oldest message of a subscription, waiting for one (reply: ``ChannelMessage``)."""
+
+    sub: int
+    lease: int
+
+
+class Unsubscribe(_Request):
+    sub: int
+
+
+class SettleMessage(_Request):
+    """End a lease: ``delivered`` drops the message for good; otherwise it goes back to the
+    front of its queue or subscription. An unknown lease is ignored (settling is idempotent)."""
+
+    lease: int
+    delivered: bool
+
+
 Request = (
     CreateContext
     | ForkContext
@@ -315,6 +372,13 @@ Request = (
     | Tokenize
     | GetInfo
     | GetStats
+    | ChannelSend
+    | ChannelReceive
+    | Broadcast
+    | Subscribe
+    | SubscriptionReceive
+    | Unsubscribe
+    | SettleMessage
 )
 
 # ------------------------------------------------------------------------------ replies
@@ -430,6 +494,12 @@ class EngineInfo(_Reply):
     weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
     snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory
+    # channels between inferlets (docs/messages.md)
+    max_message_bytes: int = 1 << 20  # the largest message (payload bytes)
+    max_queue_messages: int = 64  # messages one queue or one subscription's buffer holds
+    max_channels: int = 1024  # queues and topics in use at once, per namespace
+    max_subscriptions: int = 64  # subscriptions one owner (runtime, connection) holds
+    max_channel_bytes: int = 256 << 20  # bytes of every message held, engine-wide
 
 
 class EngineStats(_Reply):
@@ -458,6 +528,27 @@ class EngineStats(_Reply):
     disk_bytes_written: int = 0
     disk_pages_loaded: int = 0  # disk hits: pages read back into the pool (opens + prefixes)
     disk_bytes_loaded: int = 0
+    # channels between inferlets (docs/messages.md)
+    num_channels: int = 0  # queues and topics in use, every namespace
+    num_subscriptions: int = 0
+    num_channel_messages: int = 0  # messages held: queued, buffered, or taken and unsettled
+    channel_bytes: int = 0  # what they count against max_channel_bytes
+
+
+class ChannelMessage(_Reply):
+    """A message taken by a receive, held under ``lease`` until settled."""
+
+    payload: bytes
+    text: bool = False
+    lease: int = 0
+
+
+class BroadcastReply(_Reply):
+    num_subscribers: int  # the subscriptions present, each of which got the message
+
+
+class SubscriptionReply(_Reply):
+    sub: int
 
 
 class ErrorReply(_Reply):
@@ -478,6 +569,9 @@ Reply = (
     | TokenIds
     | EngineInfo
     | EngineStats
+    | ChannelMessage
+    | BroadcastReply
+    | SubscriptionReply
     | ErrorReply
 )
 
