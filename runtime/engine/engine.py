@@ -7,6 +7,7 @@ and the parts it wires together, each with explicit dependencies:
 * ``Scheduler`` (``scheduler.py``): which tokens of which jobs go into each model call;
 * ``StepExecutor`` (``executor.py``): one model call plus sampling, on the model thread;
 * ``Passes`` (``passes.py``): ``Forward``/``Generate`` requests as jobs;
+* ``Channels`` (``channels.py``): queues and topics between inferlets;
 * ``Handlers`` (``handlers.py``): every other request.
 
 The SDK and the server both talk to it with the plain-data messages of
@@ -43,6 +44,7 @@ import msgspec
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
+from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
 from runtime.engine.handlers import Handlers
@@ -59,6 +61,8 @@ log = logging.getLogger("pie_ctx.engine")
 
 DEFAULT_MAX_REPLY_BYTES = 16 * 2**20
 DEFAULT_MAX_MASK_ENTRIES = 2**26
+# Room a channel request or reply needs around its payload (a 256-char name is <= 1 KiB).
+_MESSAGE_ENVELOPE = 2048
 
 
 @dataclass(slots=True)
@@ -91,6 +95,8 @@ class Engine:
         max_pages_per_owner: the page share of one owner (a client): its contexts may hold
             at most this many pages (see docs/scheduling.md); None = the whole pool.
         hidden_size: size of one ``hidden_states`` row (reported in ``EngineInfo``).
+        channel_limits: the bounds of the channels between inferlets (docs/messages.md);
+            None = the defaults of ``ChannelLimits``.
         model_thread: the single-thread executor every model step runs on (``boot`` passes
             the one that loaded the model); shut down when the engine exits.
     """
@@ -111,6 +117,7 @@ class Engine:
         max_pages_per_owner: int | None = None,
         hidden_size: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
+        channel_limits: ChannelLimits | None = None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
@@ -120,6 +127,8 @@ class Engine:
         self.stall_timeout = stall_timeout
         stop_token_ids = sorted(getattr(tokenizer, "stop_token_ids", []) or [])
         grammars = Grammars(tokenizer, vocab_size, stop_token_ids)
+        limits = channel_limits or ChannelLimits()
+        self.channels = Channels(limits)
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,
             page_size=store.page_size, num_pages=store.num_pages_total, vocab_size=vocab_size,
@@ -131,11 +140,15 @@ class Engine:
             device=str(store.pool.kv.device), attention=runner.backend.name,
             weights=runner.weight_format, kv_dtype=store.pool.kv_dtype,
             snapshot_dir="" if store.tier is None else str(store.tier.files.folder),
+            max_message_bytes=limits.max_message_bytes,
+            max_queue_messages=limits.max_queue_messages, max_channels=limits.max_channels,
+            max_subscriptions=limits.max_subscriptions,
+            max_channel_bytes=limits.max_channel_bytes,
         )
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
-                                 tokenizer, on_pages_freed=self._kick)
+                                 tokenizer, on_pages_freed=self._kick, channels=self.channels)
         self._wake = anyio.Event()
         self._task_group: Any = None
         self._running = False
@@ -214,8 +227,11 @@ class Engine:
         """Release every context of one owner (a disconnected client, an exited inferlet).
 
         Its jobs still queued or running are cancelled first (a job inside the step being
-        computed ends with that step), so its contexts go now or right after.
+        computed ends with that step), so its contexts go now or right after. Its channel
+        state goes too: messages it took but had not confirmed return to the front of their
+        queues, its subscriptions close, its waiting sends and receives end.
         """
+        self.channels.release_owner(owner)
         for job in self.scheduler.jobs_of(owner):
             self.cancel(job)
         return self.records.release_owner(owner)
@@ -226,9 +242,13 @@ class Engine:
 
     def cap_reply_bytes(self, limit: int) -> None:
         """Lower ``max_reply_bytes`` to ``limit`` (a server whose frames are smaller calls
-        this before it accepts clients, so no request can ask for a reply it cannot send)."""
+        this before it accepts clients, so no request can ask for a reply it cannot send).
+        Channel messages shrink to fit such frames too."""
         if limit < self._info.max_reply_bytes:
             self._info = msgspec.structs.replace(self._info, max_reply_bytes=limit)
+        message_limit = max(1, limit - _MESSAGE_ENVELOPE)
+        if message_limit < self._info.max_message_bytes:
+            self._info = msgspec.structs.replace(self._info, max_message_bytes=message_limit)
 
     def stats(self) -> P.EngineStats:
         """Engine-wide counters."""
@@ -250,6 +270,10 @@ class Engine:
             disk_bytes=s.num_disk_bytes, disk_pages_written=s.disk_pages_written,
             disk_bytes_written=s.disk_bytes_written, disk_pages_loaded=s.disk_pages_loaded,
             disk_bytes_loaded=s.disk_bytes_loaded,
+            num_channels=self.channels.num_channels,
+            num_subscriptions=self.channels.num_subscriptions,
+            num_channel_messages=self.channels.num_messages,
+            channel_bytes=self.channels.num_bytes,
         )
 
     # ------------------------------------------------------------------ the job queue

@@ -14,6 +14,9 @@ Invariants:
   Snapshots are not released: they belong to the namespace.
 * Nothing reaches the engine before the handshake has checked the protocol version and
   the token (compared in constant time). A TCP server always requires a token.
+* A channel message is never lost to a cancelled receive: a receive that took a message
+  after its ``Cancel`` arrived gives it back instead of replying (the client gives back
+  one whose reply crossed its ``Cancel``; docs/messages.md).
 * Bad input never stops the server: a malformed message or request gets an ``ErrorReply``
   under its id (or id 0) and the connection continues; a framing error (oversize, empty,
   truncated frame) gets an ``ErrorReply`` and closes that connection only.
@@ -260,6 +263,12 @@ class Server:
                         stream.close()
                 else:
                     final = await self.engine.handle(req, owner=conn, namespace=conn.namespace)
+            if scope.cancel_called and isinstance(final, P.ChannelMessage):
+                # The client cancelled this receive and will drop its reply, but the receive
+                # had already taken a message: it goes back to the front of its queue.
+                await self.engine.handle(P.SettleMessage(lease=final.lease, delivered=False),
+                                         owner=conn, namespace=conn.namespace)
+                final = None
         except _GONE:
             return  # the read loop sees the disconnect and cleans up
         except Exception as err:
