@@ -28,9 +28,11 @@ __all__ = [
     "Generator",
     "PassReport",
     "RawContext",
+    "Receiver",
     "Runtime",
     "Sampler",
     "SamplerSpec",
+    "Subscription",
     "errors",
     "gather",
 ]
@@ -46,9 +48,11 @@ _WHERE = {
     "Generator": "pie_ctx.generator",
     "PassReport": "pie_ctx.proto.messages",
     "RawContext": "pie_ctx.raw",
+    "Receiver": "pie_ctx.channels",
     "Runtime": "pie_ctx.runtime",
     "Sampler": "pie_ctx.sampler",
     "SamplerSpec": "pie_ctx.proto.messages",
+    "Subscription": "pie_ctx.channels",
     "gather": "pie_ctx.concurrency",
 }
 

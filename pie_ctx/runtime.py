@@ -3,7 +3,9 @@
 Owns: one transport (one owner on the engine side) and a task group for the context
 operations the SDK starts without awaiting (``fork()``, ``Context(rt)``, ``save()``).
 Closing the runtime releases every context its inferlet left open; snapshots stay. After
-that, every operation on its contexts raises ``ContextClosed`` at once.
+that, every operation on its contexts raises ``ContextClosed`` at once. It is also the
+inferlet's end of the channels between inferlets (``send``/``receive``,
+``broadcast``/``subscribe``; docs/messages.md): closing it closes its subscriptions.
 
 Usage::
 
@@ -21,6 +23,8 @@ from typing import Any
 
 import anyio
 
+from pie_ctx.channels import Mailbox, Receiver, Subscription
+from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import ContextClosed, single_exception
 from pie_ctx.transport import LocalTransport, Transport
@@ -35,6 +39,7 @@ class Runtime:
         self.transport = transport
         self._tg = task_group
         self._closed = False
+        self._mailbox = Mailbox(transport)
 
     @property
     def closed(self) -> bool:
@@ -133,6 +138,79 @@ class Runtime:
     async def stats(self) -> P.EngineStats:
         """Engine-wide counters: pages free/used/cached, hit rate, tokens, time."""
         return await self.transport.request(P.GetStats())
+
+    # ---------------------------------------------------------------------- channels
+
+    async def send(self, channel: str, message: str | bytes) -> None:
+        """Put ``message`` at the back of the queue ``channel`` (in this runtime's namespace),
+        for exactly one receiver. Waits while the queue is full (back-pressure); cancel it
+        like any await (``anyio.fail_after``).
+
+        Args:
+            channel: the queue's name: 1-256 characters, no control characters.
+            message: a ``str`` or ``bytes`` (the receiver gets the same type back), at most
+                ``rt.info.max_message_bytes`` bytes (UTF-8 for a str).
+
+        Raises:
+            MessageTooLarge: the message is over the limit (nothing was sent).
+            InvalidArgument: a bad name, or a message that is neither str nor bytes.
+            TooManyChannels: the queue is not in use yet and the namespace has
+                ``rt.info.max_channels`` queues and topics in use.
+        """
+        name = checks.channel_name(channel, "channel")
+        payload, text = checks.message(message, self.info.max_message_bytes)
+        await self.transport.request(P.ChannelSend(channel=name, payload=payload, text=text))
+
+    def receive(self, channel: str) -> Receiver:
+        """The messages of the queue ``channel``, each for exactly one receiver, in order.
+
+        ``await rt.receive(channel)`` takes one message (waiting for one);
+        ``async for message in rt.receive(channel)`` takes them as they come. A receive
+        that is cancelled loses nothing: see :class:`Receiver` and docs/messages.md.
+
+        Raises:
+            InvalidArgument: a bad name (1-256 characters, no control characters).
+        """
+        return Receiver(self._mailbox, checks.channel_name(channel, "channel"))
+
+    async def broadcast(self, topic: str, message: str | bytes) -> int:
+        """Give ``message`` to every subscription to ``topic`` open right now (a later one
+        never sees it). Never waits: a subscriber whose buffer is full loses its oldest
+        message instead (it hears so: ``SubscriptionLagged``).
+
+        Args:
+            topic: the topic's name: 1-256 characters, no control characters.
+            message: a ``str`` or ``bytes``, at most ``rt.info.max_message_bytes`` bytes.
+
+        Returns:
+            How many subscriptions got it (0: nobody listens; the message is gone).
+
+        Raises:
+            MessageTooLarge: the message is over the limit.
+            InvalidArgument: a bad name, or a message that is neither str nor bytes.
+        """
+        name = checks.channel_name(topic, "topic")
+        payload, text = checks.message(message, self.info.max_message_bytes)
+        reply = await self.transport.request(P.Broadcast(topic=name, payload=payload, text=text))
+        return reply.num_subscribers
+
+    def subscribe(self, topic: str) -> Subscription:
+        """A subscription to ``topic``: every message broadcast to it while it is open.
+
+        Three forms:
+
+        * ``sub = await rt.subscribe(topic)``: registered when the await returns (close it
+          with ``await sub.aclose()``, or let the runtime close it);
+        * ``async with rt.subscribe(topic) as sub:``: registered on entry, closed on exit;
+        * ``async for message in rt.subscribe(topic):``: registered at the loop's first
+          step, closed when the loop ends.
+
+        The first two are race-free: subscribe, then tell the others to start.
+
+        Raises:
+            InvalidArgument: a bad name (1-256 characters, no control characters).
+        """
+        return Subscription(self._mailbox, checks.channel_name(topic, "topic"))
 
     def spawn(self, fn: Callable[[], Awaitable[Any]]) -> None:
         """Run ``fn()`` in the background, inside this runtime's lifetime.

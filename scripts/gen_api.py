@@ -25,6 +25,8 @@ SECTIONS = [
     ("ForwardOutput", pie_ctx.ForwardOutput),
     ("RawContext", pie_ctx.RawContext),
     ("Sampler", pie_ctx.Sampler),
+    ("Receiver", pie_ctx.Receiver),
+    ("Subscription", pie_ctx.Subscription),
     ("constrain.Regex", constrain.Regex),
     ("constrain.JsonSchema", constrain.JsonSchema),
     ("constrain.AnyJson", constrain.AnyJson),
