@@ -105,6 +105,7 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     """
     from starlette.applications import Starlette
 
+    from runtime.server.http.channels_api import ChannelRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
     from runtime.server.http.state import state_routes
@@ -122,7 +123,9 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
             finally:
                 del holder["rt"]
 
-    routes = [*service.routes, *metrics.routes, *state_routes(engine, metrics)]
+    channels = ChannelRoutes(lambda: holder["rt"])
+    routes = [*service.routes, *channels.routes, *metrics.routes,
+              *state_routes(engine, metrics)]
     app: Any = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = metrics
     asgi: Any = _KeyCheck(app, api_key) if api_key else app

@@ -86,6 +86,12 @@ class _EngineCollector:
                                   value=s.model_seconds)
 
 
+# Routes with a path parameter, counted under one label each.
+_PATTERNS = (("/v1/models/", "/v1/models/{model}"),
+             ("/v1/pie/channels/", "/v1/pie/channels/{name}"),
+             ("/v1/pie/topics/", "/v1/pie/topics/{name}"))
+
+
 class Metrics:
     """The app's metrics: the Prometheus registry, the ``/metrics`` route, the request
     middleware, and the ``Observer`` the OpenAI inferlet reports to."""
@@ -146,7 +152,10 @@ class Metrics:
         """The label of ``path``: a known route, or "other" (bounded label values)."""
         if path in self._paths:
             return path
-        return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        for prefix, label in _PATTERNS:
+            if path.startswith(prefix):
+                return label
+        return "other"
 
     def middleware(self, app: Any) -> Any:
         """Wrap ``app`` so every HTTP response is counted by endpoint and status (a request
