@@ -1,0 +1,395 @@
+"""Programs vs prompts: three agent workloads as inferlets and as OpenAI clients, side by side.
+
+    .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights int8,fp32]
+        [--workloads react,codeact,swarm] [--systems a1,a2,b,c]
+        [--llama-server PATH] [--threads 2] [--smoke] [--model M]
+
+Workloads (fixed structure, benchmarks/agent_workloads.py): ReAct (an ~800-token system
+prompt with two tools, 8 rounds of a ~48-token tool call, a 20 ms tool and a ~100-token
+observation, then a 64-token answer), CodeAct (8 rounds of a 64-token code block run as a
+real Python subprocess, then a 60-token summary) and Swarm (rings of 4 agents exchanging
+32 messages of 32 tokens, each appended to the next agent's context).
+
+Systems, each agent its own process, released together once all are ready:
+
+* a1: plain inferlets on ``pie-ctx serve`` (benchmarks/agent_inferlet.py, over its socket);
+* a2: the same inferlets with what only a program can do (prompt lookup, tools started
+  the moment their call is complete);
+* b:  an OpenAI client program against ``pie-ctx serve --http`` that re-sends the whole
+  message list every round (benchmarks/agent_client.py);
+* c:  the same client program against llama.cpp's ``llama-server`` on the same GGUF and
+  thread count, ``-np`` = the concurrency (skipped without ``--llama-server``; building
+  it: docs/agents.md).
+
+Our server runs with ``--weights int8`` (what a CPU user picks beside a Q4_1 GGUF) and
+fp32. Each (workload, concurrency, system) run gets a fresh session prefix in its prompts
+and warms it first, so no run reuses another's pages. Swarm runs at 4, 8 and 32 agents
+(a ring needs 4) where the others run at 1, 8 and 32.
+
+Reports per run: per-agent latency p50/p99, agents per minute, generated tokens/s,
+prompt tokens sent and computed; the last line is one JSON object with the ratios at 8
+agents (``*_tput_vs_llamaserver``, ``react_p50_vs_llamaserver``, ``*_tput_vs_http``,
+``react_plain_tput_vs_http``, ``tool_call_steps_per_token``) and the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import emit, table
+
+import agent_workloads as W
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+READY = re.compile(r"serving HTTP on (http://\S+)")
+NUM_PAGES = 8192  # ~6 GB of fp32 KV for SmolLM2: 32 ReAct agents need ~3.2 GB
+
+
+@dataclass
+class Run:
+    """One (weights, workload, concurrency, system) run."""
+
+    weights: str
+    workload: str
+    agents: int
+    system: str
+    wall: float = 0.0
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    def latencies(self) -> list[float]:
+        return sorted(r["latency"] for r in self.results)
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies())
+
+    @property
+    def p99(self) -> float:
+        lat = self.latencies()
+        return lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
+
+    @property
+    def agents_per_min(self) -> float:
+        return 60 * len(self.results) / self.wall
+
+    def total(self, key: str) -> int:
+        return sum(r[key] for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total("generated") / self.wall
+
+    def row(self) -> dict[str, Any]:
+        return {"weights": self.weights, "workload": self.workload, "agents": self.agents,
+                "system": self.system, "wall_s": self.wall, "p50_s": self.p50,
+                "p99_s": self.p99, "agents_per_min": self.agents_per_min,
+                "gen_tok_per_s": self.tokens_per_s, "generated": self.total("generated"),
+                "prompt_sent": self.total("prompt_sent"),
+                "prompt_computed": self.total("prompt_computed"),
+                "call_tokens": self.total("call_tokens"), "call_steps": self.total("call_steps")}
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+class PieServer:
+    """``pie-ctx serve`` with a socket and the HTTP API, in a subprocess."""
+
+    def __init__(self, weights: str, model: str | None, tmp: str) -> None:
+        self.socket = os.path.join(tmp, f"engine-{weights}.sock")
+        cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
+               "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
+               "--num-pages", str(NUM_PAGES), "--client-share", "1"]
+        if model:
+            cmd += ["--model", model]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            m = READY.search(line)
+            if m:
+                self.url = m.group(1) + "/v1"
+                break
+        else:
+            raise RuntimeError(f"pie-ctx serve --weights {weights} did not start")
+        # keep reading stderr so the server never blocks on a full pipe
+        self._drain = asyncio.get_event_loop().run_in_executor(None, self._read_rest)
+
+    def _read_rest(self) -> None:
+        for _ in self.proc.stderr:  # type: ignore[union-attr]
+            pass
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on the same GGUF, ``-np`` slots, in a subprocess."""
+
+    def __init__(self, binary: str, gguf: str, slots: int, threads: int, log: str) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/v1"
+        ctx = 4096 * slots  # every slot holds a whole agent (ReAct: ~2.3k tokens)
+        self.proc = subprocess.Popen(
+            [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+             "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
+             "--jinja", "--cache-prompt", "-fa", "off", "--no-webui"],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115
+        deadline = time.time() + 120
+        import urllib.request
+
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url[:-3] + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------- agents
+
+
+def _agent_commands(run: Run, target: str, session: str, smoke: bool, tools_as: str,
+                    first: int = 0) -> list[list[str]]:
+    """One command per agent process (Swarm clients: one per ring), agents ``first`` on."""
+    extra = ["--smoke"] if smoke else []
+    ring = (W.SMOKE if smoke else W.Shape()).ring
+    if run.system in ("a1", "a2"):
+        pie = [sys.executable, "-m", "pie_ctx.cli", "run", str(HERE / "agent_inferlet.py"),
+               "--connect", target, "--"]
+        return [pie + ["--workload", run.workload, "--agent", str(first + i), "--mode",
+                       run.system, "--run", session] + extra for i in range(run.agents)]
+    count = run.agents // ring if run.workload == "swarm" else run.agents
+    first = first // ring if run.workload == "swarm" else first
+    return [[sys.executable, str(HERE / "agent_client.py"), "--url", target, "--workload",
+             run.workload, "--agent", str(first + i), "--tools-as", tools_as] + extra
+            for i in range(count)]
+
+
+async def _spawn(cmd: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *cmd, cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def _until(proc: asyncio.subprocess.Process, prefix: str) -> str:
+    """The first line of stdout that starts with ``prefix``."""
+    while True:
+        raw = await proc.stdout.readline()  # type: ignore[union-attr]
+        if not raw:
+            err = (await proc.stderr.read()).decode()[-3000:]  # type: ignore[union-attr]
+            raise RuntimeError(f"an agent exited before {prefix!r}: {err}")
+        line = raw.decode().rstrip("\n")
+        if line.startswith(prefix):
+            return line
+
+
+async def run_agents(run: Run, target: str, session: str, *, smoke: bool, tools_as: str,
+                     first: int = 0) -> None:
+    """Start every agent, release them together once all are ready, collect results."""
+    env = dict(os.environ, AGENT_SESSION=session, PYTHONPATH=str(ROOT))
+    cmds = _agent_commands(run, target, session, smoke, tools_as, first)
+    procs = [await _spawn(cmd, env) for cmd in cmds]
+    per_process = run.agents // len(procs)  # Swarm clients: a ring each
+    try:
+        await asyncio.gather(*(_until(p, "READY") for p in procs))
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write(b"go\n")  # type: ignore[union-attr]
+        await asyncio.gather(*(p.stdin.drain() for p in procs))  # type: ignore[union-attr]
+
+        async def results(p: asyncio.subprocess.Process) -> list[dict[str, Any]]:
+            return [json.loads((await _until(p, "RESULT "))[len("RESULT "):])
+                    for _ in range(per_process)]
+
+        for found in await asyncio.gather(*(results(p) for p in procs)):
+            run.results.extend(found)
+        run.wall = time.perf_counter() - t0
+        await asyncio.gather(*(p.wait() for p in procs))
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+
+
+async def measure(weights: str, workload: str, agents: int, system: str, target: str,
+                  args: argparse.Namespace, tools_as: str = "tools") -> Run:
+    """One run, after a warm-up with the same session (so its system prompt is in every
+    cache: once in ours, in every slot of llama-server) but other agents (so nothing
+    else of the timed agents is)."""
+    session = secrets.token_hex(4)
+    slots = agents if system == "c" else min(agents, 8)
+    await run_agents(Run(weights, workload, slots, system), target, session, smoke=True,
+                     tools_as=tools_as, first=WARM_AGENTS)
+    run = Run(weights, workload, agents, system)
+    await run_agents(run, target, session, smoke=args.smoke, tools_as=tools_as)
+    _print_run(run)
+    return run
+
+
+WARM_AGENTS = 10_000  # warm-up agents are numbered from here (other questions, seeds)
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def _levels(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+async def amain(args: argparse.Namespace) -> list[Run]:
+    runs: list[Run] = []
+    ring = (W.SMOKE if args.smoke else W.Shape()).ring
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    llama = args.llama_server and shutil.which(args.llama_server) or (
+        args.llama_server if args.llama_server and os.access(args.llama_server, os.X_OK)
+        else None)
+    if "c" in systems and not llama:
+        print("# llama-server: not given or not executable (--llama-server PATH); "
+              "skipping column c (docs/agents.md says how to build it)")
+        systems.remove("c")
+    with tempfile.TemporaryDirectory() as tmp:
+        for weights in args.weights.split(","):
+            server = PieServer(weights, args.model, tmp)
+            try:
+                for workload in workloads:
+                    for level in _levels(args.concurrency):
+                        agents = max(ring, level - level % ring) if workload == "swarm" \
+                            else level
+                        for system in [s for s in systems if s != "c"]:
+                            target = f"unix:{server.socket}" if system in ("a1", "a2") \
+                                else server.url
+                            runs.append(await measure(weights, workload, agents, system,
+                                                      target, args))
+            finally:
+                server.stop()
+        if "c" in systems:
+            gguf = args.gguf or _default_gguf()
+            for workload in workloads:
+                for level in _levels(args.concurrency):
+                    agents = max(ring, level - level % ring) if workload == "swarm" else level
+                    log = os.path.join(tmp, "llama-server.log")
+                    if args.keep_logs:
+                        log = os.path.join(args.keep_logs, f"llama-server-{workload}-{agents}.log")
+                    server = LlamaServer(llama, gguf, agents, args.threads, log)
+                    try:
+                        runs.append(await measure("q4_1", workload, agents, "c", server.url,
+                                                  args, args.llama_tools))
+                    finally:
+                        server.stop()
+    return runs
+
+
+def _default_gguf() -> str:
+    from runtime.model.loader.default import fetch_default_gguf
+
+    return str(fetch_default_gguf(progress=False))
+
+
+def _print_run(run: Run) -> None:
+    r = run.row()
+    print(f"{run.weights:5} {run.workload:8} {run.agents:3} agents  {run.system:3}  "
+          f"wall {r['wall_s']:7.2f} s  p50 {r['p50_s']:7.2f} s  p99 {r['p99_s']:7.2f} s  "
+          f"{r['agents_per_min']:7.2f} agents/min  {r['gen_tok_per_s']:7.1f} tok/s  "
+          f"prompt computed/sent {r['prompt_computed']}/{r['prompt_sent']}", flush=True)
+
+
+def summarize(runs: list[Run], at: int = 8) -> dict[str, Any]:
+    """The ratios at ``at`` agents (int8 for our side when it ran), and every run's raw
+    figures."""
+    def find(workload: str, system: str) -> Run | None:
+        found = [r for r in runs if r.workload == workload and r.system == system and
+                 r.agents == at]
+        # our side with int8 weights (beside llama.cpp's Q4_1), else what ran
+        found.sort(key=lambda r: r.weights not in ("int8", "q4_1"))
+        return found[0] if found else None
+
+    def ratio(workload: str, a: str, b: str, what: str = "tput") -> float | None:
+        x, y = find(workload, a), find(workload, b)
+        if x is None or y is None:
+            return None
+        return x.agents_per_min / y.agents_per_min if what == "tput" else x.p50 / y.p50
+
+    a2 = find("react", "a2")
+    out: dict[str, Any] = {
+        "react_tput_vs_llamaserver": ratio("react", "a2", "c"),
+        "codeact_tput_vs_llamaserver": ratio("codeact", "a2", "c"),
+        "swarm_tput_vs_llamaserver": ratio("swarm", "a2", "c"),
+        "react_p50_vs_llamaserver": ratio("react", "a2", "c", "p50"),
+        "react_tput_vs_http": ratio("react", "a2", "b"),
+        "swarm_tput_vs_http": ratio("swarm", "a2", "b"),
+        "react_plain_tput_vs_http": ratio("react", "a1", "b"),
+        "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
+        if a2 is not None and a2.total("call_tokens") else None,
+        "agents": at,
+        "runs": [r.row() for r in runs],
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--weights", default="int8,fp32")
+    ap.add_argument("--workloads", default="react,codeact,swarm")
+    ap.add_argument("--systems", default="a1,a2,b,c")
+    ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
+    ap.add_argument("--llama-tools", choices=("grammar", "schema", "tools"),
+                    default="grammar",
+                    help="how the llama-server client asks for a call: its GBNF grammar "
+                         "(default), response_format, or tools= (docs/agents.md)")
+    ap.add_argument("--gguf", default=None, help="GGUF for llama-server (default: ours)")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="write llama-server's logs there")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--model", default=None, help="pie-ctx's model (default: the default)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few rounds, small shapes, fp32, 1-2 agents and no llama-server")
+    args = ap.parse_args()
+    if args.smoke:
+        args.concurrency, args.weights = "2", "fp32"
+        args.systems = ",".join(s for s in args.systems.split(",") if s != "c")
+    runs = asyncio.run(amain(args))
+    table([("runs", str(len(runs)))])
+    emit(summarize(runs, at=8 if not args.smoke else 2))
+
+
+if __name__ == "__main__":
+    main()
