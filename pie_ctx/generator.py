@@ -77,6 +77,7 @@ class Generator(Cancellable):
         self._stream: Any = None
         self._op: Op | None = None
         self._started = False
+        self._streamed = True  # False when collected whole (text(), ...) from the start
         self._finished = False  # the stream ended (done, failed or cancelled)
         self._error: BaseException | None = None  # raised once the deltas are consumed
         self._deltas: collections.deque[Delta] = collections.deque()
@@ -131,7 +132,8 @@ class Generator(Cancellable):
                 self._undo_cue = (core.chat.copy(), len(core.pending))
                 core.pending.extend(core.chat.cue(core.rt.tokenizer))
             self._prompt = list(core.pending)
-            req = msgspec.structs.replace(self._req, ctx=core.handle, tokens=self._prompt)
+            req = msgspec.structs.replace(self._req, ctx=core.handle, tokens=self._prompt,
+                                          stream=self._streamed)
             if self._rounds is None:
                 self._stream = await core.transport.generate(req)
             else:
@@ -310,24 +312,29 @@ class Generator(Cancellable):
 
     # ----------------------------------------------------------------- collection
 
+    async def _collect(self) -> None:
+        """Run to the end. Collected whole from the start, the engine sends the output in
+        one message instead of one per token."""
+        if not self._started:
+            self._streamed = False
+        async for _ in self:
+            pass
+
     async def text(self) -> str:
         """Run to the end; the generated text (without any stop string). With tools, the
         answer's content: tool-call markup is removed (``text_out`` keeps the model's own
         text, and ``tool_calls`` the calls)."""
-        async for _ in self:
-            pass
+        await self._collect()
         return self.content
 
     async def calls(self) -> list[ToolCall]:
         """Run to the end; the tool calls the model made (empty without tools)."""
-        async for _ in self:
-            pass
+        await self._collect()
         return list(self.tool_calls)
 
     async def tokens(self) -> list[int]:
         """Run to the end; every generated token id (the last one is still pending)."""
-        async for _ in self:
-            pass
+        await self._collect()
         return list(self.tokens_out)
 
     def __await__(self) -> SyncGenerator[Any, None, str]:

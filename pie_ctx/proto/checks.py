@@ -369,8 +369,9 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
     allowed_tokens(req.allowed_tokens, info.vocab_size)
     top_logprobs_k(req.top_logprobs, info.max_top_logprobs)
     count(req.min_tokens, "min_tokens")
-    if not isinstance(req.jump_forward, bool):
-        raise InvalidArgument(f"jump_forward must be a bool, got {req.jump_forward!r}")
+    for flag in ("jump_forward", "stream"):
+        if not isinstance(getattr(req, flag), bool):
+            raise InvalidArgument(f"{flag} must be a bool, got {getattr(req, flag)!r}")
     if not is_int(req.prompt_lookup) or not 0 <= req.prompt_lookup <= MAX_DRAFT:
         raise InvalidArgument(f"prompt_lookup must be an int in [0, {MAX_DRAFT}] (the most "
                               f"tokens drafted per step), got {req.prompt_lookup!r}")

@@ -244,6 +244,9 @@ class Generate(_Request):
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     jump_forward: bool = True  # append the tokens a constraint forces in one pass
     prompt_lookup: int = 0  # draft up to this many tokens per step from the context itself
+    # False: no GenerateChunk per token; one chunk with everything, then GenerateDone (a
+    # caller that collects the whole text saves a message, and a wake-up, per token)
+    stream: bool = True
 
 
 class Verify(_Request):

@@ -116,12 +116,16 @@ class Passes:
                 raise
             return GenerationStream.failed(err)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        held = P.GenerateChunk(tokens=[], text="")  # without req.stream: everything, once
 
         def on_chunk(job: Job, token: int, text: str, row: Any) -> None:
             chunk = P.GenerateChunk(
                 tokens=[token], text=text, logprobs=[row.sampled_logprob],
                 top_logprobs=[] if row.top_logprobs is None else [row.top_logprobs],
                 entropy=[] if row.entropy is None else [row.entropy])
+            if not req.stream:
+                _extend(held, chunk)
+                return
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 send.send_nowait(chunk)
 
@@ -139,6 +143,8 @@ class Passes:
                     )
                 if final is not None:
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        if held.tokens:
+                            send.send_nowait(held)
                         send.send_nowait(final)
                 send.close()
             finally:
@@ -339,6 +345,15 @@ class Passes:
                   key=self._next_job, **kw)
         self._next_job += 1
         return job
+
+
+def _extend(held: P.GenerateChunk, chunk: P.GenerateChunk) -> None:
+    """Add one token's chunk to the chunk that carries a whole unstreamed generation."""
+    held.tokens.extend(chunk.tokens)
+    held.text += chunk.text
+    held.logprobs.extend(chunk.logprobs)
+    held.top_logprobs.extend(chunk.top_logprobs)
+    held.entropy.extend(chunk.entropy)
 
 
 class _Tree:

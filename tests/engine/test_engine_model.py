@@ -92,3 +92,27 @@ async def test_oversubscribed_pool_gives_identical_outputs(tiny_folder):
     big = await run(4 * needed)
     small = await run(needed // 2)  # 2x oversubscribed; each request fits alone
     assert small == big
+
+
+async def test_an_unstreamed_generation_is_one_chunk_with_everything(tiny_folder):
+    """``Generate(stream=False)`` (what ``gen.text()`` asks for): the same tokens, text and
+    log-probabilities as the streamed generation, in one chunk before the final message."""
+    async with tiny_engine(tiny_folder) as engine:
+        out = {}
+        for stream in (True, False):
+            ctx = await new_ctx(engine)
+            req = P.Generate(ctx=ctx, tokens=prompts(1)[0], max_tokens=12,
+                             stop_token_ids=[], top_logprobs=2, stream=stream)
+            out[stream] = [m async for m in await engine.generate(req)]
+        chunks = {s: [m for m in msgs if isinstance(m, P.GenerateChunk)]
+                  for s, msgs in out.items()}
+        assert len(chunks[True]) == 12 and len(chunks[False]) == 1
+        (whole,) = chunks[False]
+        assert whole.tokens == [t for c in chunks[True] for t in c.tokens]
+        assert whole.text == "".join(c.text for c in chunks[True])
+        # (the second run attaches the first's prompt pages: logits within rounding)
+        np.testing.assert_allclose(whole.logprobs, [x for c in chunks[True] for x in c.logprobs],
+                                   atol=tiny_folder.tol(20.0))
+        assert len(whole.top_logprobs) == len(whole.entropy) == 12
+        assert isinstance(out[False][-1], P.GenerateDone)
+        assert out[False][-1].tokens == out[True][-1].tokens
