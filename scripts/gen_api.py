@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 import pie_ctx  # noqa: E402
 from pie_ctx import constrain, errors, speculate, tools  # noqa: E402
+from pie_ctx.tools.mcp import MCPClient  # noqa: E402  (imports no mcp until used)
 
 SECTIONS = [
     ("Runtime", pie_ctx.Runtime),
@@ -35,6 +36,7 @@ SECTIONS = [
     ("constrain.Constraint", constrain.Constraint),
     ("tools.Tool", tools.Tool),
     ("tools.ToolCall", tools.ToolCall),
+    ("tools.mcp.MCPClient", MCPClient),
     ("speculate.Speculator", speculate.Speculator),
     ("speculate.PromptLookup", speculate.PromptLookup),
     ("SamplerSpec", pie_ctx.SamplerSpec),
