@@ -147,5 +147,8 @@ class Transformer:
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]
+        if x.shape[0] == 0:  # a step of prompt chunks only: no row needs logits
+            logits = x.new_zeros((0, c.vocab_size), dtype=torch.float32)
+            return (logits, x) if return_hidden else logits
         logits = self.lm_head(x).float()  # [N, vocab]
         return (logits, x) if return_hidden else logits

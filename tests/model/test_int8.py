@@ -22,7 +22,7 @@ from runtime.model import matmul
 from runtime.model.matmul import ROW_BUCKETS, Int8Weight, Projection, choose_kernels
 from runtime.model.model import Transformer
 from runtime.model.quant import quantize_int8
-from runtime.model.runner import ModelRunner
+from runtime.model.runner import ModelRunner, SeqInput
 
 INT8_REL_MAX = 0.2
 INT8_REL_MEDIAN = 0.06
@@ -144,3 +144,13 @@ def test_int8_refuses_what_it_cannot_do() -> None:
     quantize_int8(model, [1, 2, 3])
     with pytest.raises(InvalidArgument, match="already int8"):
         quantize_int8(model, [1, 2, 3])
+
+
+def test_a_step_that_needs_no_logits_runs_with_int8_weights() -> None:
+    """A step of prompt chunks that end no prompt asks for no logit row: the lm_head is
+    skipped (int8's kernel cannot quantize zero rows; eight long flushes failed so)."""
+    hf_model = make_hf_model(ARCHS[0], seed=1)
+    runner = _int8_runner(hf_model, random_tokens(200, seed=11))
+    tokens = random_tokens(20, seed=2)
+    logits = runner.forward([SeqInput(tokens, list(range(20)), [0, 1], 0, [])])
+    assert logits.shape == (0, runner.config.vocab_size)
