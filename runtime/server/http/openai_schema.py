@@ -2,7 +2,8 @@
 
 Owner: the shape of a request to ``/v1/chat/completions`` and ``/v1/completions``.
 :func:`decode` checks a body against its Struct in one pass (types, ranges, lengths,
-unknown fields) and turns any failure into an :class:`ApiError` (400) that names the field;
+unknown fields) and turns any failure into an :class:`ApiError` (400) that names the field
+and says what it accepts (:data:`ACCEPTS`, one line per field);
 the handlers (``openai_api``) then read typed attributes and check only what the schema
 cannot say (one field against another).
 
@@ -27,7 +28,8 @@ import msgspec
 
 __all__ = ["ApiError", "error_response", "error_body", "decode", "ChatRequest",
            "CompletionRequest", "ContentPart", "Message", "AssistantMessage", "ToolMessage",
-           "ToolSpec", "NamedToolChoice", "ResponseFormat", "IGNORED", "REFUSED"]
+           "ToolSpec", "NamedToolChoice", "ResponseFormat", "IGNORED", "REFUSED", "ACCEPTS",
+           "COMPLETION_ACCEPTS"]
 
 MAX_N = 16
 MAX_STOP = 16
@@ -282,6 +284,89 @@ REFUSED: dict[str, tuple[Any, str]] = {
 
 _AT = re.compile(r"^(.*?) - at `\$(.*)`$", re.S)
 _FIELD = re.compile(r"field `([^`]+)`")
+_GOT_TYPE = re.compile(r"got `(\w+)`")
+_GOT_VALUE = re.compile(r"Invalid (?:enum )?value (.+)$")
+_JSON_TYPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+               "null": "null", "array": "an array", "object": "an object"}
+
+_TEXT_PART = '{"type": "text", "text": "..."}'
+_TOOL_CALL = '{"id": "...", "type": "function", "function": {"name": "...", "arguments": "{...}"}}'
+_TOOL = ('{"type": "function", "function": {"name": "...", "description": "...", '
+         '"parameters": {JSON Schema}}}')
+_TOOL_CHOICE = ('"auto", "none", "required" or {"type": "function", "function": {"name": '
+                '"..."}}')
+_RESPONSE_FORMAT = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                    '"json_schema": {"name": "...", "schema": {JSON Schema}}}')
+
+# What each field accepts, by its path with indices as ``[]``: every 400 of ``decode``
+# names the field and says this (a field not listed: its nearest listed parent's).
+ACCEPTS: dict[str, str] = {
+    "model": "a string, the model's id (GET /v1/models lists it)",
+    "n": f"an integer from 1 to {MAX_N} (choices to generate), or null",
+    "temperature": "a number from 0 to 2 (0 = greedy), or null for the default 1",
+    "top_p": "a number from 0 to 1, or null",
+    "min_p": "a number from 0 to 1, or null",
+    "top_k": "an integer >= -1 (0 or -1 = no limit), or null",
+    "seed": "an integer, or null",
+    "stop": f"a non-empty string or a list of up to {MAX_STOP} of them, or null",
+    "stop[]": "a non-empty string",
+    "max_tokens": f"an integer from 1 to {MAX_TOKENS}, or null",
+    "max_completion_tokens": f"an integer from 1 to {MAX_TOKENS}, or null",
+    "min_tokens": f"an integer from 0 to {MAX_TOKENS}, or null",
+    "presence_penalty": "a number from -2 to 2 (only 0 is served), or null",
+    "frequency_penalty": "a number from -2 to 2 (only 0 is served), or null",
+    "logit_bias": ("an object mapping token ids (as strings) to numbers from -100 to 100, "
+                   f"at most {MAX_LOGIT_BIAS} of them, or null"),
+    "logit_bias[]": "a number from -100 to 100",
+    "stream": "true or false", "echo": "true or false", "ignore_eos": "true or false",
+    "parallel_tool_calls": "true or false",
+    "stream_options": '{"include_usage": true or false}, or null',
+    "stream_options.include_usage": "true or false, or null",
+    "user": "a string", "service_tier": "a string", "safety_identifier": "a string",
+    "prompt_cache_key": "a string", "store": "true or false",
+    "metadata": "an object whose values are strings, or null",
+    "metadata[]": "a string",
+    "modalities": '["text"], or null',
+    "modalities[]": '"text"',
+    "snapshot": "the name of a saved snapshot (a string), or null",
+    "messages": ('a non-empty list of messages, each {"role": "system", "developer", "user", '
+                 '"assistant" or "tool", "content": ...}'),
+    "messages[]": ('a message: {"role": "system", "developer", "user", "assistant" or "tool", '
+                   '"content": ...}'),
+    "messages[].role": '"system", "developer", "user", "assistant" or "tool"',
+    "messages[].content": (f"a string or a list of text parts ({_TEXT_PART}) (an assistant "
+                           f"message with tool_calls may have null)"),
+    "messages[].content[]": f"a text part {_TEXT_PART}",
+    "messages[].name": "a string",
+    "messages[].tool_calls": f"a list of tool calls, each {_TOOL_CALL}, or null",
+    "messages[].tool_calls[]": f"a tool call {_TOOL_CALL}",
+    "messages[].tool_calls[].type": '"function"',
+    "messages[].tool_calls[].function": '{"name": "...", "arguments": "{...}"}',
+    "messages[].tool_calls[].function.arguments": "a JSON object, or a string holding one",
+    "messages[].tool_call_id": "a string, the id of the tool call this message answers",
+    "logprobs": "true or false, or null",
+    "top_logprobs": "an integer from 0 to 20 (needs logprobs: true), or null",
+    "response_format": f"{_RESPONSE_FORMAT}, or null",
+    "response_format.type": '"text", "json_object" or "json_schema"',
+    "response_format.json_schema": '{"name": "...", "schema": {JSON Schema}, "strict": true}',
+    "response_format.json_schema.schema": "a JSON Schema (an object)",
+    "tools": f"a list of tools, each {_TOOL}, or null",
+    "tools[]": f"a tool {_TOOL}",
+    "tools[].type": '"function"',
+    "tools[].function": '{"name": "...", "description": "...", "parameters": {JSON Schema}}',
+    "tools[].function.parameters": "a JSON Schema (an object), or null",
+    "tool_choice": f"{_TOOL_CHOICE}, or null",
+    "tool_choice.type": '"function"',
+    "tool_choice.function": '{"name": "..."} naming one of the tools',
+}
+# The completions endpoint's own meanings of shared names.
+COMPLETION_ACCEPTS: dict[str, str] = {
+    **ACCEPTS,
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of them",
+    "logprobs": "an integer from 0 to 5, or null",
+    "suffix": "a string (only empty is served), or null",
+    "best_of": "an integer (only 1 is served), or null",
+}
 
 
 def decode(raw: bytes, kind: type[T]) -> T:
@@ -293,7 +378,7 @@ def decode(raw: bytes, kind: type[T]) -> T:
     try:
         request = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as err:
-        raise _invalid(str(err)) from None
+        raise _invalid(str(err), kind) from None
     except (msgspec.DecodeError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON") from None
     for name, (used, why) in REFUSED.items():
@@ -315,19 +400,60 @@ def decode(raw: bytes, kind: type[T]) -> T:
     return request
 
 
-def _invalid(text: str) -> ApiError:
-    """The 400 of a msgspec validation message (``... - at `$.path` ``)."""
+def _invalid(text: str, kind: type) -> ApiError:
+    """The 400 of a msgspec validation message (``... - at `$.path` ``): it names the
+    field and says what the field accepts."""
+    accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
     m = _AT.match(text)
     what, path = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     field = _FIELD.search(what)
-    if not path:
-        if what.startswith("Expected `object`"):
-            return ApiError(400, "the request body must be a JSON object")
-        name = field.group(1) if field else None
-        if "unknown field" in what and name:
-            return ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                            code="unsupported_parameter")
-        return ApiError(400, f"'{name}' is required" if name and "missing" in what
-                        else what, param=name)
-    param = re.split(r"[.\[]", path, maxsplit=1)[0]
-    return ApiError(400, f"'{path}': {what}", param=param)
+    name = field.group(1) if field else None
+    if not path and what.startswith("Expected `object`"):
+        return ApiError(400, "the request body must be a JSON object: {\"model\": ..., "
+                             + ('"messages": [...]' if kind is ChatRequest else '"prompt": ...')
+                             + ", ...}")
+    if name and "unknown field" in what:
+        if not path:
+            return ApiError(400, f"Unrecognized request argument supplied: {name}",
+                            param=name, code="unsupported_parameter")
+        where, described = _described(path, accepts)
+        return ApiError(400, f"'{path}' has an unknown field '{name}': '{where}' must be "
+                             f"{described}", param=_top(path))
+    if name and "missing" in what:
+        child = f"{path}.{name}" if path else name
+        where, described = _described(child, accepts)
+        return ApiError(400, f"'{child}' is required" + (
+            f": {described}" if where == child else f": '{where}' must be {described}"),
+            param=_top(child))
+    where, described = _described(path, accepts)
+    got = _GOT_TYPE.search(what) or _GOT_VALUE.search(what)
+    if got is None:
+        detail = ""  # a range or length: what it accepts says it
+    elif got.re is _GOT_TYPE:
+        detail = f", not {_JSON_TYPES.get(got.group(1), got.group(1))}"
+    else:
+        detail = f", not {got.group(1)}"
+    if not described:
+        return ApiError(400, f"'{path}': {what}", param=_top(path) or None)
+    if where == path:
+        return ApiError(400, f"'{path}' must be {described}{detail}", param=_top(path))
+    return ApiError(400, f"'{path}': {what}; '{where}' must be {described}", param=_top(path))
+
+
+def _top(path: str) -> str:
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
+def _described(path: str, accepts: dict[str, str]) -> tuple[str, str]:
+    """The nearest field at or above ``path`` that ``accepts`` describes: its path as
+    written, and what it accepts (``("", "")`` for none)."""
+    parts = re.findall(r"\.?([^.\[]+)|(\[[^\]]*\])", path)
+    prefixes, written, key = [], "", ""
+    for name, index in parts:
+        written += f"[{index[1:-1]}]" if index else (f".{name}" if written else name)
+        key += "[]" if index else (f".{name}" if key else name)
+        prefixes.append((written, key))
+    for written, key in reversed(prefixes):
+        if key in accepts:
+            return written, accepts[key]
+    return "", ""
