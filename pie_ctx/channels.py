@@ -166,6 +166,8 @@ class Subscription:
 
     @property
     def closed(self) -> bool:
+        """True once closed (by ``aclose()``, the end of its ``async with`` or bare
+        ``async for``, or its runtime closing); it then receives nothing more."""
         return self._closed
 
     async def start(self) -> Subscription:

@@ -215,14 +215,35 @@ class Conversation:
             self.calls = {c.id: c.name for c in calls}
         return tokens
 
-    def record_generation(self, text_with_specials: str, answer: str) -> None:
-        """Generated tokens went into the context: extend the text, remember the answer."""
+    def record_generation(self, text_with_specials: str, answer: str,
+                          tokenizer: Any = None) -> None:
+        """Generated tokens went into the context: extend the text, remember the answer
+        (``answer``: the generated text without special tokens, a matched stop string
+        included, as the context holds it).
+
+        After a cue the answer is a new assistant message. Without one, a generation right
+        after an answer whose turn has not ended (it stopped on ``max_tokens``) continues
+        that answer: the message grows, so the next turn still renders the turn's end
+        (``tokenizer`` renders the template to tell).
+        """
         self.text += text_with_specials
         self.awaits_answer = False
         self.group = None
         if self.cued:
             self.messages = self.messages + [{"role": "assistant", "content": answer}]
             self.cued = False
+        elif tokenizer is not None:
+            self._continue_answer(tokenizer, answer)
+
+    def _continue_answer(self, tokenizer: Any, answer: str) -> None:
+        last = self.messages[-1] if self.messages else None
+        if (not self.synced or last is None or last.get("role") != "assistant"
+                or not isinstance(last.get("content"), str) or last.get("tool_calls")):
+            return
+        messages = self.messages[:-1] + [{**last, "content": last["content"] + answer}]
+        # Only when the context's text is still inside that turn (its end not written).
+        if self._render_text(tokenizer, messages, False).startswith(self.text):
+            self.messages = messages
 
     def _render_text(self, tokenizer: Any, messages: list[dict[str, Any]],
                      generation_prompt: bool) -> str:

@@ -41,6 +41,7 @@ class _Compiled:
         self._spec = ConstraintSpec(kind=kind, source=source)
 
     def spec(self) -> ConstraintSpec:
+        """What travels in the generation request for the engine to compile."""
         return self._spec
 
     def __repr__(self) -> str:

@@ -105,8 +105,13 @@ class Context(Counters):
     @property
     def open_report(self) -> P.PassReport | None:
         """For a context made by :meth:`open` or :meth:`take`: where the snapshot's pages
-        came from (``pages_from_memory`` / ``pages_from_disk``; nothing is computed).
-        None for any other context."""
+        came from, as a ``PassReport``. None for any other context.
+
+        Every page of the snapshot counts, the partly filled tail page included, so
+        ``pages_reused`` is ``num_committed_pages + num_working_pages`` right after the
+        open: ``pages_from_disk`` of them were read from the snapshot directory,
+        ``pages_from_memory`` were still in the pool, and none is computed. The engine's
+        counters (``rt.stats()``) add this report to their sums."""
         return self._core.open_report
 
     @property

@@ -220,7 +220,10 @@ class Generator(Cancellable):
         raw = core.rt.tokenizer.decode(msg.tokens)
         self.finish_reason = msg.finish_reason
         if self._reader is None:
-            core.chat.record_generation(raw, self.text_out)
+            # The answer as the context holds it: a matched stop string included (its
+            # tokens are in the KV cache), so the next turn renders after it.
+            answer = core.rt.tokenizer.decode(msg.tokens, skip_special_tokens=True)
+            core.chat.record_generation(raw, answer, core.rt.tokenizer)
         else:
             tail = self._reader.finish()
             if tail:  # held back (an unfinished call, say): the reader gets it now

@@ -47,7 +47,7 @@ class ContextClosed(PieError):
 
 
 class SnapshotNotFound(PieError, KeyError):
-    """No snapshot has this name (in this namespace); see ``list()`` for the saved names."""
+    """No snapshot has this name (in this namespace); ``rt.snapshots()`` lists the saved names."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

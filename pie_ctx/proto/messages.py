@@ -36,11 +36,11 @@ class SamplerSpec(msgspec.Struct, frozen=True, kw_only=True):
         InvalidArgument: a field is out of range or of the wrong type.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no limit
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = 0.0  # >= 0; 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = no limit
+    top_p: float = 1.0  # in (0, 1]: keep the smallest set holding this much probability
+    min_p: float = 0.0  # in [0, 1): drop tokens below min_p times the top probability
+    seed: int | None = None  # in [0, 2**63): reproducible sampling; None = not seeded
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -61,18 +61,19 @@ class SamplerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
+        """True when ``temperature == 0``: the most likely token is taken."""
         return self.temperature == 0
 
 
 class ContextState(msgspec.Struct, frozen=True, kw_only=True):
     """A context's counters, sent with every reply that may have changed them."""
 
-    seq_len: int
-    page_size: int
-    num_committed_pages: int
-    num_working_pages: int
-    num_working_tokens: int
-    next_position: int
+    seq_len: int  # tokens in the KV cache (committed pages, then the working tail)
+    page_size: int  # tokens per page
+    num_committed_pages: int  # full, immutable pages (shared with every same prefix)
+    num_working_pages: int  # private pages: the partly written tail and pages reserved ahead
+    num_working_tokens: int  # tokens written in working pages
+    next_position: int  # position the next token gets by default
 
 
 class PassReport(msgspec.Struct, kw_only=True):
@@ -80,19 +81,25 @@ class PassReport(msgspec.Struct, kw_only=True):
     pages reused (found in memory or loaded from disk) vs computed.
 
     ``pages_reused`` counts both kinds of reuse; ``pages_from_disk`` is the part of it read
-    from the snapshot directory, ``pages_from_memory`` the rest.
+    from the snapshot directory, ``pages_from_memory`` the rest. A pass counts full pages
+    only (a partly written page is neither shared nor committed). A snapshot open
+    (``Context.open_report``) counts every page of the snapshot, the partly filled tail
+    page included: a snapshot of 66 full pages and a tail reopens as 67 pages reused,
+    though the snapshot directory holds 66 page files for it (the tail's bytes are in the
+    snapshot's manifest). The engine's counters (``rt.stats()``) are the sums of these
+    reports, passes and opens alike.
     """
 
-    tokens_written: int = 0
-    tokens_computed: int = 0
-    pages_reused: int = 0
-    pages_computed: int = 0
-    pages_from_disk: int = 0
+    tokens_written: int = 0  # tokens written into the KV cache, reused or computed
+    tokens_computed: int = 0  # tokens run through the model
+    pages_reused: int = 0  # pages attached without computing: from memory or from disk
+    pages_computed: int = 0  # full pages the model computed and committed
+    pages_from_disk: int = 0  # of pages_reused: those read from the snapshot directory
     num_steps: int = 0  # model calls this pass took part in (a generation: one per step)
 
     @property
     def pages_from_memory(self) -> int:
-        """Pages reused that were already in the pool."""
+        """Pages reused that were already in the pool (``pages_reused - pages_from_disk``)."""
         return self.pages_reused - self.pages_from_disk
 
 
@@ -515,21 +522,25 @@ class EngineStats(_Reply):
     num_steps: int
     num_model_calls: int
     tokens_computed: int
-    pages_reused: int
-    pages_computed: int
-    hit_rate: float
+    # The page counters are the sums of every PassReport handed out (passes that
+    # succeeded, snapshot opens and takes): they agree with the reports a program saw.
+    pages_reused: int  # pages attached without computing (prefix matches, snapshot opens)
+    pages_computed: int  # full pages the model computed and committed
+    hit_rate: float  # pages_reused / (pages_reused + pages_computed); 0 before any
     model_seconds: float
     scheduler_seconds: float
     num_isolated_failures: int = 0  # requests failed alone because their rows broke a step
     # the disk tier (all 0 when snapshots are kept in memory; docs/snapshots.md)
-    pages_from_disk: int = 0  # of pages_reused: pages prefix matching loaded from disk
+    pages_from_disk: int = 0  # of pages_reused: those read from disk (prefixes and opens)
     num_snapshots_resident: int = 0  # snapshots whose pages are in the pool
     num_snapshots_spilled: int = 0  # times a snapshot was dropped from the pool to disk
     num_disk_pages: int = 0  # page files in the snapshot directory
     disk_bytes: int = 0  # their size
     disk_pages_written: int = 0
     disk_bytes_written: int = 0
-    disk_pages_loaded: int = 0  # disk hits: pages read back into the pool (opens + prefixes)
+    # disk I/O: pages read back into the pool (opens + prefixes), counted as they are
+    # read, including reads for a request that then failed or was cancelled
+    disk_pages_loaded: int = 0
     disk_bytes_loaded: int = 0
     # channels between inferlets (docs/messages.md)
     num_channels: int = 0  # queues and topics in use, every namespace

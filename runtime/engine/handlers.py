@@ -40,13 +40,17 @@ class Handlers:
         tokenizer: encodes text (``Tokenize``).
         on_pages_freed: called when a request gave pages back (a waiting job may run).
         channels: the queues and topics between inferlets.
+        on_report: called with the report of every snapshot open or take that succeeded
+            (the engine's counters sum it with the passes' reports).
     """
 
     def __init__(self, store: Any, records: ContextTable, passes: Passes,
                  info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
-                 on_pages_freed: Callable[[], None], channels: Channels) -> None:
+                 on_pages_freed: Callable[[], None], channels: Channels,
+                 on_report: Callable[[P.PassReport], None]) -> None:
         self._store = store
+        self._on_report = on_report
         self._channels = channels
         self._records = records
         self._passes = passes
@@ -205,6 +209,7 @@ class Handlers:
         snap = self._store.snapshot(name, ns)
         self._check_share(owner, len(snap.state.working))
         cid = self._store.open_snapshot(name, ns, owner)
+        self._on_report(report)
         return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta, report)
 
     async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
@@ -212,6 +217,7 @@ class Handlers:
         report = await self._restore(name, ns)
         snap = self._store.snapshot(name, ns)
         cid = self._store.take_snapshot(name, ns, owner)
+        self._on_report(report)
         return self._reply(self._records.add(cid, owner, snap.last_logits), snap.meta, report)
 
     async def _delete(self, req: P.DeleteSnapshot, owner: Any, ns: str) -> P.Ok:

@@ -5,7 +5,9 @@ one process never mix their series). Two kinds of series:
 
 * read from the engine at scrape time (a custom collector: nothing to keep in sync): pages
   free / used / cached / total, contexts, snapshots, queue depth and running jobs,
-  prefix hit rate, pages reused vs computed, tokens computed, model steps;
+  prefix hit rate, pages reused vs computed, tokens computed, model steps. The page
+  series are ``EngineStats``' counters, the sums of every pass report and snapshot open
+  report (``pie_ctx_disk_io`` alone counts disk reads as they happen);
 * recorded as requests are served: requests by endpoint and status (an ASGI middleware),
   time to first token and inter-token latency histograms, prompt / cached / completion
   tokens (the OpenAI inferlet reports them through the ``Observer`` protocol of
@@ -52,15 +54,17 @@ class _EngineCollector:
         yield GaugeMetricFamily("pie_ctx_running_jobs", "jobs admitted and running",
                                 value=len(sched.active))
         yield GaugeMetricFamily("pie_ctx_prefix_hit_rate",
-                                "full pages found computed / full pages looked up",
-                                value=s.hit_rate)
-        reuse = CounterMetricFamily("pie_ctx_prefix_pages", "full prompt pages by origin",
-                                    labels=["origin"])
+                                "pages reused / pages reused or computed (passes and "
+                                "snapshot opens)", value=s.hit_rate)
+        reuse = CounterMetricFamily("pie_ctx_prefix_pages",
+                                    "KV pages by origin: reused (prefix matches, snapshot "
+                                    "opens) or computed", labels=["origin"])
         reuse.add_metric(["reused"], s.pages_reused)
         reuse.add_metric(["computed"], s.pages_computed)
         yield reuse
         yield CounterMetricFamily("pie_ctx_prefix_pages_from_disk",
-                                  "of the reused prompt pages, those loaded from disk",
+                                  "of the reused pages, those read from disk (prefix "
+                                  "matches and snapshot opens)",
                                   value=s.pages_from_disk)
         yield GaugeMetricFamily("pie_ctx_snapshots_resident", "snapshots with pages in the pool",
                                 value=s.num_snapshots_resident)
@@ -69,8 +73,9 @@ class _EngineCollector:
         disk.add_metric(["pages"], s.num_disk_pages)
         disk.add_metric(["bytes"], s.disk_bytes)
         yield disk
-        io = CounterMetricFamily("pie_ctx_disk_io", "pages and bytes moved to and from disk",
-                                 labels=["direction", "unit"])
+        io = CounterMetricFamily("pie_ctx_disk_io", "pages and bytes moved to and from disk "
+                                 "(reads counted as done, even for a request that then "
+                                 "failed)", labels=["direction", "unit"])
         io.add_metric(["written", "pages"], s.disk_pages_written)
         io.add_metric(["written", "bytes"], s.disk_bytes_written)
         io.add_metric(["loaded", "pages"], s.disk_pages_loaded)
