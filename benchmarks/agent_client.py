@@ -21,20 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import agent_workloads as W
 import anyio
-
-# This folder holds benchmarks/http.py: the standard library's http package must load
-# first (openai and anyio import it), then the folder is searched for agent_workloads.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
-import http.client  # noqa: E402,F401
-
-sys.path.insert(0, _HERE)
-
-import agent_workloads as W  # noqa: E402
 
 
 class Agent:

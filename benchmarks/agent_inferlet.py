@@ -26,13 +26,8 @@ from typing import Any
 
 import anyio
 
-# This folder holds benchmarks/http.py: the standard library's http package must load
-# first (openai and anyio import it), then the folder is searched for agent_workloads.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
-import http.client  # noqa: E402,F401
-
-sys.path.insert(0, _HERE)
+# `pie-ctx run` loads this file by path: its folder is not on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import agent_workloads as W  # noqa: E402
 

@@ -50,9 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import emit, table
-
 import agent_workloads as W
+from common import emit, table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -255,8 +254,9 @@ async def measure(weights: str, workload: str, agents: int, system: str, target:
     else of the timed agents is)."""
     session = secrets.token_hex(4)
     slots = agents if system == "c" else min(agents, 8)
-    await run_agents(Run(weights, workload, slots, system), target, session, smoke=True,
-                     tools_as=tools_as, first=WARM_AGENTS)
+    if not args.smoke:  # (the smoke measures nothing)
+        await run_agents(Run(weights, workload, slots, system), target, session, smoke=True,
+                         tools_as=tools_as, first=WARM_AGENTS)
     run = Run(weights, workload, agents, system)
     await run_agents(run, target, session, smoke=args.smoke, tools_as=tools_as)
     _print_run(run)
@@ -286,6 +286,10 @@ async def amain(args: argparse.Namespace) -> list[Run]:
               "skipping column c (docs/agents.md says how to build it)")
         systems.remove("c")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke and args.model is None:  # the tiny test model: seconds, not minutes
+            from tests.sdk.harness import tiny_model_folder
+
+            args.model = str(tiny_model_folder(Path(tmp)))
         for weights in args.weights.split(","):
             server = PieServer(weights, args.model, tmp)
             try:
@@ -381,7 +385,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--model", default=None, help="pie-ctx's model (default: the default)")
     ap.add_argument("--smoke", action="store_true",
-                    help="a few rounds, small shapes, fp32, 1-2 agents and no llama-server")
+                    help="a few rounds, small shapes, fp32, 1-2 agents, no warm-up, no "
+                         "llama-server, and the tiny test model unless --model is given")
     args = ap.parse_args()
     if args.smoke:
         args.concurrency, args.weights = "2", "fp32"

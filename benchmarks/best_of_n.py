@@ -2,7 +2,7 @@
 
     python benchmarks/best_of_n.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
                                    [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                   [--weights fp32|int8] [--kv-dtype fp32|int8]
+                                   [--weights fp32|int8] [--kv-dtype fp32|int8] [--smoke]
 
 Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping early) after a
 1,024-token prompt, on the same weights (default fp32 on CPU) and threads. HF prefills the prompt once per
@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, kv_bytes_per_token, load_hf, prompt_tokens, summary, table
-
 import anyio
 import torch
+from common import emit, kv_bytes_per_token, load_hf, parse_args, prompt_tokens, summary, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 
@@ -116,7 +115,7 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--weights", default="fp32", choices=("fp32", "int8"))
     ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
-    anyio.run(main_async, ap.parse_args())
+    anyio.run(main_async, parse_args(ap, prompt_len=32, n=2, new_tokens=4, repeats=1))
 
 
 if __name__ == "__main__":

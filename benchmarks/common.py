@@ -1,9 +1,11 @@
 """Shared pieces of the engine benchmarks: the HF baseline on the same weights, prompts,
-and small statistics. Every benchmark prints a table and, as its last line, one JSON object.
+small statistics and the command line's ``--smoke``. Every benchmark prints a table and, as
+its last line, one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -11,17 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-# A script run from this folder has it first on sys.path, where benchmarks/http.py would
-# shadow the standard library's http package (torch imports it): load the stdlib's first.
-_HERE = Path(__file__).resolve().parent
-_PATH = sys.path[:]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-import http.client  # noqa: E402,F401
+import torch
 
-sys.path[:] = _PATH
-
-import torch  # noqa: E402
-
+# The repository (for ``tests.sdk.harness``; pie_ctx and runtime are installed).
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -100,6 +94,22 @@ def prompt_tokens(tokenizer: Any, n: int, salt: str = "") -> list[int]:
 
 def kv_bytes_per_token(config: Any, itemsize: int = 4) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+
+
+def parse_args(parser: argparse.ArgumentParser, **smoke: Any) -> argparse.Namespace:
+    """Parse the command line, with ``--smoke`` added: the benchmark's real code path with
+    the small settings in ``smoke`` (a few tokens, one repeat), so that it runs in seconds;
+    its figures mean nothing. tests/benchmarks/test_smoke.py runs every benchmark so."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="run the real code path on a few tokens, in seconds (a test "
+                             "that the script works; its figures mean nothing)")
+    args = parser.parse_args()
+    if args.smoke:
+        for name, value in smoke.items():
+            if not hasattr(args, name):
+                raise RuntimeError(f"--smoke sets {name!r}, which is not an option")
+            setattr(args, name, value)
+    return args
 
 
 def summary(values: list[float]) -> dict[str, float]:

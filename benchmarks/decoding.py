@@ -1,6 +1,6 @@
 """Programmable decoding on the default model: constraints, speculation, select.
 
-    python benchmarks/decoding.py [--repeats 3]
+    python benchmarks/decoding.py [--repeats 3] [--smoke]
 
 - json_valid_fraction: 16 JSON-Schema extractions (batched), parsed and validated.
 - constrained_tok_s_ratio: 8 concurrent JSON-Schema generations vs the same 8 prompts
@@ -10,7 +10,8 @@
   a ~300-token text with a small edit; spec_identical: the two outputs are equal.
 - select_cost_ratio: select among 4 options vs scoring 1 (wall time, same context).
 
-The last line is one JSON object.
+``--smoke`` runs each part on 2 people, 8 tokens and one sentence to copy. The last line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import json
 import statistics
 import time
 
-from common import emit, table
-
 import anyio
 import jsonschema
+from common import emit, parse_args, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 from pie_ctx.constrain import JsonSchema
@@ -63,9 +63,9 @@ def _prompt(rt, text: str) -> Context:
     return Context(rt).system("Reply with JSON only.").user(f"Extract the person: {text}")
 
 
-async def json_validity(rt) -> float:
-    gens = [_prompt(rt, p).generate(Sampler.greedy(), max_tokens=200,
-                                    constrain=JsonSchema(SCHEMA)) for p in PEOPLE]
+async def json_validity(rt, people: list[str], max_tokens: int) -> float:
+    gens = [_prompt(rt, p).generate(Sampler.greedy(), max_tokens=max_tokens,
+                                    constrain=JsonSchema(SCHEMA)) for p in people]
     valid = 0
     for text in await gather(*(g.text() for g in gens)):
         try:
@@ -73,18 +73,19 @@ async def json_validity(rt) -> float:
             valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
-    return valid / len(PEOPLE)
+    return valid / len(people)
 
 
-async def throughput(rt, lengths: list[int] | None) -> tuple[float, list[int]]:
-    """8 concurrent generations, tokens/s: constrained (``lengths`` None), or unconstrained
+async def throughput(rt, people: list[str], max_tokens: int,
+                     lengths: list[int] | None) -> tuple[float, list[int]]:
+    """Concurrent generations, tokens/s: constrained (``lengths`` None), or unconstrained
     with each generation as long as its constrained twin (the same batch at every step)."""
-    prompts = [_prompt(rt, p) for p in PEOPLE[:8]]
+    prompts = [_prompt(rt, p) for p in people]
     for ctx in prompts:
         await ctx.cue().flush()
     t0 = time.perf_counter()
     if lengths is None:
-        gens = [c.generate(Sampler.greedy(), max_tokens=64, constrain=JsonSchema(SCHEMA))
+        gens = [c.generate(Sampler.greedy(), max_tokens=max_tokens, constrain=JsonSchema(SCHEMA))
                 for c in prompts]
     else:
         gens = [c.generate(Sampler.greedy(), max_tokens=n, ignore_eos=True)
@@ -96,9 +97,9 @@ async def throughput(rt, lengths: list[int] | None) -> tuple[float, list[int]]:
     return sum(len(o) for o in outs) / wall, [len(o) for o in outs]
 
 
-async def speculation(rt) -> tuple[float, float, bool]:
-    task = f"Repeat this text, replacing 'pages' with 'blocks':\n\n{EDIT_TEXT}"
-    n = len(rt.tokenizer.encode(EDIT_TEXT))
+async def speculation(rt, text: str) -> tuple[float, float, bool]:
+    task = f"Repeat this text, replacing 'pages' with 'blocks':\n\n{text}"
+    n = len(rt.tokenizer.encode(text))
     results = {}
     for mode in ("plain", "spec"):
         ctx = Context(rt).user(task)
@@ -129,27 +130,30 @@ async def select_cost(rt) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    people = PEOPLE[:2] if args.smoke else PEOPLE
+    json_tokens, tput_tokens = (8, 8) if args.smoke else (200, 64)
+    text = EDIT_TEXT.split(". ")[0] + "." if args.smoke else EDIT_TEXT
     async with Runtime.local(None, num_pages=4096) as rt:
         engine = rt.transport.engine
         await _prompt(rt, "warm up").generate(Sampler.greedy(), max_tokens=4,
                                               constrain=JsonSchema(SCHEMA)).text()
-        valid = await json_validity(rt)
+        valid = await json_validity(rt, people, json_tokens)
         ratios, masks = [], []
         for _ in range(args.repeats):
             ex = engine.executor
             t, s = ex.mask_seconds, ex.num_masked_steps
-            constrained, lengths = await throughput(rt, None)
+            constrained, lengths = await throughput(rt, people[:8], tput_tokens, None)
             masks.append((ex.mask_seconds - t) / max(ex.num_masked_steps - s, 1) * 1e3)
-            plain, _ = await throughput(rt, lengths)
+            plain, _ = await throughput(rt, people[:8], tput_tokens, lengths)
             ratios.append(constrained / plain)
-        specs = [await speculation(rt) for _ in range(args.repeats)]
+        specs = [await speculation(rt, text) for _ in range(args.repeats)]
         select_ratio = await select_cost(rt)
     speedups = [s / p for s, p, _ in specs]
     table([
-        ("json valid fraction", f"{valid:.3f} (16 generations)"),
+        ("json valid fraction", f"{valid:.3f} ({len(people)} generations)"),
         ("constrained / plain tok/s", f"{statistics.median(ratios):.3f} "
                                        f"({min(ratios):.3f}-{max(ratios):.3f})"),
-        ("mask ms per step (8 rows)", f"{statistics.median(masks):.2f}"),
+        (f"mask ms per step ({len(people[:8])} rows)", f"{statistics.median(masks):.2f}"),
         ("speculation speedup", f"{statistics.median(speedups):.2f}x "
                                 f"({min(speedups):.2f}-{max(speedups):.2f}), "
                                 f"{statistics.median([s for s, _, _ in specs]):.1f} vs "
@@ -167,7 +171,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, repeats=1)
     emit(anyio.run(main_async, args))
 
 

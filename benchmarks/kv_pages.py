@@ -1,7 +1,7 @@
 """int8 KV pages against fp32 ones on the default model: decode speed at a long context, and
 how many pages fit in the same memory.
 
-    .venv/bin/python benchmarks/kv_pages.py [--context 4096] [--new-tokens 64] [--repeats 2]
+    .venv/bin/python benchmarks/kv_pages.py [--context 4096] [--new-tokens 64] [--repeats 2] [--smoke]
 
 For each of fp32 and int8 weights, a private pool of fp32 pages and one of int8 pages: the
 same --context-token prompt is prefilled (in 1,024-token chunks), then --new-tokens greedy
@@ -20,9 +20,8 @@ import argparse
 import statistics
 import time
 
-from common import Ours, emit, prompt_tokens, table
-
 import torch
+from common import Ours, emit, parse_args, prompt_tokens, table
 
 from runtime.engine.boot import pool_pages_for
 from runtime.model.loader import load_model
@@ -51,7 +50,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-int8-weights", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, context=64, new_tokens=4, repeats=1)
 
     loaded = load_model(None, progress=False)
     cfg = loaded.config

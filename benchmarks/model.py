@@ -1,7 +1,7 @@
 """Our ModelRunner vs HF transformers on the default model, side by side in one process.
 
 Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]
-[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8]``.
+[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8] [--smoke]``.
 Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import Ours  # first: it puts the repository on sys.path (see common.py)
-
 import torch
-from quality import agreement, perplexity, text_ids  # noqa: E402
+from common import Ours, parse_args
+from quality import agreement, perplexity, text_ids
 
-from runtime.model.loader import default_gguf_path, load_model  # noqa: E402
+from runtime.model.loader import default_gguf_path, load_model
 
 
 def sync(device: torch.device) -> None:
@@ -96,7 +95,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-weights rows")
     ap.add_argument("--quality-prompts", type=int, default=20)
-    args = ap.parse_args()
+    args = parse_args(ap, prompt_len=16, new_tokens=4, repeats=1, quality_prompts=1)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     bw_start = mem_bandwidth_gbs(device)  # measured at both ends; the best is the least disturbed
@@ -113,8 +112,9 @@ def main() -> None:
                            add_generation_prompt=True)
     chat_ids = tok.encode(chat) if isinstance(chat, str) else list(chat)
     diff = (ours.prefill(chat_ids, all_logits=True).float() - hf.logits(chat_ids)).abs().max().item()
-    g_ours, _, _ = ours.generate(chat_ids, 64)
-    g_hf, _, _ = hf.generate(chat_ids, 64)
+    checked = 8 if args.smoke else 64  # greedy tokens compared
+    g_ours, _, _ = ours.generate(chat_ids, checked)
+    g_hf, _, _ = hf.generate(chat_ids, checked)
     identical = next((i for i, (a, b) in enumerate(zip(g_ours, g_hf, strict=True)) if a != b),
                      len(g_ours))  # length of the identical leading run
 
@@ -143,8 +143,8 @@ def main() -> None:
         print(f"{label:24}{a:10.1f}{b:10.1f}{a / b:8.2f}")
     extra = {}
     if int8 is not None:
-        ids = text_ids(tok)
-        quality = agreement(ours, int8, tok, args.quality_prompts, 64)
+        ids = text_ids(tok)[:256 if args.smoke else None]
+        quality = agreement(ours, int8, tok, args.quality_prompts, checked)
         ppl_delta = perplexity(int8, ids) / perplexity(ours, ids) - 1
         extra = {"int8_decode_tok_s": round(best["int8_dec"], 2),
                  "int8_prefill_tok_s": round(best["int8_pf"], 2),
@@ -156,10 +156,10 @@ def main() -> None:
                  "int8_weight_fraction": round(int8.runner.weight_bytes / ours.runner.weight_bytes, 3)}
         print(f"int8 weights: prefill {best['int8_pf']:.1f} tok/s ({extra['int8_prefill_speedup']:.2f}x "
               f"fp32), decode {best['int8_dec']:.1f} tok/s ({extra['int8_decode_speedup']:.2f}x), "
-              f"greedy agreement {quality['greedy_agreement']:.3f} ({args.quality_prompts}x64), "
+              f"greedy agreement {quality['greedy_agreement']:.3f} ({args.quality_prompts}x{checked}), "
               f"ppl {ppl_delta:+.2%}, weights {extra['int8_weight_bytes'] / 1e6:.0f} MB "
               f"({extra['int8_weight_fraction']:.2f}x)")
-    print(f"max abs logit diff {diff:.3g}; greedy identical {identical}/64; "
+    print(f"max abs logit diff {diff:.3g}; greedy identical {identical}/{checked}; "
           f"weights {wbytes / 1e6:.0f} MB; bandwidth {bw:.1f} GB/s; roofline {roofline:.1f} tok/s; "
           f"decode at {best['dec'] / roofline:.0%} of roofline")
     print(json.dumps({

@@ -1,6 +1,6 @@
 """Page-store micro-benchmarks: pool alloc/free, fork vs committed length, commit with dedup.
 
-Run:  .venv/bin/python benchmarks/pages.py [--quick]
+Run:  .venv/bin/python benchmarks/pages.py [--quick] [--smoke]
 
 Prints a table, then as its last line one JSON object with at least
 ``alloc_free_ops_per_s``, ``fork_us_64``, ``fork_us_8192`` and ``commit_dedup_us_per_page``.
@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import common  # noqa: F401  (the repository on sys.path; see common.py)
+from common import parse_args
 
 from runtime.kv import ContextId, PagePool, PageStore
 
@@ -118,22 +118,26 @@ def bench_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier)")
-    args = parser.parse_args()
-    repeats = 3 if args.quick else 7
+    args = parse_args(parser)
+    repeats = 1 if args.smoke else 3 if args.quick else 7
+    scale = 100 if args.smoke else 1  # --smoke: a hundredth of the calls
+
+    def n(calls: int) -> int:
+        return max(1, calls // scale)
 
     results: dict[str, float] = {}
     # The headline is the strict case: one page per allocate() and per free() call.
-    results["alloc_free_ops_per_s"] = bench_alloc_free(1, 300_000, repeats)
-    results["alloc_free_batch64_ops_per_s"] = bench_alloc_free(64, 2_000_000, repeats)
-    results["fork_us_64"] = bench_fork(64, 500, repeats)
-    results["fork_us_8192"] = bench_fork(8192, 500, repeats)
-    results["fork_us_8192_tail15"] = bench_fork(8192, 200, repeats, tail=15)
+    results["alloc_free_ops_per_s"] = bench_alloc_free(1, n(300_000), repeats)
+    results["alloc_free_batch64_ops_per_s"] = bench_alloc_free(64, n(2_000_000), repeats)
+    results["fork_us_64"] = bench_fork(64, n(500), repeats)
+    results["fork_us_8192"] = bench_fork(8192, n(500), repeats)
+    results["fork_us_8192_tail15"] = bench_fork(8192, n(200), repeats, tail=15)
     results["commit_dedup_us_per_page"] = bench_commit(256, repeats, dedup=True)
     results["commit_new_us_per_page"] = bench_commit(256, repeats, dedup=False)
     results["attach_prefix_us_per_page"] = bench_attach(256, repeats)
     store = PageStore(600, PAGE_SIZE, 2, 2, 8)
     long = _prefilled(store, 8192)
-    results["page_table_us_8192"] = bench_call(lambda: store.page_table(long), 2000, repeats)
+    results["page_table_us_8192"] = bench_call(lambda: store.page_table(long), n(2000), repeats)
     results["ratio_fork_8192_over_64"] = results["fork_us_8192"] / results["fork_us_64"]
 
     rows = [

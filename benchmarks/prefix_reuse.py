@@ -1,6 +1,6 @@
 """Prefix reuse on the default model: one 1,024-token system prompt, 16 sequential requests.
 
-    python benchmarks/prefix_reuse.py [--requests 16] [--system-len 1024]
+    python benchmarks/prefix_reuse.py [--requests 16] [--system-len 1024] [--smoke]
 
 Each request opens a fresh context with the same system prompt and a different user turn,
 and generates its first token. The first request computes everything; later ones find the
@@ -14,9 +14,8 @@ import argparse
 import statistics
 import time
 
-from common import TEXT, emit, summary, table
-
 import anyio
+from common import TEXT, emit, parse_args, summary, table
 
 from pie_ctx import Context, Runtime, Sampler
 
@@ -64,7 +63,7 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--system-len", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
-    anyio.run(main_async, ap.parse_args())
+    anyio.run(main_async, parse_args(ap, requests=3, system_len=64))
 
 
 if __name__ == "__main__":

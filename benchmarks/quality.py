@@ -2,7 +2,7 @@
 pages) is from fp32.
 
     python benchmarks/quality.py [--dtype bfloat16|float16|float32] [--weights fp32|int8]
-                                 [--kv-dtype fp32|int8] [--prompts 20] [--tokens 64]
+                                 [--kv-dtype fp32|int8] [--prompts 20] [--tokens 64] [--smoke]
 
 Two measures, the quality gate of every such variant (docs/models.md, docs/forward.md):
 
@@ -27,10 +27,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import Ours, emit, load_hf, table
-
 import torch
 import torch.nn.functional as F
+from common import Ours, emit, load_hf, parse_args, table
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -110,14 +109,16 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
-    args = ap.parse_args()
+    args = parse_args(ap, prompts=1, tokens=8)
+    if args.smoke and (args.dtype, args.weights, args.kv_dtype) == ("float32", "fp32", "fp32"):
+        args.weights = "int8"  # a variant to compare
     if args.dtype == "float32" and args.weights == "fp32" and args.kv_dtype == "fp32":
         ap.error("that is the reference itself: pass --dtype, --weights or --kv-dtype")
 
     base = load_model(None, progress=False)
     variant = base if args.dtype == "float32" else load_model(None, dtype=args.dtype,
                                                               progress=False)
-    ids = text_ids(base.tokenizer)
+    ids = text_ids(base.tokenizer)[:256 if args.smoke else None]
     ref = Ours(base, 4096)
     var = Ours(variant, 4096, weights=args.weights, kv_dtype=args.kv_dtype)
     hf = None

@@ -1,6 +1,7 @@
 """Server overhead: best-of-8 on the default model, in-process vs over the Unix socket.
 
     python benchmarks/server.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
+                                [--smoke]
 
 Workload (one run): a fresh context, one ``Forward`` of the prompt (``reuse_prefix=True``),
 ``n`` forks, ``n`` concurrent ``Generate``s of ``new_tokens`` tokens each (temperature 0.8,
@@ -18,23 +19,17 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
+from common import emit, parse_args, table
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from pie_ctx.proto import messages as P  # noqa: E402
-from pie_ctx.socket_transport import SocketTransport  # noqa: E402
-from pie_ctx.transport import LocalTransport  # noqa: E402
-from runtime.server.testing import serve_in_background  # noqa: E402
+from pie_ctx.proto import messages as P
+from pie_ctx.socket_transport import SocketTransport
+from pie_ctx.transport import LocalTransport
+from runtime.server.testing import serve_in_background
 
 TEXT = ("A server lets many inferlet processes share one engine, so a prefix computed by one "
         "of them is a cache hit for all the others. ") * 300
@@ -131,12 +126,10 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--rtt-count", type=int, default=2000)
-    args = parser.parse_args()
+    args = parse_args(parser, prompt_len=32, n=2, new_tokens=4, repeats=1, rtt_count=20)
     result = anyio.run(main_async, args)
-    width = max(len(k) for k in result)
-    for k, v in result.items():
-        print(f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}))
+    table([(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in result.items()])
+    emit(result)
 
 
 if __name__ == "__main__":

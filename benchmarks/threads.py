@@ -1,6 +1,6 @@
 """Do the fork copies the event loop makes cost the one-thread penalty? Measured, not assumed.
 
-    python benchmarks/threads.py [--steps 40] [--repeats 3]
+    python benchmarks/threads.py [--steps 40] [--repeats 3] [--smoke]
 
 torch's CPU kernels parallelise with OpenMP, and once a second thread has run a parallel
 region every model step on the model thread gets slower (~25% on 2 cores, see
@@ -23,16 +23,15 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common import emit, table
-
 import torch
+from common import emit, parse_args, table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=2, repeats=1)
 
     from runtime.kv.store import PageStore
     from runtime.model.batch import SeqInput

@@ -1,6 +1,6 @@
 """Throughput on the default model: 32 concurrent requests (256-token prompts, 64 new tokens).
 
-    python benchmarks/throughput.py [--requests 32] [--hf-sequential 8]
+    python benchmarks/throughput.py [--requests 32] [--hf-sequential 8] [--smoke]
 
 pie-ctx runs all requests at once (continuous batching). HF runs them one by one (measured
 on `--hf-sequential` requests and scaled, since all 32 take minutes) and as one padded
@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import emit, load_hf, prompt_tokens, table
-
 import anyio
 import torch
+from common import emit, load_hf, parse_args, prompt_tokens, table
 
 from pie_ctx import Context, Runtime, Sampler, gather
 
@@ -90,7 +89,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-sequential", type=int, default=8)
-    anyio.run(main_async, ap.parse_args())
+    anyio.run(main_async, parse_args(ap, requests=3, prompt_len=64, new_tokens=4,
+                                     hf_sequential=1))
 
 
 if __name__ == "__main__":

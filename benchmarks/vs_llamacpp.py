@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--repeats 3] [--prompt-len 512]
         [--new-tokens 128] [--bon-prompt-len 1024] [--n 8] [--bon-new-tokens 64]
-        [--no-int8] [--skip-bon]
+        [--no-int8] [--skip-bon] [--smoke]
 
 llama.cpp runs through llama-cpp-python (``pip install llama-cpp-python==0.3.36``; without it
 the script prints how to install it and skips, exit status 0). Both sides read the default
@@ -53,12 +53,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import TEXT, Ours, emit, prompt_tokens
-
 import anyio
 import numpy as np
 import torch
 from best_of_n import run_ours
+from common import TEXT, Ours, emit, parse_args, prompt_tokens
 
 INSTALL = ".venv/bin/pip install llama-cpp-python==0.3.36"
 PAGE_SIZE = 16
@@ -331,7 +330,8 @@ def main() -> None:
     ap.add_argument("--bon-new-tokens", type=int, default=64)
     ap.add_argument("--no-int8", action="store_true", help="skip the pie-ctx int8 rows")
     ap.add_argument("--skip-bon", action="store_true", help="skip the best-of-n rows")
-    args = ap.parse_args()
+    args = parse_args(ap, repeats=1, prompt_len=16, new_tokens=4, bon_prompt_len=32, n=2,
+                      bon_new_tokens=4)
     assert args.new_tokens >= 2 and args.bon_new_tokens >= 1 and args.n >= 1
 
     try:

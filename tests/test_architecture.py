@@ -130,8 +130,8 @@ def test_importing_the_contract_loads_no_client_class_and_no_torch():
 
 
 def test_every_benchmark_script_starts():
-    """Run from its folder, a benchmark has that folder first on sys.path, where
-    benchmarks/http.py could shadow the standard library's http (benchmarks/common.py)."""
+    """Run from its folder, a benchmark has that folder first on sys.path: no file there
+    may shadow a module it imports (benchmarks/http.py once hid the standard library's)."""
     scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py")
     procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

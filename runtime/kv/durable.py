@@ -129,12 +129,15 @@ class RestoreJob:
     damaged: PageHash | None = None  # the page file that failed its checks, if one did
 
     def read(self) -> None:
-        """The I/O half (any thread): read and verify the files. Never raises."""
+        """The I/O half (any thread): read and verify the files, all pages at once on
+        several threads (``DiskTier.read_many``). Never raises; the first page in chain
+        order that fails its checks is the one reported."""
         try:
-            for h in self.to_read:
-                self.damaged = h
-                self.records[h] = self.tier.read(h)
-            self.damaged = None
+            for h, record in zip(self.to_read, self.tier.read_many(self.to_read), strict=True):
+                if isinstance(record, SnapshotCorrupt):
+                    self.damaged = h
+                    raise record
+                self.records[h] = record
             self.tail, self.logits = self.tier.files.read_blob(self.head)
         except SnapshotCorrupt as err:
             self.error = self.unreadable(err)

@@ -82,7 +82,7 @@ class TierView:
             return memoryview(self._array[page_id])
         return memoryview(self.pool.kv[page_id].contiguous().view(torch.uint8).cpu().numpy())
 
-    def write(self, page_id: PageId, payload: bytes) -> None:
+    def write(self, page_id: PageId, payload: bytes | memoryview) -> None:
         src = np.frombuffer(payload, dtype=np.uint8)
         if self._array is not None:
             self._array[page_id] = src
@@ -309,6 +309,23 @@ class DiskTier:
             raise SnapshotCorrupt(f"page file {self.files.page_path(h)} is missing")
         return self.files.read_page(h, self.page_bytes)
 
+    def read_many(self, hashes: Sequence[PageHash]) -> list[PageRecord | SnapshotCorrupt]:
+        """Read and verify several page files at once (any thread; ``PageFiles.read_pages``:
+        several threads), their KV bytes into one new buffer the records' payloads view.
+
+        Returns:
+            For each hash, in order, its record or the ``SnapshotCorrupt`` raised by
+            ``read`` (the file is missing or damaged).
+        """
+        indexed = [h in self.index for h in hashes]  # (once: the loop may change the index)
+        present = [h for h, ok in zip(hashes, indexed, strict=True) if ok]
+        # [pages, page_bytes] (numpy: a large allocation is backed by huge pages on Linux)
+        staging = np.empty((len(present), self.page_bytes), dtype=np.uint8)
+        read = iter(self.files.read_pages(present, self.page_bytes, memoryview(staging)))
+        return [next(read) if ok else
+                SnapshotCorrupt(f"page file {self.files.page_path(h)} is missing")
+                for h, ok in zip(hashes, indexed, strict=True)]
+
     def drop_damaged(self, h: PageHash) -> None:
         """A page file failed its checks: delete it, so no save reuses it. The manifests
         listing it keep their count (``missing``); a save that computes the page again
@@ -325,11 +342,12 @@ class DiskTier:
             self.missing[h] = page.refs
         self.remove_page(h)
 
-    def install(self, page_id: PageId, payload: bytes) -> None:
-        """Copy a page's bytes read from disk into the pool (on the event loop)."""
+    def install(self, page_id: PageId, payload: bytes | memoryview) -> None:
+        """Copy a page's bytes read from disk into the pool (on the event loop: numpy's
+        copy of one page, which starts no torch thread team)."""
         self.view.write(page_id, payload)
         self.counters.pages_loaded += 1
-        self.counters.bytes_loaded += len(payload)
+        self.counters.bytes_loaded += memoryview(payload).nbytes
 
     # ------------------------------------------------------------------------ checks
 

@@ -1,5 +1,7 @@
-"""The benchmarks run end to end in their ``--smoke`` mode (small shapes, no timings
-asserted: benchmarks are scripts, never timed tests)."""
+"""Every benchmark runs end to end in its ``--smoke`` mode: the real code path on a few
+tokens, in a subprocess (as a user runs it: its folder first on sys.path). No timing is
+asserted (benchmarks are scripts, never timed tests); a script that breaks, or a new
+benchmark without ``--smoke``, fails here."""
 
 from __future__ import annotations
 
@@ -11,19 +13,69 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
 
-pytestmark = pytest.mark.real_model
+# Modules in benchmarks/ that are not benchmarks, and why.
+HELPERS = {
+    "common.py": "shared code",
+    "agent_workloads.py": "the agents' workloads (agents.py)",
+    "agent_client.py": "one agent process of agents.py",
+    "agent_inferlet.py": "one agent inferlet of agents.py",
+}
+# Benchmarks whose smoke runs without the default model.
+NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
+# Keys every smoke's JSON line must carry (beyond being a JSON object).
+KEYS = {
+    "best_of_n.py": {"speedup_vs_hf", "kv_ratio"},
+    "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
+    "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
+    "kv_pages.py": {"kv_int8_decode_ratio", "kv_pages_ratio"},
+    "model.py": {"max_abs_logit_diff", "decode_ratio"},
+    "pages.py": {"alloc_free_ops_per_s", "ratio_fork_8192_over_64"},
+    "prefix_reuse.py": {"ttft_hit_over_miss"},
+    "quality.py": {"greedy_agreement", "ppl_delta"},
+    "server.py": {"overhead_ratio", "noop_rtt_median_us"},
+    "snapshots.py": {"reopen_after_restart_over_recompute", "reopen_mb_s", "disk_read_mb_s",
+                     "save_mb_s", "disk_write_mb_s", "snapshots_saved"},
+    "threads.py": {"copies_ratio"},
+    "throughput.py": {"tokens_per_s", "scheduler_overhead_fraction"},
+}
 
 
-def _last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
+def _benchmarks() -> list:
+    return [pytest.param(p.name, id=p.stem, marks=() if p.name in NO_DEFAULT_MODEL
+                         else pytest.mark.real_model)
+            for p in sorted(BENCHMARKS.glob("*.py")) if p.name not in HELPERS]
 
 
-def test_agents_smoke_runs_every_workload_and_system():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agents.py"), "--smoke"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = _last_json(out.stdout)
+def smoke(name: str) -> dict:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / name), "--smoke"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{name} --smoke failed:\n{out.stderr[-3000:]}"
+    lines = out.stdout.strip().splitlines()
+    assert lines, f"{name} --smoke printed nothing"
+    return json.loads(lines[-1])
+
+
+def test_every_helper_is_still_there():
+    """A helper that was renamed or removed would hide a benchmark from this file."""
+    assert {p.name for p in BENCHMARKS.glob("*.py")} >= set(HELPERS)
+
+
+@pytest.mark.parametrize("name", _benchmarks())
+def test_benchmark_smoke(name: str):
+    result = smoke(name)
+    if result.get("skipped"):  # an optional library is missing (vs_llamacpp.py)
+        return
+    assert KEYS.get(name, set()) <= result.keys(), sorted(result)
+    if name == "snapshots.py":
+        assert result["identical_after_restart"] and result["pages_computed_on_open"] == 0
+        assert result["snapshots_saved"] == result["snapshots_reopened"]
+    if name == "agents.py":
+        check_agents(result)
+
+
+def check_agents(result: dict) -> None:
     runs = {(r["workload"], r["system"]): r for r in result["runs"]}
     assert set(runs) == {(w, s) for w in ("react", "codeact", "swarm")
                          for s in ("a1", "a2", "b")}

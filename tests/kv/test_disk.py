@@ -21,7 +21,10 @@ from pie_ctx.errors import (
     SnapshotNotFound,
     StorageError,
 )
-from runtime.kv.disk import Fingerprint, PageFiles
+from runtime.kv import PageStore
+from runtime.kv.context import chain_nodes
+from runtime.kv.disk import Fingerprint, PageFiles, PageRecord
+from runtime.kv.types import PageHash
 
 from .disk_helpers import FailingOps, check_kv, close, disk_store, fingerprint, write
 
@@ -332,3 +335,77 @@ def test_fingerprint_key_is_pinned() -> None:
     fp = Fingerprint(model="m", weights_digest="ab", weights="fp32", dtype="float32",
                      kv_dtype="fp32", page_size=16, num_layers=2, num_kv_heads=1, head_dim=8)
     assert fp.key == "90649dc7ae69145b"
+
+
+def _saved_chain(tmp_path: Path, num_pages: int = 6) -> tuple[PageStore, list[PageHash]]:
+    """A store with a snapshot "a" of ``num_pages`` committed pages; their hashes."""
+    store = disk_store(tmp_path, num_pages=2 * num_pages + 4)
+    cid = store.create_context()
+    write(store, cid, list(range(200, 200 + 4 * num_pages)))
+    store.save_snapshot(cid, "a")
+    return store, [node.page_hash for node in chain_nodes(dict(store.context_states())[cid].tip)]
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip_magic":
+        data[0] ^= 1
+    elif how == "flip_payload":
+        data[len(data) - 12] ^= 0x40
+    elif how == "truncate":
+        del data[100:]
+    elif how == "grow":
+        data += b"\0" * 8
+    if how == "remove":
+        path.unlink()
+    else:
+        path.write_bytes(bytes(data))
+
+
+def test_read_pages_reads_every_page_into_the_buffer_as_read_page_does(tmp_path: Path) -> None:
+    store, hashes = _saved_chain(tmp_path)
+    files, size = store.tier.files, store.tier.page_bytes
+    buf = bytearray(len(hashes) * size)
+    records = files.read_pages(hashes, size, memoryview(buf), threads=4)
+    for i, (h, record) in enumerate(zip(hashes, records, strict=True)):
+        one = files.read_page(h, size)
+        assert isinstance(record, PageRecord)
+        assert (record.page_hash, record.parent, record.tokens, record.positions,
+                record.extras) == (one.page_hash, one.parent, one.tokens, one.positions,
+                                   one.extras)
+        assert bytes(record.payload) == bytes(one.payload) == buf[i * size:(i + 1) * size]
+    assert files.read_pages([], size, memoryview(bytearray(0))) == []
+
+
+@pytest.mark.parametrize("how", ["flip_magic", "flip_payload", "truncate", "grow", "remove"])
+def test_read_pages_fails_a_damaged_file_as_read_page_does(tmp_path: Path, how: str) -> None:
+    store, hashes = _saved_chain(tmp_path)
+    files, size = store.tier.files, store.tier.page_bytes
+    for i in (1, 3):
+        _damage(files.page_path(hashes[i]), how)
+    records = files.read_pages(hashes, size, memoryview(bytearray(len(hashes) * size)))
+    for i, (h, record) in enumerate(zip(hashes, records, strict=True)):
+        if i in (1, 3):
+            with pytest.raises(SnapshotCorrupt) as raised:
+                files.read_page(h, size)
+            assert isinstance(record, SnapshotCorrupt) and str(record) == str(raised.value)
+            assert files.page_path(h).name in str(record)
+        else:
+            assert isinstance(record, PageRecord)
+
+
+def test_a_restore_reports_the_first_damaged_page_in_chain_order(tmp_path: Path) -> None:
+    store, hashes = _saved_chain(tmp_path)
+    close(store)
+    for i in (4, 2):
+        _damage(store.tier.files.page_path(hashes[i]), "flip_payload")
+    again = disk_store(tmp_path, num_pages=16)
+    job = again.plan_restore("a")
+    assert job is not None
+    job.read()  # every page is read (on several threads); the first failure is reported
+    assert job.damaged == hashes[2]
+    assert isinstance(job.error, SnapshotCorrupt)
+    assert again.tier.files.page_path(hashes[2]).name in str(job.error)
+    with pytest.raises(SnapshotCorrupt):
+        again.restore_snapshot("a", job=job)
+    again.check_invariants()

@@ -1,7 +1,7 @@
 """The HTTP front door against the in-process SDK: the same multi-turn chat workload both ways.
 
-    .venv/bin/python benchmarks/http.py [--conversations 16] [--turns 4] [--in-flight 8]
-                                        [--system-tokens 1000] [--max-tokens 32]
+    .venv/bin/python benchmarks/http_api.py [--conversations 16] [--turns 4] [--in-flight 8]
+                                        [--system-tokens 1000] [--max-tokens 32] [--smoke]
 
 Workload: ``--conversations`` chats of ``--turns`` turns each, all starting with the same
 ``--system-tokens``-token system prompt; each turn sends the whole conversation so far (as an
@@ -23,27 +23,18 @@ engine found already computed, from ``usage.prompt_tokens_details.cached_tokens`
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# This file is named http.py and its folder comes first on sys.path: load the standard
-# library's http package before anything asks for it, so that name means the stdlib's.
-_HERE = sys.path.pop(0)
-import http.client  # noqa: E402,F401
-
-sys.path.insert(0, _HERE)
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from common import TEXT, emit, table  # noqa: E402
-
-import anyio  # noqa: E402
+import anyio
+from common import TEXT, emit, parse_args, table
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serving HTTP on (http://\S+)")
@@ -163,7 +154,8 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
-    args = ap.parse_args()
+    args = parse_args(ap, conversations=2, turns=2, in_flight=2, system_tokens=64,
+                      max_tokens=4)
 
     from runtime.model.loader import load_model
 
