@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch (a local wheel on the reference machine); an unpinned torch is a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch
 	$(BIN)/pip install -q -e '.[dev]'
+	# pie-ctx's CPU kernels, compiled for this CPU (a failed build leaves the PyTorch ops).
+	$(BIN)/python -m runtime.model.kernels
 	# The live-view test drives Debian's chromium; it skips where none can be installed.
 	-command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
 		apt-get install -y -q chromium >/dev/null 2>&1 || \

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pie_ctx.proto.errors import ModelError
+from runtime.model import kernels
 from runtime.model.config import ModelConfig
 from runtime.model.matmul import Projection
 
@@ -137,6 +138,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         Tensor[..., d] in ``x.dtype``.
     """
+    ops = kernels.ops()
+    if ops is not None and x.dim() == 2 and x.dtype == weight.dtype == torch.float32 \
+            and x.stride(1) == 1 and x.device.type == "cpu":
+        return ops.rms_norm(x, weight, eps)  # one pass (runtime.model.kernels)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # [..., d] fp32
     return weight * normed.to(x.dtype)
 
@@ -152,6 +157,10 @@ def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         Tensor[T, hidden].
     """
     gu = layer.gate_up(x)  # [T, 2I]
+    ops = kernels.ops()
+    if ops is not None and gu.dtype == torch.float32 and gu.stride(1) == 1 \
+            and gu.device.type == "cpu":
+        return layer.down(ops.silu_mul(gu))  # one pass (runtime.model.kernels)
     inter = gu.shape[-1] // 2
     gate, up = gu[:, :inter], gu[:, inter:]
     return layer.down(F.silu(gate).mul_(up))  # [T, hidden]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.model import kernels
 from runtime.model.config import ModelConfig
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
@@ -127,11 +128,16 @@ class Transformer:
         h, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, 1, D] each
         x = self.embed_tokens(tokens)  # [T, hidden]
+        # pie-ctx's CPU kernels do the rotation in place, in one pass (runtime.model.kernels)
+        ops = kernels.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         for i, lw in enumerate(self.layers):
             hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
             qkv = lw.qkv(hs)  # [T, (H + 2KVH) * D]
             kv = qkv[:, self._q_dim:].view(t, 2, kvh, d)  # [T, 2, KVH, D] (k then v)
-            if lw.q_norm is not None and lw.k_norm is not None:
+            if ops is not None and lw.q_norm is None and qkv.is_contiguous():
+                ops.rope_(qkv, cos[:, 0], sin[:, 0], h + kvh, d)  # q and k heads, adjacent
+                q = qkv[:, : self._q_dim].view(t, h, d)  # [T, H, D]
+            elif lw.q_norm is not None and lw.k_norm is not None:
                 q = apply_rotary(rms_norm(qkv[:, : self._q_dim].view(t, h, d), lw.q_norm,
                                           c.rms_norm_eps), cos, sin)  # [T, H, D]
                 kv[:, 0] = apply_rotary(rms_norm(kv[:, 0], lw.k_norm, c.rms_norm_eps), cos, sin)

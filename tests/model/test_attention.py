@@ -26,6 +26,13 @@ def hf_model() -> torch.nn.Module:
     return make_hf_model("llama3", seed=7, num_layers=2)
 
 
+@pytest.fixture
+def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the tests of run prefixes (lone decodes reading a run of pages in place): with
+    pie-ctx's own kernel, fp32 lone decodes take that instead (tests/model/test_kernels.py)."""
+    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+
+
 @pytest.fixture(autouse=True, params=["fp32", "int8"], ids=["kv_fp32", "kv_int8"])
 def kv_dtype(request: pytest.FixtureRequest) -> str:
     KV["kv_dtype"] = request.param
@@ -264,6 +271,7 @@ def test_consecutive_pages_are_read_in_place_with_the_same_results(hf_model: tor
         _close(out[i:i + 1], _dense(runner, prompt[:32] + t)[-1:])
 
 
+@pytest.mark.usefixtures("sdpa_only")
 def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Module) -> None:
     """The engine's usual page table: a long run of committed pages, then a tail page from
     elsewhere. The run is read in place, the tail gathered; logits equal the reference."""

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from runtime.kv.layout import encode
+from runtime.model import kernels
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "consecutive_run", "write_kv"]
 
@@ -97,6 +98,11 @@ def write_kv(pool_kv: torch.Tensor, layer: int, kv: torch.Tensor, meta: Attentio
         kv: Tensor[T, 2, KVH, D].
         meta: gives ``write_pages`` / ``write_slots`` ([T] each).
     """
+    if pool_kv.dtype == kv.dtype == torch.float32 and pool_kv.device.type == "cpu":
+        ops = kernels.ops()
+        if ops is not None:  # a copy per entry instead of an advanced-index put
+            ops.write_kv(pool_kv, layer, kv, meta.write_pages, meta.write_slots)
+            return
     # Adjacent advanced indices (page, slot) then the layer: the view is [T, 2, KVH, width];
     # int8 pools get the entries quantized, each with its own scale (runtime/kv/layout).
     pool_kv[meta.write_pages, meta.write_slots, layer] = encode(kv, pool_kv)

@@ -19,11 +19,13 @@ no NaN can appear in rows that are kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from runtime.kv.layout import decode
+from runtime.model import kernels
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
 
@@ -47,6 +49,47 @@ def fused_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     if q.device.type != "cuda":
         return True
     return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+KERNEL_MAX_QUERIES = 16  # new tokens of a sequence the kernel attends (more: SDPA)
+
+
+@dataclass(slots=True)
+class KernelGroup:
+    """Sequences attended by ``runtime.model.kernels``' ``paged_attention``: each new token
+    over its own sequence's pages, read in place (no gather), causal."""
+
+    ops: Any
+    seqs: list[int]
+    rows: torch.Tensor | None  # their token rows in the flat batch; None = all, in order
+    page_tables: torch.Tensor  # [N, max_pages] int32
+    seq_start: torch.Tensor  # [N + 1] int32: sequence n's rows in the group's queries
+    num_cached: torch.Tensor  # [N] int32
+
+    @classmethod
+    def build(cls, ops: Any, meta: AttentionMetadata, seqs: list[int]) -> KernelGroup:
+        tables = [meta.page_tables[i] for i in seqs]
+        width = max(1, max(len(t) for t in tables))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = [meta.query_lens[i] for i in seqs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        rows = None
+        if len(seqs) != len(meta.query_lens):
+            first = [0]
+            for n in meta.query_lens:
+                first.append(first[-1] + n)
+            rows = torch.tensor([first[i] + j for i in seqs for j in range(meta.query_lens[i])],
+                                dtype=torch.int64)
+        cached = [meta.num_cached[i] for i in seqs]
+        return cls(ops, seqs, rows, padded, torch.tensor(starts, dtype=torch.int32),
+                   torch.tensor(cached, dtype=torch.int32))
+
+    def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor) -> torch.Tensor:
+        """[Tg, H, D] queries -> [Tg, H*D]."""
+        return self.ops.paged_attention(q, pool_kv, layer, self.page_tables, self.seq_start,
+                                        self.num_cached, q.shape[-1] ** -0.5)
 
 
 @dataclass(slots=True)
@@ -77,23 +120,41 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, *, cascade: bool = True) -> None:
+    def __init__(self, *, cascade: bool = True, kernels: bool = True) -> None:
         """Args:
             cascade: attend a shared prefix once for all decodes that share it
                 (``runtime.model.attention.cascade``).
+            kernels: attend decodes and drafts over an fp32 CPU pool with pie-ctx's own
+                kernel when it is built (``runtime.model.kernels``).
         """
         self.cascade = cascade
+        self.kernels = kernels
 
     def prepare(self, meta: AttentionMetadata, pool_kv: torch.Tensor) -> None:
-        """Precompute gather indices, query layouts and masks for this forward."""
+        """Precompute gather indices, query layouts and masks for this forward.
+
+        Decodes that share leading pages go to cascade groups (their prefix attended
+        once, as a GEMM). What is left with a few causal new tokens goes to pie-ctx's own
+        kernel when it is built (read in place, no gather); the rest to SDPA groups."""
         q_lens = meta.query_lens
         plain = [m is None for m in meta.masks]
         decodes = [i for i, n in enumerate(q_lens) if n == 1 and plain[i]]
-        others = [i for i in range(len(q_lens)) if not (q_lens[i] == 1 and plain[i])]
         clusters, decodes = shared_prefix_clusters(meta, decodes) if self.cascade else ([], decodes)
-        if self.cascade and len(decodes) <= _LONE_DECODES:
+        clustered = {i for seqs, _ in clusters for i in seqs}
+        kernel = self._kernel_group(meta, pool_kv, [
+            i for i, n in enumerate(q_lens)
+            if plain[i] and n <= KERNEL_MAX_QUERIES and i not in clustered])
+        if kernel is not None and kernel.rows is None:  # the whole batch, one call a layer
+            meta.backend_state = [kernel]
+            return
+        short = set(kernel.seqs) if kernel is not None else set()
+        decodes = [i for i in decodes if i not in short]
+        others = [i for i in range(len(q_lens))
+                  if not (q_lens[i] == 1 and plain[i]) and i not in short]
+        if self.cascade and kernel is None and len(decodes) <= _LONE_DECODES:
             clusters, decodes = self._run_prefixes(meta, clusters, decodes)
-        if not clusters and (not others or (not decodes and len(others) == 1)):
+        if kernel is None and not clusters and (not others or (not decodes
+                                                             and len(others) == 1)):
             meta.backend_state = [self.group(meta, list(range(len(q_lens))), None)]
             return
         starts = [0]
@@ -104,13 +165,25 @@ class TorchAttention:
         def rows_of(seqs: list[int]) -> torch.Tensor:
             return torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)
 
-        groups: list[_Group | CascadeGroup] = [
+        groups: list[_Group | CascadeGroup | KernelGroup] = [
             CascadeGroup.build(meta, seqs, shared, rows_of(seqs)) for seqs, shared in clusters]
+        if kernel is not None:
+            groups.append(kernel)
         if decodes:
             groups.append(self.group(meta, decodes, rows_of(decodes)))
         for i in others:
             groups.append(self.group(meta, [i], slice(starts[i], starts[i + 1])))
         meta.backend_state = groups
+
+    def _kernel_group(self, meta: AttentionMetadata, pool_kv: torch.Tensor,
+                      seqs: list[int]) -> KernelGroup | None:
+        """A group for pie-ctx's own kernel (``runtime.model.kernels``) of ``seqs`` over an
+        fp32 CPU pool; None if the kernel cannot serve them."""
+        if not seqs or not self.kernels or pool_kv.dtype != torch.float32 \
+                or pool_kv.device.type != "cpu" or pool_kv.shape[-1] % 16:
+            return None
+        ops = kernels.ops()
+        return KernelGroup.build(ops, meta, seqs) if ops is not None else None
 
     @staticmethod
     def _run_prefixes(meta: AttentionMetadata, clusters: list[tuple[list[int], int]],
@@ -187,14 +260,20 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, pool_kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Write K/V, gather each group's keys and values, attend. See the Protocol."""
-        groups: list[_Group | CascadeGroup] = meta.backend_state
+        groups: list[_Group | CascadeGroup | KernelGroup] = meta.backend_state
         write_kv(pool_kv, layer, kv, meta)
         ps = meta.page_size
         if len(groups) == 1 and groups[0].rows is None:
-            return self.attend(groups[0], layer, q, pool_kv, ps)
+            g = groups[0]
+            if isinstance(g, KernelGroup):
+                return g.attend(layer, q, pool_kv)
+            return self.attend(g, layer, q, pool_kv, ps)
         t, h, d = q.shape
         out = q.new_empty(t, h * d)  # [T, H*D]
         for g in groups:
+            if isinstance(g, KernelGroup):
+                out.index_copy_(0, g.rows, g.attend(layer, q.index_select(0, g.rows), pool_kv))
+                continue
             if isinstance(g.rows, slice):
                 out[g.rows] = self.attend(g, layer, q[g.rows], pool_kv, ps)
                 continue

@@ -1,0 +1,117 @@
+"""CPU kernels of pie-ctx's own (``cpu_ops.cpp``), built on first use, with eager twins.
+
+Owner: the model runner and the torch attention backend call :func:`ops` and fall back to
+their eager PyTorch code when it returns None. The C++ source is compiled once per machine
+(``-O3 -march=native``: the flags of the CPU that runs it) into
+``~/.cache/pie-ctx/kernels/<digest>/`` by ``torch.utils.cpp_extension`` under an flock
+(two processes never build at once; a build killed half-way blocks nobody); the digest covers the source, torch's version and the
+CPU's flags, so a cache shared between different machines never loads a foreign build.
+
+They are on by default; ``PIE_CTX_KERNELS=0`` turns them off (the eager code runs). A
+build that fails (no C++ compiler) is logged once and the eager code runs; nothing else
+changes. ``python -m runtime.model.kernels`` builds them ahead of time (``make setup``
+does); otherwise the first model load does (~25 s).
+
+The kernels (docs/forward.md):
+
+* ``paged_attention``: attention of a few new tokens per sequence (decodes, drafts)
+  straight over the paged pool, no gather, split over the keys of long contexts at fixed
+  positions (so a row's bits do not depend on its batch);
+* ``rms_norm``, ``quantize_rows``, ``rope_``, ``write_kv`` and ``silu_mul``: one pass each
+  instead of 2-6 eager ops, bit for bit the eager results.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ops", "enabled", "build", "folder"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_lock = threading.Lock()
+_module: Any = None
+_tried = False
+
+
+def enabled() -> bool:
+    """False when ``PIE_CTX_KERNELS=0`` asks for the eager code."""
+    return os.environ.get("PIE_CTX_KERNELS", "1") not in ("0", "false", "no", "off")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def folder() -> Path:
+    """Where this machine's build lives."""
+    digest = hashlib.blake2b(digest_size=8)
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        digest.update(part)
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "pie-ctx" / "kernels" / digest.hexdigest()
+
+
+def build(verbose: bool = False) -> Any:
+    """Compile (or load the cached build of) the kernels; raise if that fails."""
+    from torch.utils.cpp_extension import load
+
+    where = folder()
+    where.mkdir(parents=True, exist_ok=True)
+    if shutil.which("ninja") is None:  # the ninja wheel's binary, beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    flags = ["-O3", "-std=c++17"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        # the CPU's own instructions; with AVX-512, its full-width registers too
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    elif platform.machine() in ("aarch64", "arm64"):
+        flags.append("-mcpu=native")
+    # torch's own lock is a file that a process killed mid-build leaves behind, and every
+    # later build would wait on it forever. An flock dies with its process: whoever holds
+    # it is the only builder, so a torch lock file found then is stale.
+    with open(where / "pie-ctx.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)
+        return load(name=f"pie_ctx_cpu_ops_{where.name}", sources=[str(SOURCE)],
+                    extra_cflags=flags, build_directory=str(where), verbose=verbose)
+
+
+def ops() -> Any:
+    """The compiled kernels, or None (turned off, or the build failed: logged once)."""
+    global _module, _tried
+    if not enabled():
+        return None
+    if _module is not None or _tried:
+        return _module
+    with _lock:
+        if not _tried:
+            _tried = True
+            t0 = time.perf_counter()
+            try:
+                _module = build()
+                log.info("CPU kernels ready (%.1f s)", time.perf_counter() - t0)
+            except Exception as err:  # a compiler missing or failing: the eager code runs
+                log.warning("pie-ctx's CPU kernels did not build (%s); using PyTorch ops "
+                            "instead (slower decode)", err)
+    return _module
+

@@ -1,0 +1,17 @@
+"""``python -m runtime.model.kernels``: build pie-ctx's CPU kernels ahead of time."""
+
+import logging
+import sys
+import time
+
+from runtime.model.kernels import build, folder
+
+logging.basicConfig(level=logging.INFO)
+t = time.perf_counter()
+try:
+    build()
+except Exception as err:  # report, and let setup go on: the eager code is the fallback
+    print(f"pie-ctx CPU kernels did not build ({err}); decode will use PyTorch ops",
+          file=sys.stderr)
+else:
+    print(f"pie-ctx CPU kernels ready in {folder()} ({time.perf_counter() - t:.1f} s)")

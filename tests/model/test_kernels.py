@@ -1,0 +1,175 @@
+"""pie-ctx's CPU kernels (runtime/model/kernels) against their eager twins and against
+SDPA over gathered pages: the same results, whatever the batch, the pool's strides or the
+threads; and the model with kernels against the model without."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import PagedSeq, free_list, make_hf_model, make_runner, random_tokens
+
+from runtime.model import kernels
+from runtime.model.layers import rms_norm
+from runtime.model.matmul import _quantize_rows
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    monkeypatch.setenv("PIE_CTX_KERNELS", "1")
+    built = kernels.ops()
+    if built is None:
+        pytest.skip("the CPU kernels did not build here (no compiler?); the eager code runs")
+    return built
+
+
+P, S, L, KVH, D, H = 160, 16, 3, 2, 32, 6
+
+
+def _pool(order: str) -> torch.Tensor:
+    """A pool with the logical dims [P, S, L, 2, KVH, D] stored in ``order``."""
+    torch.manual_seed(0)
+    if order == "token-major":
+        return torch.randn(P, S, L, 2, KVH, D)
+    return torch.randn(P, L, 2, S, KVH, D).permute(0, 3, 1, 2, 4, 5)  # layer-major pages
+
+
+def _reference(pool, q, layer, tables, starts, cached):
+    """SDPA over each sequence's gathered pages, causal, GQA by repeating KV heads."""
+    outs = []
+    for i, nc in enumerate(cached):
+        rows = starts[i + 1] - starts[i]
+        kv = nc + rows
+        pages = tables[i][: -(-kv // S)]
+        k = pool[pages, :, layer, 0].reshape(-1, KVH, D)[:kv]
+        v = pool[pages, :, layer, 1].reshape(-1, KVH, D)[:kv]
+        k = k.repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, kv, D]
+        v = v.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+        mask = torch.arange(kv)[None, :] <= (nc + torch.arange(rows))[:, None]
+        o = F.scaled_dot_product_attention(q[starts[i]:starts[i + 1]].transpose(0, 1), k, v,
+                                           attn_mask=mask)
+        outs.append(o.transpose(0, 1).reshape(rows, H * D))
+    return torch.cat(outs)
+
+
+def _call(ops, pool, case, *, shared_pages=0, seed=0):
+    """Attention of a batch of (num_cached, new tokens) sequences; the first
+    ``shared_pages`` pages of every table are the same (forks of one prompt)."""
+    rng = random.Random(seed)
+    perm = list(range(P))
+    rng.shuffle(perm)
+    common, used, tables = perm[:shared_pages], shared_pages, []
+    for nc, n in case:
+        need = -(-(nc + n) // S) - shared_pages
+        tables.append(common + perm[used:used + need])
+        used += need
+    starts = [0]
+    for _, n in case:
+        starts.append(starts[-1] + n)
+    cached = [nc for nc, _ in case]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    torch.manual_seed(seed + 1)
+    q = torch.randn(starts[-1], H + 2 * KVH, D)[:, :H]  # a strided view, as the model's
+    out = ops.paged_attention(q, pool, 1, padded, torch.tensor(starts, dtype=torch.int32),
+                              torch.tensor(cached, dtype=torch.int32), D ** -0.5)
+    return out, q, tables, starts, cached
+
+
+CASES = {
+    "one decode": [(0, 1)],
+    "long decode (split keys)": [(1300, 1)],
+    "mixed: decodes, drafts, a fresh chunk": [(50, 1), (700, 5), (0, 3), (15, 16), (300, 2)],
+}
+
+
+@pytest.mark.parametrize("order", ["token-major", "layer-major"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_paged_attention_equals_sdpa_over_gathered_pages(ops, order, case):
+    pool = _pool(order)
+    out, q, tables, starts, cached = _call(ops, pool, CASES[case])
+    ref = _reference(pool, q, 1, tables, starts, cached)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < 2e-6
+
+
+def test_a_row_gets_the_same_bits_in_any_batch_and_on_any_threads(ops):
+    """Forks sharing a prompt, each alone, all together, and on one thread: the same bits
+    (keys are cut into splits at fixed positions, whatever the batch)."""
+    pool = _pool("token-major")
+    case = [(600, 1), (610, 1), (650, 3), (700, 1)]
+    together, q, tables, starts, cached = _call(ops, pool, case, shared_pages=36)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single, *_ = _call(ops, pool, case, shared_pages=36)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, single)
+    for i, one in enumerate(case):
+        rows = slice(starts[i], starts[i + 1])
+        ref = ops.paged_attention(q[rows], pool, 1, torch.tensor([tables[i]], dtype=torch.int32),
+                                  torch.tensor([0, one[1]], dtype=torch.int32),
+                                  torch.tensor([one[0]], dtype=torch.int32), D ** -0.5)
+        assert torch.equal(together[rows], ref)
+    ref = _reference(pool, q, 1, tables, starts, cached)
+    assert (together - ref).abs().max().item() < 2e-6
+
+
+def test_rms_norm_and_quantize_rows_match_the_eager_ops(ops, monkeypatch):
+    torch.manual_seed(3)
+    x = torch.randn(7, 96) * 3
+    w = torch.randn(96)
+    fast_norm, (fast_q, fast_s) = rms_norm(x, w, 1e-5), _quantize_rows(x)
+    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+    slow_norm, (slow_q, slow_s) = rms_norm(x, w, 1e-5), _quantize_rows(x)
+    assert (fast_norm - slow_norm).abs().max().item() < 1e-6
+    assert torch.equal(fast_q, slow_q) and torch.equal(fast_s, slow_s)
+    assert torch.equal(ops.quantize_rows(torch.zeros(2, 32))[0], torch.zeros(2, 32,
+                                                                              dtype=torch.int8))
+
+
+def test_the_model_with_kernels_matches_the_model_without(ops, monkeypatch):
+    """Prefill, then decodes and a draft, paged: logits within float rounding either way."""
+    hf_model = make_hf_model("llama3", seed=7, num_layers=2)
+    tokens = random_tokens(60, seed=4)
+    out = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("PIE_CTX_KERNELS", on)
+        runner = make_runner(hf_model, page_size=16, num_pages=64)
+        seq = PagedSeq(runner, free_list(runner, seed=1))
+        out[on] = torch.cat([seq.run(tokens[:40])] + [seq.run([t]) for t in tokens[40:50]]
+                            + [seq.run(tokens[50:])])
+    scale = out["0"].abs().max().item()
+    assert (out["1"] - out["0"]).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(out["1"].argmax(-1), out["0"].argmax(-1))
+
+
+def test_rope_write_kv_and_silu_mul_match_the_eager_ops(ops):
+    from runtime.model.rope import apply_rotary
+
+    torch.manual_seed(5)
+    t, h, kvh, d = 5, 6, 2, 32
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    angles = torch.randn(t, d // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    want = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos[:, None], sin[:, None])
+    got = qkv.clone()
+    ops.rope_(got, cos, sin, h + kvh, d)
+    assert torch.equal(got[:, : (h + kvh) * d].view(t, h + kvh, d), want)  # bit for bit
+    assert torch.equal(got[:, (h + kvh) * d:], qkv[:, (h + kvh) * d:])  # values untouched
+
+    pool = _pool("layer-major")
+    kv = torch.randn(t, 2, KVH, D)
+    pages, slots = torch.tensor([3, 3, 9, 40, 7]), torch.tensor([0, 1, 15, 2, 8])
+    expected = pool.clone()
+    expected[pages, slots, 2] = kv
+    ops.write_kv(pool, 2, kv, pages, slots)
+    assert torch.equal(pool, expected)
+
+    gu = torch.randn(4, 64)
+    want = F.silu(gu[:, :32]) * gu[:, 32:]
+    assert (ops.silu_mul(gu) - want).abs().max().item() < 1e-6
