@@ -25,3 +25,4 @@ class SeqInput:
     num_cached: int  # KV entries already present before these tokens
     logit_indices: list[int]  # which of `tokens` need logits (indices into tokens)
     mask: np.ndarray | None = None  # bool [len(tokens), num_cached + len(tokens)]; None = causal
+    adapter: int = 0  # the LoRA adapter's key (runtime.model.adapters); 0 = the base model

@@ -11,6 +11,7 @@ and the fused gate/up weight as ``[gate (I); up (I)]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Projection  # weight [2 * intermediate, hidden]
     down: Projection  # weight [hidden, intermediate]
+    # int8 only: SmoothQuant's factors (runtime.model.quant), which LoRA deltas fold in
+    smoothing: dict[str, torch.Tensor] | None = None
 
     def norms(self) -> list[torch.Tensor]:
         """The layer's norm weights (its projections count their own bytes)."""
@@ -146,21 +149,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def swiglu_mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, layer: LayerWeights,
+               delta: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+               ) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` with one fused gate/up matmul.
 
     Args:
         x: Tensor[T, hidden].
         layer: the layer's fused weights.
+        delta: adds LoRA deltas in place, ``delta(name, input, output)`` after the
+            ``gate_up`` and ``down`` projections (``runtime.model.adapters.LoraBatch``).
 
     Returns:
         Tensor[T, hidden].
     """
     gu = layer.gate_up(x)  # [T, 2I]
+    if delta is not None:
+        delta("gate_up", x, gu)
     ops = kernels.ops()
     if ops is not None and gu.dtype == torch.float32 and gu.stride(1) == 1 \
             and gu.device.type == "cpu":
-        return layer.down(ops.silu_mul(gu))  # one pass (runtime.model.kernels)
-    inter = gu.shape[-1] // 2
-    gate, up = gu[:, :inter], gu[:, inter:]
-    return layer.down(F.silu(gate).mul_(up))  # [T, hidden]
+        inner = ops.silu_mul(gu)  # one pass (runtime.model.kernels)
+    else:
+        inter = gu.shape[-1] // 2
+        inner = F.silu(gu[:, :inter]).mul_(gu[:, inter:])  # [T, I]
+    out = layer.down(inner)  # [T, hidden]
+    if delta is not None:
+        delta("down", inner, out)
+    return out

@@ -14,12 +14,14 @@ that is usually one row, not the whole prompt.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from runtime.model import kernels
+from runtime.model.adapters.delta import LoraBatch
 from runtime.model.config import ModelConfig
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
@@ -108,8 +110,8 @@ class Transformer:
         return self.embed(tokens)  # int8: runtime.model.quant.QuantEmbedding
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logit_rows: torch.Tensor | None, *,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                logit_rows: torch.Tensor | None, *, return_hidden: bool = False,
+                lora: LoraBatch | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the layer stack and the lm_head on the selected rows.
 
         Args:
@@ -118,6 +120,8 @@ class Transformer:
             attend: attention for one layer (see :data:`AttendFn`).
             logit_rows: Tensor[N] int64 rows of ``tokens`` that need logits; None = all.
             return_hidden: also return those rows' final-norm hidden states.
+            lora: the LoRA adapters of the batch's rows (``runtime.model.adapters``); their
+                deltas are added right after each fused projection. None: base model only.
 
         Returns:
             Tensor[N, vocab] float32 logits, and with ``return_hidden`` also
@@ -133,6 +137,8 @@ class Transformer:
         for i, lw in enumerate(self.layers):
             hs = rms_norm(x, lw.input_norm, c.rms_norm_eps)  # [T, hidden]
             qkv = lw.qkv(hs)  # [T, (H + 2KVH) * D]
+            if lora is not None:
+                lora.apply(i, "qkv", hs, qkv)  # before RoPE, in the fused layout
             kv = qkv[:, self._q_dim:].view(t, 2, kvh, d)  # [T, 2, KVH, D] (k then v)
             if ops is not None and lw.q_norm is None and qkv.is_contiguous():
                 ops.rope_(qkv, cos[:, 0], sin[:, 0], h + kvh, d)  # q and k heads, adjacent
@@ -148,8 +154,12 @@ class Transformer:
                 q = qk[:, :h]  # [T, H, D]
                 kv[:, 0] = qk[:, h:]  # rotated keys back into the qkv buffer
             attn = attend(i, q, kv)  # [T, H * D]
-            x.add_(lw.o_proj(attn))  # [T, hidden]
-            x.add_(swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw))
+            o = lw.o_proj(attn)  # [T, hidden]
+            if lora is not None:
+                lora.apply(i, "o", attn, o)
+            x.add_(o)
+            x.add_(swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw,
+                              None if lora is None else partial(lora.apply, i)))
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]

@@ -171,6 +171,8 @@ def _quantize_layer(lw: LayerWeights, amax: dict[str, torch.Tensor], config: Any
     lw.o_proj = Projection(Int8Weight.quantize(o_w * s_o), lw.o_proj.bias)
     lw.gate_up = Projection(Int8Weight.quantize(gu_w * s_gu))
     lw.down = Projection(Int8Weight.quantize(down_w * s_down), lw.down.bias)
+    lw.smoothing = {"qkv_in": s_qkv, "v_out": s_v.reshape(kvd), "o_in": s_o, "gate_up_in": s_gu,
+                    "up_out": s_down, "down_in": s_down}  # LoRA folds these in
 
 
 class _SmoothedHead:

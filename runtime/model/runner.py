@@ -19,6 +19,7 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.layout import entry_width, is_quantized
+from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
@@ -81,6 +82,35 @@ class ModelRunner:
             quantize_int8(self.model, calibration or [])
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
                                                  kv_dtype)
+        self.adapters: dict[str, LoraAdapter] = {}  # by name
+        self._fused: dict[int, FusedAdapter] = {}  # by key: what SeqInput.adapter names
+
+    def load_adapter(self, name: str, path: str, model_name: str = "") -> LoraAdapter:
+        """Read a PEFT LoRA folder and make it usable as ``SeqInput.adapter = key``.
+
+        Raises:
+            InvalidArgument: ``name`` is already loaded.
+            ModelError: the folder is not a supported LoRA of this model.
+        """
+        if name in self.adapters:
+            raise InvalidArgument(f"an adapter named {name!r} is already loaded; unload it "
+                                  "first or pick another name")
+        adapter = load_peft(name, path, self.config, model_name)
+        if adapter.key not in self._fused:  # the same weights under two names: one copy
+            self._fused[adapter.key] = fuse(adapter, self.model)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> LoraAdapter:
+        """Forget an adapter (the caller made sure no row uses it). Returns it."""
+        adapter = self.adapters.pop(name)
+        if all(a.key != adapter.key for a in self.adapters.values()):
+            del self._fused[adapter.key]
+        return adapter
+
+    def has_adapter_key(self, key: int) -> bool:
+        """Whether an adapter with this key is loaded (0, the base model, always is)."""
+        return key == 0 or key in self._fused
 
     @property
     def weight_format(self) -> str:
@@ -110,6 +140,7 @@ class ModelRunner:
         """
         with torch.inference_mode():
             meta, tokens, rows = self._build(batch)
+            lora = self._lora_batch(batch)
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
 
@@ -117,7 +148,32 @@ class ModelRunner:
                 return backend.forward(layer, q, kv, pool, meta)
 
             return self.model.forward(tokens, meta.positions, attend, rows,
-                                      return_hidden=return_hidden)
+                                      return_hidden=return_hidden, lora=lora)
+
+    def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:
+        """The rows of each adapter in the flat batch: a slice when they are contiguous
+        (one context, or contexts the scheduler placed together), else an index."""
+        rows: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for seq in batch:
+            n = len(seq.tokens)
+            if seq.adapter:
+                runs = rows.setdefault(seq.adapter, [])
+                if runs and runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], start + n)
+                else:
+                    runs.append((start, start + n))
+            start += n
+        if not rows:
+            return None
+        segments: list[tuple[slice | torch.Tensor, FusedAdapter]] = []
+        for key, runs in rows.items():
+            if len(runs) == 1:
+                sel: slice | torch.Tensor = slice(*runs[0])
+            else:
+                sel = torch.cat([torch.arange(a, b) for a, b in runs]).to(self.device)
+            segments.append((sel, self._fused[key]))
+        return LoraBatch(segments)
 
     def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Validate the batch and flatten it into tensors and attention metadata."""
@@ -151,6 +207,8 @@ class ModelRunner:
                 raise InvalidArgument(f"batch[{i}]: token id out of range [0, {vocab})")
             if seq.logit_indices and (min(seq.logit_indices) < 0 or max(seq.logit_indices) >= n):
                 raise InvalidArgument(f"batch[{i}]: logit index out of range [0, {n})")
+            if not self.has_adapter_key(seq.adapter):
+                raise InvalidArgument(f"batch[{i}]: adapter {seq.adapter:#x} is not loaded")
             masks.append(self._check_mask(i, seq.mask, n, kv_len))
             base = len(tokens)
             rows.extend(base + j for j in seq.logit_indices)
