@@ -6,7 +6,8 @@ Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
 int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
-the same run; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
+the same run; and for each format a profiled decode step: ops_per_layer_decode,
+decode_ms_per_step and decode_profile, int8_ the same for int8; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -86,6 +87,67 @@ class HF:
         return out, t1 - t0, time.perf_counter() - t1
 
 
+PROJECTION_OPS = ("aten::_int_mm", "aten::linear", "aten::addmm", "aten::mm", "mkldnn::",
+                  "quantized::", "aten::matmul")
+ATTENTION_OPS = ("aten::scaled_dot_product_attention", "pie::paged_attention")
+
+
+class _ProfiledKernels:
+    """runtime.model.kernels' module with every call wrapped in a profiler range named
+    ``pie::<op>`` (pybind calls are otherwise invisible to torch's profiler, and the
+    tensors they allocate would show as top-level ``aten::empty``)."""
+
+    def __init__(self, module: object) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.module, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object) -> object:
+            with torch.profiler.record_function(f"pie::{name}"):
+                return attr(*args)
+        return call
+
+
+def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
+    """One decode step after ``prompt``, profiled: the operations it runs per layer (torch's
+    top-level ops plus pie-ctx's own kernel calls), their mean microseconds, and the step's
+    shares of projections, attention, other ops (glue) and what no op accounts for
+    (Python, the dispatcher, the profiler itself)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.model import kernels
+
+    logits = side.prefill(prompt)
+    token, pos = int(logits[0].argmax()), len(prompt)
+    side.forward([token], pos, [0])  # warm
+    built = kernels.ops()
+    if built is not None:
+        kernels._module = _ProfiledKernels(built)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            side.forward([token], pos + 1, [0])
+            wall = time.perf_counter() - t0
+    finally:
+        if built is not None:
+            kernels._module = built
+    ops = [(e.name, e.cpu_time_total / 1e6) for e in prof.events() if e.cpu_parent is None
+           and "::" in e.name]
+    share = {"projections": 0.0, "attention": 0.0, "glue": 0.0}
+    for name, t in ops:
+        kind = ("projections" if name.startswith(PROJECTION_OPS) else
+                "attention" if name.startswith(ATTENTION_OPS) else "glue")
+        share[kind] += t
+    layers = side.runner.config.num_layers
+    return {"ops_per_layer": len(ops) / layers,
+            "us_per_op": sum(t for _, t in ops) / len(ops) * 1e6,
+            **{f"{k}_share": v / wall for k, v in share.items()},
+            "unaccounted_share": max(0.0, 1 - sum(share.values()) / wall)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -129,6 +191,7 @@ def main() -> None:
             rows[p + "dec"].append((args.new_tokens - 1) / dec)
     best = {k: max(v) for k, v in rows.items()}
     med = {k: statistics.median(v) for k, v in rows.items()}
+    profiles = {p: decode_profile(side, prompt) for p, side in sides.items() if p != "hf_"}
     bw = max(bw_start, mem_bandwidth_gbs(device))
     wbytes = ours.runner.weight_bytes
     roofline = bw * 1e9 / wbytes
@@ -141,12 +204,26 @@ def main() -> None:
                         ("prefill tok/s (median)", med["pf"], med["hf_pf"]),
                         ("decode tok/s (median)", med["dec"], med["hf_dec"])):
         print(f"{label:24}{a:10.1f}{b:10.1f}{a / b:8.2f}")
-    extra = {}
+    print(f"decode step, profiled ({args.prompt_len} tokens of context; shares of one "
+          "step's wall time, the profiler's own cost counted as unaccounted):")
+    for p, prof in profiles.items():
+        print(f"  {p.rstrip('_') or 'fp32':5} {1e3 / best[p + 'dec']:6.1f} ms/step "
+              f"{prof['ops_per_layer']:5.1f} ops/layer {prof['us_per_op']:6.1f} us/op  "
+              + "  ".join(f"{k.removesuffix('_share')} {v:.0%}" for k, v in prof.items()
+                          if k.endswith("_share")))
+    extra: dict[str, object] = {
+        "ops_per_layer_decode": round(profiles[""]["ops_per_layer"], 2),
+        "decode_ms_per_step": round(1e3 / best["dec"], 3),
+        "decode_profile": {k: round(v, 3) for k, v in profiles[""].items()}}
     if int8 is not None:
         ids = text_ids(tok)[:256 if args.smoke else None]
         quality = agreement(ours, int8, tok, args.quality_prompts, checked)
         ppl_delta = perplexity(int8, ids) / perplexity(ours, ids) - 1
-        extra = {"int8_decode_tok_s": round(best["int8_dec"], 2),
+        extra |= {"int8_decode_tok_s": round(best["int8_dec"], 2),
+                 "int8_ops_per_layer_decode": round(profiles["int8_"]["ops_per_layer"], 2),
+                 "int8_decode_ms_per_step": round(1e3 / best["int8_dec"], 3),
+                 "int8_decode_profile": {k: round(v, 3)
+                                         for k, v in profiles["int8_"].items()},
                  "int8_prefill_tok_s": round(best["int8_pf"], 2),
                  "int8_decode_speedup": round(best["int8_dec"] / best["dec"], 3),
                  "int8_prefill_speedup": round(best["int8_pf"] / best["pf"], 3),

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--repeats 3] [--prompt-len 512]
         [--new-tokens 128] [--bon-prompt-len 1024] [--n 8] [--bon-new-tokens 64]
-        [--no-int8] [--skip-bon] [--smoke]
+        [--no-int8] [--skip-bon] [--decode8-n 8] [--decode8-prompt-len 1024]
+        [--decode8-new-tokens 32] [--skip-decode8] [--smoke]
 
 llama.cpp runs through llama-cpp-python (``pip install llama-cpp-python==0.3.36``; without it
 the script prints how to install it and skips, exit status 0). Both sides read the default
@@ -26,7 +27,12 @@ Rows, for llama.cpp, pie-ctx fp32 and pie-ctx int8:
    ``llama_decode`` of n tokens (one per sequence) and each sequence draws its next token
    with its own llama.cpp sampler chain (temp 0.8 -> top-p 0.95 -> dist(seed + i), via
    ``llama_sampler_sample``). If the binding lacks any of that, "independent" mode: n
-   separate prefill + decode runs (said in the output).
+   separate prefill + decode runs (said in the output);
+4. decode8: --decode8-n independent contexts of --decode8-prompt-len tokens (distinct
+   first tokens, so nothing is shared) decoding greedily together, tok/s over all rows of
+   the --decode8-new-tokens - 1 steps after the prefills. llama.cpp: one sequence each in
+   a unified KV buffer, one ``llama_decode`` of n tokens per step; pie-ctx: one context
+   each, batched by the engine into one model call per step.
 
 All torch and all llama.cpp work runs on one thread, the engine's model thread: torch and
 llama.cpp's ggml load the same libgomp (soname libgomp.so.1; torch's copy is loaded first),
@@ -58,6 +64,8 @@ import numpy as np
 import torch
 from best_of_n import run_ours
 from common import TEXT, Ours, emit, parse_args, prompt_tokens
+
+from pie_ctx import Context, Runtime, Sampler, gather
 
 INSTALL = ".venv/bin/pip install llama-cpp-python==0.3.36"
 PAGE_SIZE = 16
@@ -103,6 +111,8 @@ class LlamaCpp:
         self.batch = Batch(lib, n_batch)
         self.bon_ctx: Any = None
         self.bon_batch: Batch | None = None
+        self.many_ctx: Any = None
+        self.many_batch: Batch | None = None
 
     # ---------------------------------------------------------------- low-level helpers
 
@@ -159,6 +169,23 @@ class LlamaCpp:
         """A second context on the same model for the shared-prompt best-of-n: ``n_seq``
         sequences in one unified KV buffer, where ``llama_memory_seq_cp`` only tags the
         prompt's cells with more sequence ids. Returns why it cannot, or None."""
+        opened = self._multi_context(n_seq, n_ctx)
+        if isinstance(opened, str):
+            return opened
+        self.bon_ctx, self.bon_batch = opened
+        return None
+
+    def open_many(self, n_seq: int, n_ctx: int) -> str | None:
+        """A third context for independent sequences decoding together; why not, or None."""
+        opened = self._multi_context(n_seq, n_ctx)
+        if isinstance(opened, str):
+            return opened
+        self.many_ctx, self.many_batch = opened
+        return None
+
+    def _multi_context(self, n_seq: int, n_ctx: int) -> tuple[Any, Batch] | str:
+        """A context of ``n_seq`` sequences in one unified KV buffer of ``n_ctx`` cells, and
+        a batch for it; or why the binding cannot make one."""
         lib = self.lib
         need = ("llama_init_from_model", "llama_get_memory", "llama_memory_seq_cp",
                 "llama_memory_clear", "llama_sampler_sample", "llama_context_default_params")
@@ -177,8 +204,22 @@ class LlamaCpp:
         ctx = lib.llama_init_from_model(self.llm.model, p)
         if not ctx:
             return "llama_init_from_model failed for the multi-sequence context"
-        self.bon_ctx, self.bon_batch = ctx, Batch(lib, max(self.n_batch, n_seq))
-        return None
+        return ctx, Batch(lib, max(self.n_batch, n_seq))
+
+    def decode_many(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Independent prompts (one sequence each, no cells shared), then greedy decoding of
+        all of them together, one ``llama_decode`` per step. Returns the decode tok/s over
+        the ``new_tokens - 1`` steps (every sequence's first token comes from its prefill)."""
+        lib, ctx, batch = self.lib, self.many_ctx, self.many_batch
+        assert batch is not None and len({len(p) for p in prompts}) == 1
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), False)
+        tokens = [self._argmax(ctx, self._prefill(ctx, batch, p, seq=s))
+                  for s, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        for pos in range(len(prompts[0]), len(prompts[0]) + new_tokens - 1):
+            self._decode(ctx, batch, [(t, pos, s, True) for s, t in enumerate(tokens)])
+            tokens = [self._argmax(ctx, s) for s in range(len(prompts))]
+        return len(prompts) * (new_tokens - 1) / (time.perf_counter() - t0)
 
     def best_of(self, prompt: list[int], n: int, new_tokens: int, seed: int) -> float:
         """Wall seconds for n samples of ``new_tokens`` tokens after ``prompt``."""
@@ -228,11 +269,13 @@ class LlamaCpp:
         return outs, time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.bon_ctx is not None:
-            self.lib.llama_free(self.bon_ctx)
-            self.bon_ctx = None
-        if self.bon_batch is not None:
-            self.bon_batch.free()
+        for ctx in (self.bon_ctx, self.many_ctx):
+            if ctx is not None:
+                self.lib.llama_free(ctx)
+        self.bon_ctx = self.many_ctx = None
+        for batch in (self.bon_batch, self.many_batch):
+            if batch is not None:
+                batch.free()
         self.batch.free()
         self.llm.close()
 
@@ -252,6 +295,20 @@ def make_ours(weights: str, max_tokens: int) -> Ours:
                 weights=weights)
 
 
+async def decode_many_ours(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """``LlamaCpp.decode_many`` on the engine: one context per prompt, prefilled, then all
+    decoding greedily together (the engine batches them into one model call per step)."""
+    async with Runtime.local(engine=engine) as rt:
+        contexts = [Context(rt).append(p) for p in prompts]
+        await gather(*(c.flush() for c in contexts))
+        t0 = time.perf_counter()
+        outs = await gather(*(c.generate(Sampler.greedy(), max_tokens=new_tokens,
+                                         ignore_eos=True).tokens() for c in contexts))
+        wall = time.perf_counter() - t0
+    assert all(len(o) == new_tokens for o in outs)
+    return len(prompts) * (new_tokens - 1) / wall
+
+
 def leading_run(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)))
@@ -262,8 +319,9 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
     from runtime.engine.boot import boot_engine
 
     threads = torch.get_num_threads()
-    rows = {k: {"pf": [], "dec": [], "bon": []} for k in ("llamacpp", *formats)}
-    info: dict[str, Any] = {"bon_mode": "skipped" if args.skip_bon else None}
+    rows = {k: {"pf": [], "dec": [], "bon": [], "d8": []} for k in ("llamacpp", *formats)}
+    info: dict[str, Any] = {"bon_mode": "skipped" if args.skip_bon else None,
+                            "decode8": "skipped" if args.skip_decode8 else None}
     llama: LlamaCpp | None = None
     try:
         for weights in formats:
@@ -274,6 +332,7 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
             tok = engine.tokenizer
             prompt = prompt_tokens(tok, args.prompt_len)
             bon_prompt = prompt_tokens(tok, args.bon_prompt_len)
+            many_prompt = prompt_tokens(tok, args.decode8_prompt_len)
             if llama is None:
                 n_ctx = max(2048, args.prompt_len + args.new_tokens,
                             args.bon_prompt_len + args.bon_new_tokens)
@@ -289,6 +348,13 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                     if why:
                         print(f"llama.cpp best-of-{args.n}: {why}; falling back to {args.n} "
                               "independent runs")
+                if not args.skip_decode8:
+                    need = args.decode8_n * (args.decode8_prompt_len + args.decode8_new_tokens)
+                    why = on_model(llama.open_many, args.decode8_n, -(-need // 256) * 256)
+                    info["decode8"] = why or "one llama_decode per step"
+                    if why:
+                        print(f"llama.cpp: {args.decode8_n} sequences together: {why}; "
+                              "skipping that row")
             ours = on_model(make_ours, weights, args.prompt_len + args.new_tokens + PAGE_SIZE)
             async with engine:
                 warm = prompt[:64]  # warm both sides (and this thread's OpenMP team)
@@ -297,6 +363,10 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                 if not args.skip_bon:
                     on_model(llama.best_of, bon_prompt[:64], 2, 4, 0)
                     await run_ours(engine, bon_prompt[:64], 2, 4, 0)
+                many = llama.many_ctx is not None
+                if many:
+                    on_model(llama.decode_many, [warm, warm], 4)
+                    await decode_many_ours(engine, [warm, [7] + warm[1:]], 4)
                 for r in range(args.repeats):  # interleaved: machine noise hits both alike
                     for name, side in (("llamacpp", llama), (weights, ours)):
                         out, pf, dec = on_model(side.generate, prompt, args.new_tokens)
@@ -309,6 +379,13 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                             on_model(llama.best_of, salted, args.n, args.bon_new_tokens, r))
                         wall, _ = await run_ours(engine, salted, args.n, args.bon_new_tokens, r)
                         rows[weights]["bon"].append(wall)
+                    if many:  # distinct first tokens: no page shared between them or repeats
+                        prompts = [[2000 + 64 * r + s] + many_prompt[1:]
+                                   for s in range(args.decode8_n)]
+                        rows["llamacpp"]["d8"].append(
+                            on_model(llama.decode_many, prompts, args.decode8_new_tokens))
+                        rows[weights]["d8"].append(
+                            await decode_many_ours(engine, prompts, args.decode8_new_tokens))
             # The engine shut its thread down on exit; wait for it, so that its OpenMP team
             # is gone before the next engine's thread starts one.
             del ours, engine, on_model
@@ -330,8 +407,14 @@ def main() -> None:
     ap.add_argument("--bon-new-tokens", type=int, default=64)
     ap.add_argument("--no-int8", action="store_true", help="skip the pie-ctx int8 rows")
     ap.add_argument("--skip-bon", action="store_true", help="skip the best-of-n rows")
+    ap.add_argument("--decode8-n", type=int, default=8,
+                    help="independent contexts decoding together (the decode8 row)")
+    ap.add_argument("--decode8-prompt-len", type=int, default=1024)
+    ap.add_argument("--decode8-new-tokens", type=int, default=32)
+    ap.add_argument("--skip-decode8", action="store_true", help="skip the decode8 row")
     args = parse_args(ap, repeats=1, prompt_len=16, new_tokens=4, bon_prompt_len=32, n=2,
-                      bon_new_tokens=4)
+                      bon_new_tokens=4, decode8_n=2, decode8_prompt_len=32,
+                      decode8_new_tokens=4)
     assert args.new_tokens >= 2 and args.bon_new_tokens >= 1 and args.n >= 1
 
     try:
@@ -340,6 +423,12 @@ def main() -> None:
         print(f"llama-cpp-python is not installed; skipping. Install it with `{INSTALL}` "
               "(builds llama.cpp from source: several minutes on 2 cores).")
         emit({"skipped": "llama-cpp-python not installed"})
+        return
+    except OSError as err:  # installed, but its libllama cannot be found or loaded
+        print(f"llama-cpp-python cannot load llama.cpp ({err}); skipping. Point "
+              "LLAMA_CPP_LIB_PATH at the folder of a libllama.so, or reinstall it with "
+              f"`{INSTALL}`.")
+        emit({"skipped": f"llama-cpp-python cannot load llama.cpp: {err}"})
         return
 
     from runtime.model.loader import default_gguf_path
@@ -376,6 +465,8 @@ def main() -> None:
               ("dec", f"decode @{args.prompt_len} tok/s")]
     if not args.skip_bon:
         labels.append(("bon", f"best-of-{args.n} wall s"))
+    if rows["llamacpp"]["d8"]:
+        labels.append(("d8", f"{args.decode8_n}x decode @{args.decode8_prompt_len} tok/s"))
     for key, label in labels:
         for stat, fn in (("best", best), ("median", med)):
             vals = [fn(s, key) for s in sides]
@@ -391,16 +482,20 @@ def main() -> None:
         result[f"{side}_prefill_tok_s"] = best(side, "pf")
         result[f"{side}_decode_tok_s"] = best(side, "dec")
         result[f"{side}_bon_wall_s"] = best(side, "bon")
+        result[f"{side}_decode8_tok_s"] = best(side, "d8")
     for fmt in ("int8", "fp32"):
         for key, name, wall in (("dec", "decode", False), ("pf", "prefill", False),
-                                ("bon", "bon", True)):
+                                ("bon", "bon", True), ("d8", "decode8", False)):
             result[f"{fmt}_{name}_vs_llamacpp"] = ratio(best(fmt, key), best("llamacpp", key),
                                                        wall)
     for fmt in ("int8",):  # absent when --no-int8: keep the keys, as null
-        for name in ("prefill_tok_s", "decode_tok_s", "bon_wall_s"):
+        for name in ("prefill_tok_s", "decode_tok_s", "bon_wall_s", "decode8_tok_s"):
             result.setdefault(f"{fmt}_{name}", None)
     result.update({"threads": torch.get_num_threads(), "gguf": gguf.name,
                    "llamacpp_version": llama_cpp.__version__, "bon_mode": info["bon_mode"],
+                   "decode8_mode": info["decode8"], "decode8_n": args.decode8_n,
+                   "decode8_prompt_len": args.decode8_prompt_len,
+                   "decode8_new_tokens": args.decode8_new_tokens,
                    "vocab_agrees": info["vocab_agrees"], "greedy_identical_vs_fp32": agree,
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "bon_prompt_len": args.bon_prompt_len, "n": args.n,

@@ -39,6 +39,9 @@ KEYS = {
                      "save_mb_s", "disk_write_mb_s", "snapshots_saved"},
     "threads.py": {"copies_ratio"},
     "throughput.py": {"tokens_per_s", "scheduler_overhead_fraction"},
+    "vs_llamacpp.py": {"int8_decode_vs_llamacpp", "fp32_decode_vs_llamacpp",
+                       "int8_prefill_vs_llamacpp", "int8_bon_vs_llamacpp",
+                       "int8_decode8_vs_llamacpp"},
 }
 
 

@@ -131,6 +131,20 @@ def test_rms_norm_and_quantize_rows_match_the_eager_ops(ops, monkeypatch):
                                                                               dtype=torch.int8))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_an_int8_projection_gives_the_same_bits_with_the_kernels(ops, monkeypatch, bias):
+    from runtime.model.matmul import Int8Weight, Projection
+
+    torch.manual_seed(6)
+    w = Int8Weight.quantize(torch.randn(80, 96))
+    b = torch.randn(80) if bias else None
+    x = torch.randn(9, 96)
+    fast = {n: Projection(w, b)._kernel(n)(x) for n in ("int_mm", "int_mm_kn")}
+    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+    slow = Projection(w, b)._kernel("int_mm")(x)
+    assert torch.equal(fast["int_mm"], slow) and torch.equal(fast["int_mm_kn"], slow)
+
+
 def test_the_model_with_kernels_matches_the_model_without(ops, monkeypatch):
     """Prefill, then decodes and a draft, paged: logits within float rounding either way."""
     hf_model = make_hf_model("llama3", seed=7, num_layers=2)

@@ -459,7 +459,44 @@ EXACT torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
+// The fp32 result of an int8 projection: acc * x_scale * w_scale (+ bias), in that order
+// (torch's ``acc.float().mul_(xs).mul_(ws).add_(b)``, bit for bit), in one pass.
+// acc: [M, N] int32 contiguous; xs: [M] or [M, 1] float32; ws: [N] float32; bias: [N] or
+// empty.
+EXACT torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch::Tensor ws,
+                                     torch::Tensor bias) {
+  TORCH_CHECK(acc.dtype() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous() &&
+              xs.dtype() == torch::kFloat32 && xs.is_contiguous() &&
+              xs.numel() == acc.size(0) && ws.dtype() == torch::kFloat32 &&
+              ws.is_contiguous() && ws.numel() == acc.size(1) &&
+              (bias.numel() == 0 || (bias.dtype() == torch::kFloat32 &&
+                                     bias.is_contiguous() && bias.numel() == acc.size(1))),
+              "dequantize_int32: int32 [M, N], fp32 scales [M] and [N], bias [N] or empty");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  auto out = torch::empty({M, N}, acc.options().dtype(torch::kFloat32));
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* x = xs.data_ptr<float>();
+  const float* w = ws.data_ptr<float>();
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* row = a + m * N;
+      float* dst = o + m * N;
+      const float sx = x[m];
+      if (b != nullptr) {
+        for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<float>(row[n]) * sx * w[n] + b[n];
+      } else {
+        for (int64_t n = 0; n < N; ++n) dst[n] = static_cast<float>(row[n]) * sx * w[n];
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize_int32", &dequantize_int32, "int8 projection's int32 result to fp32");
   m.def("rope_", &rope_, "rotate q and k heads of a qkv buffer in place");
   m.def("write_kv", &write_kv, "store new K/V into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
