@@ -49,6 +49,7 @@ class PageState:
     committed_ids: list[PageId] | None = field(default_factory=list)
     ids_shared: bool = False
     owner: Any = None  # whose page share this state counts against (None: nobody's)
+    adapter: int = 0  # the LoRA adapter's key its tokens are computed under (0: none)
 
     @property
     def num_committed_pages(self) -> int:
@@ -92,6 +93,7 @@ class PageState:
             committed_ids=self.committed_ids,
             ids_shared=self.committed_ids is not None,
             owner=self.owner,
+            adapter=self.adapter,
         )
         if self.committed_ids is not None:
             self.ids_shared = True

@@ -188,6 +188,7 @@ class ManifestHead(msgspec.Struct, frozen=True, kw_only=True):
     logits_bytes: int  # 0: no last logits saved
     meta: str
     saved_at: float
+    adapter: int = 0  # the LoRA adapter key its pages were computed under (0: none)
 
 
 def _sum(*parts: bytes | memoryview) -> bytes:

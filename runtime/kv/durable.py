@@ -109,7 +109,7 @@ def plan_save(key: tuple[str, str], snap: Snapshot, tier: DiskTier, root: int | 
         tail_extras=list(state.extras), tail_pages=num_tail,
         tail_bytes=num_tail * tier.page_bytes,
         logits_bytes=0 if logits is None else 4 * int(np.asarray(logits).size),
-        meta=snap.meta, saved_at=time.time())
+        meta=snap.meta, saved_at=time.time(), adapter=state.adapter)
     tail_pages = state.working[:num_tail]
     return SaveJob(key, snap, tier, head, new_pages, known, to_sync, tail_pages)
 

@@ -25,7 +25,8 @@ import xxhash
 
 from runtime.kv.types import PageHash
 
-__all__ = ["hash_page", "fold_extras", "chain_root", "MAX_TOKEN", "MAX_EXTRA"]
+__all__ = ["hash_page", "fold_extras", "adapter_extras", "chain_root", "MAX_TOKEN",
+           "MAX_EXTRA"]
 
 MAX_TOKEN = 2**63 - 1
 """Largest token id or position the i64 encoding can carry."""
@@ -34,6 +35,7 @@ MAX_EXTRA = 2**64 - 1
 """Largest ``extra`` value the u64 encoding can carry."""
 
 _EXTRAS_TAG = b"pie-ctx/extras/v1"
+_ADAPTER_TAG = b"pie-ctx/adapter/v1"
 
 
 def hash_page(
@@ -77,6 +79,27 @@ def chain_root(kv_dtype: str) -> PageHash | None:
     if kv_dtype == "fp32":
         return None
     return PageHash(xxhash.xxh3_64_intdigest(b"pie-ctx/kv-format/" + kv_dtype.encode()) or 1)
+
+
+def adapter_extras(extras: list[int], adapter: int) -> list[int]:
+    """Per-token extras of a context that runs LoRA adapter ``adapter`` (its u64 key,
+    ``runtime.model.adapters``; 0 = the base model, whose extras are unchanged).
+
+    The one place an adapter's identity enters the page hash: each extra ``e`` becomes a
+    tagged xxh3-64 of ``(adapter, e)``, never 0, so pages computed under two adapters, or
+    under an adapter and the base model, never hash or verify alike.
+    """
+    if adapter == 0:
+        return extras
+    memo: dict[int, int] = {}
+    out = []
+    for e in extras:
+        v = memo.get(e)
+        if v is None:
+            v = memo[e] = xxhash.xxh3_64_intdigest(
+                _ADAPTER_TAG + struct.pack("<QQ", adapter, e)) or 1
+        out.append(v)
+    return out
 
 
 def fold_extras(extras: Sequence[int]) -> int:

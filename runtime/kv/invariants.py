@@ -121,9 +121,13 @@ def check_invariants(store: StoreView) -> None:
         if node.parent is not None:
             children[id(node.parent)].append(node)
     pinned: set[int] = set()
-    for _, state in holders:
+    adapter_of: dict[int, int] = {}  # node -> the adapter of the chains that hold it
+    for who, state in holders:
         for node in chain_nodes(state.tip):
             pinned.add(id(node))
+            if adapter_of.setdefault(id(node), state.adapter) != state.adapter:
+                _fail(f"{who}: page {node.page_id} is shared by adapters "
+                      f"{adapter_of[id(node)]:#x} and {state.adapter:#x}")
 
     lru_ids = {id(n) for n in trie.lru.values()}
     for node in nodes:

@@ -49,6 +49,13 @@ class Snapshot:
     head: Any = None  # the durable manifest's head (runtime.kv.disk.ManifestHead), or None
 
     @property
+    def adapter(self) -> int:
+        """The LoRA adapter key its pages were computed under (0: none)."""
+        if self.state is not None:
+            return self.state.adapter
+        return int(getattr(self.head, "adapter", 0))
+
+    @property
     def pages(self) -> PageState:
         """The page state of a resident snapshot (the store restores a spilled one first)."""
         if self.state is None:

@@ -45,6 +45,7 @@ from pie_ctx.proto.messages import ContextState
 from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.disk import PageFiles, foreign_manifests
 from runtime.kv.durable import RestoreJob, SaveJob, parent_hash, plan_restore, plan_save
+from runtime.kv.hashing import adapter_extras
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry, snapshot_key
@@ -207,17 +208,28 @@ class PageStore:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def create_context(self, owner: Any = None) -> ContextId:
+    def create_context(self, owner: Any = None, adapter: int = 0) -> ContextId:
         """Create an empty context (no pages).
 
         Args:
             owner: whose page share it counts against (see ``owner_pages``); inherited by
                 its forks. None counts against nobody.
+            adapter: the key of the LoRA adapter its tokens are computed under (0: none);
+                inherited by its forks and snapshots, and folded into every extra it
+                writes or matches (``runtime.kv.hashing.adapter_extras``).
 
         Returns:
             Its id; ids are never reused within a store.
         """
-        return self._register(PageState(owner=owner))
+        return self._register(PageState(owner=owner, adapter=adapter))
+
+    def adapter_of(self, cid: ContextId) -> int:
+        """The adapter key of a context (0: none).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        return self._ctx(cid).adapter
 
     def _fork_state(self, state: PageState, owner: Any) -> PageState:
         """Copy of ``state`` owned by ``owner``, sharing its chain (one reference), with
@@ -375,6 +387,7 @@ class PageStore:
         """
         state = self._ctx(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
+        extras = adapter_extras(extras, state.adapter)
         start = len(state.tokens)
         room = len(state.working) * self.page_size - start
         if len(toks) > room:
@@ -454,6 +467,7 @@ class PageStore:
         """
         state = self._ctx(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
+        extras = adapter_extras(extras, state.adapter)
         if state.tokens:
             raise InvalidArgument("match_prefix: the context has working tokens; commit them first")
         return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
@@ -479,6 +493,7 @@ class PageStore:
         """
         state = self._ctx(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
+        extras = adapter_extras(extras, state.adapter)
         if state.tokens:
             raise InvalidArgument(
                 "attach_prefix: the context has working tokens; commit or truncate them first"
@@ -720,7 +735,7 @@ class PageStore:
         """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
         pages found in the pool. On any error every page taken goes back."""
         head, ps, tier = job.head, self.page_size, self._disk
-        state = PageState()
+        state = PageState(adapter=head.adapter)
         from_memory = 0
         try:
             for i, h in enumerate(head.pages):
