@@ -1,6 +1,7 @@
 """The ``pie-ctx`` command: run inferlets, manage cached models, serve an engine.
 
     pie-ctx run FILE.py [--model M] [--page-size N] [--connect ADDR] [-v] [-- INFERLET ARGS]
+    pie-ctx launch NAME [--connect ADDR] [-- INFERLET ARGS]   (inside `serve --inferlets DIR`)
     pie-ctx models [list] | pie-ctx models pull [NAME]
     pie-ctx stats [ADDRESS] [--json]                  (a running server's counters)
     pie-ctx serve ...                                  (see docs/server.md)
@@ -11,118 +12,27 @@ the inferlet's own ``add_arguments(parser)`` if it defines one, else collected a
 ``args.argv``. What ``main`` returns, unless None, is printed.
 
 This module is the program's entry point, so it sits above both packages: besides the SDK
-it imports ``runtime.server.cli`` (to offer ``serve``) and, in ``models``, the loader.
+it imports ``runtime.server.cli`` (to offer ``serve``), in ``models`` the loader, and for
+``run --inferlets`` the engine and its inferlet host.
 Every other SDK module stays clear of ``runtime``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import logging
-import reprlib
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+from pie_ctx.loading import inferlet_args, load_inferlet
 from pie_ctx.proto.address import default_socket_path, parse_address, read_token_file
-from pie_ctx.proto.errors import InvalidArgument, PieError
+from pie_ctx.proto.errors import PieError
 
 __all__ = ["main", "load_inferlet", "inferlet_args"]
-
-
-# What an inferlet defines, for the one-line errors of ``load_inferlet``.
-MAIN_SHAPE = "async def main(rt, args)"
-MAIN_ARGS = ("rt: the pie_ctx.Runtime; args: an argparse.Namespace of the words after `--`, "
-             "parsed by add_arguments(parser) if the file defines it, else as args.argv")
-ADD_ARGUMENTS_SHAPE = "def add_arguments(parser)"
-
-
-def load_inferlet(path: str | Path) -> ModuleType:
-    """Import an inferlet file as a module and check the shape of its entry points.
-
-    An inferlet defines ``async def main(rt, args)``, where ``rt`` is the
-    ``pie_ctx.Runtime`` and ``args`` what ``inferlet_args`` makes of the words after
-    ``--``, and optionally ``def add_arguments(parser)`` for its own options. What
-    ``main`` returns, unless None, is printed.
-
-    Errors raised by the file's own code (a ``SyntaxError``, an exception at import) keep
-    their traceback: they are the inferlet's bugs, not the runner's.
-
-    Raises:
-        InvalidArgument: the file is missing, or has no ``main``, or ``main`` is not
-            ``async def main(rt, args)`` (not async, or not callable with two arguments),
-            or ``add_arguments`` is not ``def add_arguments(parser)``. The message is one
-            line showing the expected shape.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise InvalidArgument(f"inferlet {file} does not exist")
-    spec = importlib.util.spec_from_file_location(f"inferlet_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise InvalidArgument(f"{file} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    main = getattr(module, "main", None)
-    if main is None:
-        raise InvalidArgument(f"{file} has no main: an inferlet defines `{MAIN_SHAPE}` "
-                              f"({MAIN_ARGS})")
-    if not inspect.iscoroutinefunction(main) or not _accepts(main, 2):
-        raise InvalidArgument(f"{file}: main must be `{MAIN_SHAPE}`, not "
-                              f"`{_shape('main', main)}` ({MAIN_ARGS})")
-    add = getattr(module, "add_arguments", None)
-    if add is not None and (inspect.iscoroutinefunction(add) or not _accepts(add, 1)):
-        raise InvalidArgument(f"{file}: add_arguments must be `{ADD_ARGUMENTS_SHAPE}`, not "
-                              f"`{_shape('add_arguments', add)}` (parser: the "
-                              f"argparse.ArgumentParser of the inferlet's own options)")
-    return module
-
-
-def _accepts(fn: Any, num_args: int) -> bool:
-    """Whether ``fn`` can be called with ``num_args`` positional arguments."""
-    if not callable(fn):
-        return False
-    try:
-        inspect.signature(fn).bind(*([None] * num_args))
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (a builtin): let the call decide
-        return True
-    return True
-
-
-def _shape(name: str, fn: Any) -> str:
-    """How ``name`` was defined, as one line: ``def main(rt)``, ``main = 3``..."""
-    if not callable(fn):
-        return f"{name} = {reprlib.repr(fn)}"
-    try:
-        sig = str(inspect.signature(fn))
-    except ValueError:
-        sig = "(...)"
-    return f"{'async ' if inspect.iscoroutinefunction(fn) else ''}def {name}{sig}"
-
-
-def inferlet_args(module: ModuleType, argv: list[str], prog: str) -> argparse.Namespace:
-    """The ``args`` that ``pie-ctx run`` passes to ``async def main(rt, args)``: an
-    ``argparse.Namespace`` of ``argv`` (the words after ``--``).
-
-    A file that defines ``def add_arguments(parser)`` declares its options on ``parser``
-    (an ``argparse.ArgumentParser``) and gets them parsed, as attributes. A file without
-    it gets every word as given in the list ``args.argv`` (a lone ``-h`` or ``--help``
-    prints the file's docstring instead).
-    """
-    parser = argparse.ArgumentParser(prog=prog, description=(module.__doc__ or "").strip() or None)
-    if callable(getattr(module, "add_arguments", None)):
-        module.add_arguments(parser)
-        return parser.parse_args(argv)
-    parser.add_argument("argv", nargs="*", help="words for the inferlet (args.argv)")
-    if argv in (["-h"], ["--help"]):
-        return parser.parse_args(argv)  # prints the help and exits
-    return argparse.Namespace(argv=list(argv))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="run against `pie-ctx serve` (unix:PATH, tcp:HOST:PORT, a socket "
                           "path, or `default` for the server's default socket)")
     run.add_argument("--token-file", default=None, help="token file for a TCP server")
+    run.add_argument("--inferlets", default=None, metavar="DIR",
+                     help="without --connect: the folder rt.spawn launches inferlets from")
     run.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
                      help="async library to run the inferlet under")
     run.add_argument("-v", "--verbose", action="store_true",
@@ -152,6 +64,21 @@ def _parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="fetch and convert a model ahead of time")
     pull.add_argument("name", nargs="?", default="default", help="model (default: the default)")
     models.set_defaults(func=_models)
+
+    launch = sub.add_parser(
+        "launch", help="launch an inferlet of the server's folder inside the server",
+        description="Launch the inferlet NAME of `pie-ctx serve --inferlets DIR` inside the "
+                    "server, print what it sends to its session as it comes, then what its "
+                    "main returns (arguments after `--` go to it). See docs/inferlets.md.")
+    launch.add_argument("name", help="the inferlet's file name in the server's folder, "
+                                     "without .py")
+    launch.add_argument("--connect", default="default", metavar="ADDRESS",
+                        help="the server: unix:PATH, tcp:HOST:PORT, a socket path, or "
+                             "`default` (the default socket)")
+    launch.add_argument("--token-file", default=None, help="token file for a TCP server")
+    launch.add_argument("--namespace", default=None,
+                        help="the sub-namespace to launch it in (see docs/server.md)")
+    launch.set_defaults(func=_launch)
 
     stats = sub.add_parser("stats", help="print a running server's page and cache stats")
     stats.add_argument("address", nargs="?", default=None,
@@ -183,6 +110,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             from runtime.server.cli import engine_options
 
             manager = Runtime.local(args.model, **engine_options(args))
+            if args.inferlets is not None:
+                manager = _hosting_runtime(args)
         async with manager as rt:
             t0 = time.perf_counter()
             result = await module.main(rt, iargs)
@@ -196,6 +125,46 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         return result
 
     result = anyio.run(go, backend=args.backend)
+    if result is not None:
+        print(result)
+    return 0
+
+
+@asynccontextmanager
+async def _hosting_runtime(args: argparse.Namespace) -> AsyncIterator[Any]:
+    """``pie-ctx run --inferlets DIR``: an engine in this process that can launch DIR's
+    inferlets (``rt.spawn``), and a runtime on it."""
+    from pie_ctx.runtime import Runtime
+    from runtime.engine.boot import boot_engine
+    from runtime.hosted.folder import InferletFolder
+    from runtime.hosted.host import host_inferlets
+    from runtime.server.cli import engine_options
+
+    folder = InferletFolder(args.inferlets)  # a bad folder fails before the model loads
+    async with boot_engine(args.model, **engine_options(args)) as engine:
+        host_inferlets(engine, folder.path)
+        async with Runtime.local(engine=engine) as rt:
+            yield rt
+
+
+def _launch(args: argparse.Namespace, rest: list[str]) -> int:
+    """``pie-ctx launch NAME``: run a hosted inferlet and stream its session to stdout."""
+    import anyio
+
+    from pie_ctx.runtime import Runtime
+
+    address = default_socket_path() if args.connect == "default" else args.connect
+    token = read_token_file(args.token_file) if args.token_file else None
+
+    async def go() -> str | None:
+        async with Runtime.connect(address, token=token, namespace=args.namespace) as rt:
+            handle = await rt.spawn(args.name, rest)
+            async for text in handle.output():
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            return await handle
+
+    result = anyio.run(go)
     if result is not None:
         print(result)
     return 0
@@ -259,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="pie-ctx: %(message)s")
     try:
-        if args.func in (_run, _models):
+        if args.func in (_run, _models, _launch):
             return args.func(args, rest)
         return args.func(args)
     except PieError as err:
         print(f"pie-ctx: error: {err}", file=sys.stderr)
-        return 1 if args.func is _run else 2
+        return 1 if args.func in (_run, _launch) else 2
     except KeyboardInterrupt:
         return 130
 

@@ -97,7 +97,7 @@ class ContextCore:
         self.check_open()
         op, run = self.chain.enqueue(self._guarded(body))
         try:
-            self.rt.spawn(run)
+            self.rt.start_soon(run)
         except BaseException as err:
             op.finish(ContextClosed(f"the runtime could not start this operation: {err}"))
             raise
@@ -140,9 +140,10 @@ class ContextCore:
             raise ContextClosed("this context was never created on the runtime")
         return await self.transport.request(cls(ctx=self.handle, **fields))
 
-    async def create(self) -> None:
-        """Create the context on the runtime (the first operation of a new context)."""
-        self.adopt(await self.transport.request(P.CreateContext()))
+    async def create(self, adapter: str = "") -> None:
+        """Create the context on the runtime (the first operation of a new context), its
+        tokens run through LoRA ``adapter`` ("" = the base model)."""
+        self.adopt(await self.transport.request(P.CreateContext(adapter=adapter)))
 
     async def write_pending(self) -> P.PassReport:
         """Write the pending tokens into the KV cache (call it inside an operation)."""

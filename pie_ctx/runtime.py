@@ -17,13 +17,14 @@ Usage::
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
 from pie_ctx.channels import Mailbox, Receiver, Subscription
+from pie_ctx.inferlets import InferletHandle, Session, SessionSink, Store, check_argv, print_session
 from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import ContextClosed, single_exception
@@ -35,11 +36,16 @@ __all__ = ["Runtime"]
 class Runtime:
     """A connection to an engine, in this process or behind ``pie-ctx serve``."""
 
-    def __init__(self, transport: Transport, task_group: Any) -> None:
+    def __init__(self, transport: Transport, task_group: Any,
+                 session: SessionSink | None = None) -> None:
         self.transport = transport
         self._tg = task_group
         self._closed = False
         self._mailbox = Mailbox(transport)
+        self.session = Session(session or print_session)
+        """The stream of text to whoever launched this inferlet (``rt.session.send``)."""
+        self.store = Store(transport)
+        """Small durable values shared by the namespace (``rt.store.get/set/delete/keys``)."""
 
     @property
     def closed(self) -> bool:
@@ -61,15 +67,17 @@ class Runtime:
             num_pages: pool size (default: what ``kv_memory_gb`` holds).
             snapshot_dir: an existing folder where snapshots are durable: they survive the
                 runtime and are bounded by the disk, not the pool. None (the default): in
-                memory, for this runtime's life (docs/snapshots.md).
+                memory, for this runtime's life (docs/snapshots.md). ``rt.store`` keeps its
+                values there too.
             engine: an existing, running engine to share (then ``model`` etc. are ignored).
-            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``...).
+            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``,
+                ``inferlets``: the folder ``rt.spawn`` launches from...).
 
         Raises:
             StorageError: ``snapshot_dir`` is missing, read-only, or in use by another engine.
         """
         if engine is not None:
-            async with cls._over(LocalTransport(engine)) as rt:
+            async with cls.over(LocalTransport(engine)) as rt:
                 yield rt
             return
         # The documented lazy entry point into the runtime package: torch loads only here.
@@ -77,7 +85,7 @@ class Runtime:
 
         booted = boot_engine(model, page_size=page_size, num_pages=num_pages,
                              snapshot_dir=snapshot_dir, **engine_kw)
-        async with booted, cls._over(LocalTransport(booted)) as rt:
+        async with booted, cls.over(LocalTransport(booted)) as rt:
             yield rt
 
     @classmethod
@@ -88,16 +96,24 @@ class Runtime:
         from pie_ctx.socket_transport import SocketTransport
 
         async with SocketTransport.open(address, token=token, namespace=namespace) as transport, \
-                cls._over(transport) as rt:
+                cls.over(transport) as rt:
             yield rt
 
     @classmethod
     @asynccontextmanager
-    async def _over(cls, transport: Transport) -> AsyncIterator[Runtime]:
+    async def over(cls, transport: Transport, *,
+                   session: SessionSink | None = None) -> AsyncIterator[Runtime]:
+        """A runtime over any ``transport`` (what ``local`` and ``connect`` use; the server
+        runs hosted inferlets over its in-process one). Closing it closes the transport.
+
+        Args:
+            transport: the connection to the engine.
+            session: where ``rt.session.send`` delivers text (default: standard output).
+        """
         rt: Runtime | None = None
         try:
             async with anyio.create_task_group() as tg:
-                rt = cls(transport, tg)
+                rt = cls(transport, tg, session)
                 yield rt
         except BaseExceptionGroup as group:
             # The task group wraps whatever the inferlet raised; give it back unwrapped.
@@ -111,10 +127,40 @@ class Runtime:
 
     # ----------------------------------------------------------------------- queries
 
+    _adapter_info: P.EngineInfo | None = None  # the info this runtime's adapter calls returned
+
     @property
     def info(self) -> P.EngineInfo:
-        """Model name, page size, vocabulary size, limits and stop tokens of the engine."""
-        return self.transport.info
+        """Model name, page size, vocabulary size, limits and stop tokens of the engine,
+        and its LoRA adapters (as of connecting, or of this runtime's last
+        ``load_adapter``/``unload_adapter``)."""
+        return self._adapter_info or self.transport.info
+
+    async def load_adapter(self, name: str, path: str) -> P.AdapterInfo:
+        """Load a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``,
+        read by the engine's process) as adapter ``name``, for ``Context(rt, adapter=name)``.
+
+        Returns:
+            Its ``AdapterInfo`` (also in ``rt.info.adapters`` now).
+
+        Raises:
+            InvalidArgument: ``name`` is already loaded, or is not a valid name.
+            ModelError: the folder is missing or not a LoRA this engine supports (DoRA,
+                biases, embedding LoRA, another base model): the message says which.
+        """
+        info = await self.transport.request(P.LoadAdapter(name=name, path=str(path)))
+        self._adapter_info = info
+        return next(a for a in info.adapters if a.name == name)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``. Fails, changing nothing, while live contexts use it
+        (release them first); snapshots saved under it reopen once it is loaded again.
+
+        Raises:
+            AdapterNotFound: no adapter of that name is loaded.
+            AdapterInUse: contexts still use it.
+        """
+        self._adapter_info = await self.transport.request(P.UnloadAdapter(name=name))
 
     @property
     def tokenizer(self) -> Any:
@@ -212,7 +258,31 @@ class Runtime:
         """
         return Subscription(self._mailbox, checks.channel_name(topic, "topic"))
 
-    def spawn(self, fn: Callable[[], Awaitable[Any]]) -> None:
+    # --------------------------------------------------------------------- inferlets
+
+    async def spawn(self, name: str, args: Sequence[str] | None = None) -> InferletHandle:
+        """Launch the inferlet ``name`` from the engine's inferlet folder (``pie-ctx serve
+        --inferlets DIR``, ``pie-ctx run --inferlets DIR``), inside the engine's process,
+        as an owner of its own in this runtime's namespace (docs/inferlets.md).
+
+        Args:
+            name: the file's name in the folder, without ``.py`` (``rt.info.inferlet_folder``).
+            args: the words its ``main`` gets as ``args`` (as after ``--`` of ``pie-ctx launch``).
+
+        Returns:
+            A handle: ``await handle`` for its result, ``handle.output()`` for what it sends
+            to its session, ``await handle.cancel()``. It is cancelled when this runtime closes.
+
+        Raises:
+            InferletNotFound: no folder, or no such inferlet in it, or a name that leads
+                out of it (``..``, an absolute path, a symlink out).
+            InvalidArgument: ``args`` is not a list of str.
+        """
+        argv = check_argv(args)
+        reply = await self.transport.request(P.SpawnInferlet(name=name, argv=argv))
+        return InferletHandle(self.transport, reply.id, name)
+
+    def start_soon(self, fn: Callable[[], Awaitable[Any]]) -> None:
         """Run ``fn()`` in the background, inside this runtime's lifetime.
 
         Raises:
@@ -221,4 +291,3 @@ class Runtime:
         if self._closed:
             raise ContextClosed("this runtime is closed (its inferlet ended)")
         self._tg.start_soon(fn)
-

@@ -22,7 +22,9 @@ PACKAGES = ("pie_ctx", "runtime")
 # The only places the SDK reaches into the runtime package (both documented):
 ALLOWED_SDK_TO_RUNTIME = {
     "pie_ctx.runtime": {"runtime.engine.boot"},  # Runtime.local boots an engine lazily
-    "pie_ctx.cli": {"runtime.server.cli", "runtime.model.loader"},  # the program's entry point
+    # the program's entry point (``run --inferlets`` boots an engine that hosts inferlets)
+    "pie_ctx.cli": {"runtime.server.cli", "runtime.model.loader", "runtime.engine.boot",
+                    "runtime.hosted.folder", "runtime.hosted.host"},
 }
 
 
@@ -106,7 +108,9 @@ def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
 # constraint and tool modules.
 ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain",
                                                              "pie_ctx.tools"},
-                          "runtime.server.http.openai_chat": {"pie_ctx.tools"}}
+                          "runtime.server.http.openai_chat": {"pie_ctx.tools"},
+                          # a hosted inferlet is loaded and run as ``pie-ctx run`` does
+                          "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"}}
 
 
 def test_the_runtime_depends_only_on_the_contract():

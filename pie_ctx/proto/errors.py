@@ -20,6 +20,8 @@ __all__ = [
     "OutOfPages",
     "ContextTooLong",
     "ModelError",
+    "AdapterNotFound",
+    "AdapterInUse",
     "ProtocolError",
     "AuthError",
     "StorageError",
@@ -28,6 +30,11 @@ __all__ = [
     "MessageTooLarge",
     "TooManyChannels",
     "SubscriptionLagged",
+    "InferletNotFound",
+    "InferletFailed",
+    "InferletCancelled",
+    "ValueTooLarge",
+    "StoreFull",
     "error_from_name",
     "known_name",
     "single_exception",
@@ -67,6 +74,17 @@ class ContextTooLong(PieError):
 
 class ModelError(PieError):
     """A model file is missing, corrupt or unsupported; the message names the file."""
+
+
+class AdapterNotFound(InvalidArgument):
+    """No LoRA adapter of this name is loaded (``rt.info.adapters`` lists them), or a
+    snapshot was saved under an adapter that is not loaded now: load it first
+    (``rt.load_adapter``, ``pie-ctx serve --adapter NAME=PATH``)."""
+
+
+class AdapterInUse(PieError):
+    """Live contexts still use the LoRA adapter being unloaded; nothing changed. Release
+    those contexts (their requests end first), then unload it."""
 
 
 class ProtocolError(PieError):
@@ -111,6 +129,33 @@ class SubscriptionLagged(PieError):
     message still buffered. Read faster, or treat the topic as lossy."""
 
 
+class InferletNotFound(InvalidArgument):
+    """No inferlet of this name can be launched: the engine has no inferlet folder
+    (``pie-ctx serve --inferlets DIR``), or the name is not a file ``NAME.py`` inside it
+    (names outside the folder, with ``..``, or symlinks leading out are refused). The
+    message lists what is there."""
+
+
+class InferletFailed(PieError):
+    """A launched inferlet raised an exception that is not a ``PieError``; the message
+    names its type and text (the server logs the traceback). Its contexts were released."""
+
+
+class InferletCancelled(PieError):
+    """The launched inferlet was cancelled (``handle.cancel()``, or its launcher left)
+    before it returned."""
+
+
+class ValueTooLarge(InvalidArgument):
+    """A store value is over the store's ``max_value_bytes`` (see ``rt.info``); nothing
+    was written. Keep the bulk in a snapshot or a file and store its name."""
+
+
+class StoreFull(PieError):
+    """The namespace's store holds ``max_store_bytes`` or ``max_store_keys`` already (see
+    ``rt.info``); nothing was written. Delete keys you no longer need."""
+
+
 _BY_NAME: dict[str, type[PieError]] = {
     cls.__name__: cls
     for cls in (
@@ -122,6 +167,8 @@ _BY_NAME: dict[str, type[PieError]] = {
         OutOfPages,
         ContextTooLong,
         ModelError,
+        AdapterNotFound,
+        AdapterInUse,
         ProtocolError,
         AuthError,
         StorageError,
@@ -130,6 +177,11 @@ _BY_NAME: dict[str, type[PieError]] = {
         MessageTooLarge,
         TooManyChannels,
         SubscriptionLagged,
+        InferletNotFound,
+        InferletFailed,
+        InferletCancelled,
+        ValueTooLarge,
+        StoreFull,
     )
 }
 

@@ -111,7 +111,20 @@ class _Request(msgspec.Struct, tag=True, kw_only=True, frozen=True):
 
 
 class CreateContext(_Request):
-    pass
+    adapter: str = ""  # the LoRA adapter its tokens run through ("" = the base model)
+
+
+class LoadAdapter(_Request):
+    """Load a PEFT LoRA folder as adapter ``name`` (reply: the new ``EngineInfo``)."""
+
+    name: str
+    path: str
+
+
+class UnloadAdapter(_Request):
+    """Stop serving adapter ``name``; fails while contexts use it (reply: ``EngineInfo``)."""
+
+    name: str
 
 
 class ForkContext(_Request):
@@ -360,9 +373,59 @@ class SettleMessage(_Request):
     delivered: bool
 
 
+# Hosted inferlets (docs/inferlets.md): launched by name from the server's inferlet folder,
+# never uploaded. A launch's handle ``id`` is valid for the owner that spawned it.
+
+
+class SpawnInferlet(_Request):
+    """Launch the inferlet ``name`` of the engine's folder with ``argv`` (reply:
+    ``InferletStarted``); it runs in the engine's process as an owner of its own."""
+
+    name: str
+    argv: list[str] = []
+
+
+class InferletNext(_Request):
+    """Wait for what a launch has said past ``cursor`` texts, or for its end (reply:
+    ``InferletEvent``; the end of a launch that failed is its ``ErrorReply``)."""
+
+    id: int
+    cursor: int = 0
+
+
+class CancelInferlet(_Request):
+    """Cancel a launch (its contexts are released); idempotent."""
+
+    id: int
+
+
+# The store of small values shared by inferlets (docs/inferlets.md), namespaced like
+# snapshots.
+
+
+class StoreGet(_Request):
+    key: str
+
+
+class StoreSet(_Request):
+    key: str
+    payload: bytes
+    text: bool = False
+
+
+class StoreDelete(_Request):
+    key: str
+
+
+class StoreKeys(_Request):
+    prefix: str = ""
+
+
 Request = (
     CreateContext
     | ForkContext
+    | LoadAdapter
+    | UnloadAdapter
     | ReleaseContext
     | GetState
     | ReservePages
@@ -389,6 +452,13 @@ Request = (
     | SubscriptionReceive
     | Unsubscribe
     | SettleMessage
+    | SpawnInferlet
+    | InferletNext
+    | CancelInferlet
+    | StoreGet
+    | StoreSet
+    | StoreDelete
+    | StoreKeys
 )
 
 # ------------------------------------------------------------------------------ replies
@@ -481,6 +551,17 @@ class TokenIds(_Reply):
     token_ids: list[int]
 
 
+class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One loaded LoRA adapter (``EngineInfo.adapters``)."""
+
+    name: str  # what Context(rt, adapter=...) and HTTP's model= name it by
+    path: str  # the PEFT folder it was read from
+    rank: int  # the largest rank of its modules
+    alpha: float  # lora_alpha
+    targets: list[str]  # the projections it changes: q_proj ... down_proj
+    key: str  # its identity (hex): a hash of its weights, part of its pages' hashes
+
+
 class EngineInfo(_Reply):
     """The engine's fixed facts and the limits every request must respect."""
 
@@ -502,6 +583,7 @@ class EngineInfo(_Reply):
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged
     weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
+    adapters: list[AdapterInfo] = []  # LoRA adapters loaded now (docs/adapters.md)
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
     snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory
     # channels between inferlets (docs/messages.md)
@@ -510,6 +592,11 @@ class EngineInfo(_Reply):
     max_channels: int = 1024  # queues and topics in use at once, per namespace
     max_subscriptions: int = 64  # subscriptions one owner (runtime, connection) holds
     max_channel_bytes: int = 256 << 20  # bytes of every message held, engine-wide
+    # hosted inferlets and the store (docs/inferlets.md)
+    inferlet_folder: str = ""  # where ``rt.spawn`` finds inferlets by name; "" = none
+    max_store_value_bytes: int = 64 << 10  # the largest store value
+    max_store_keys: int = 10_000  # keys one namespace's store holds
+    max_store_bytes: int = 64 << 20  # bytes of one namespace's store (values plus keys)
 
 
 class EngineStats(_Reply):
@@ -565,6 +652,29 @@ class SubscriptionReply(_Reply):
     sub: int
 
 
+class InferletStarted(_Reply):
+    id: int  # the launch's handle, for InferletNext and CancelInferlet
+
+
+class InferletEvent(_Reply):
+    """Texts a launch sent (``rt.session.send``) past the cursor; then, once it ended, its
+    result (``str`` of what ``main`` returned, None for None)."""
+
+    texts: list[str]
+    done: bool = False
+    result: str | None = None
+
+
+class StoreValue(_Reply):
+    found: bool
+    payload: bytes = b""
+    text: bool = False
+
+
+class StoreKeyList(_Reply):
+    keys: list[str]
+
+
 class ErrorReply(_Reply):
     kind: str  # class name in pie_ctx.errors
     message: str
@@ -586,6 +696,10 @@ Reply = (
     | ChannelMessage
     | BroadcastReply
     | SubscriptionReply
+    | InferletStarted
+    | InferletEvent
+    | StoreValue
+    | StoreKeyList
     | ErrorReply
 )
 

@@ -8,7 +8,9 @@ and the parts it wires together, each with explicit dependencies:
 * ``StepExecutor`` (``executor.py``): one model call plus sampling, on the model thread;
 * ``Passes`` (``passes.py``): ``Forward``/``Generate`` requests as jobs;
 * ``Channels`` (``channels.py``): queues and topics between inferlets;
-* ``Handlers`` (``handlers.py``): every other request.
+* ``Handlers`` (``handlers.py``): every other request;
+* ``HostedRequests`` (``runtime/hosted``): the namespaced store, and inferlets launched by
+  name once a host is attached (``runtime.hosted.host.host_inferlets``).
 
 The SDK and the server both talk to it with the plain-data messages of
 ``pie_ctx.proto.messages``::
@@ -44,6 +46,7 @@ import msgspec
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
+from runtime.engine.adapters import Adapters
 from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
@@ -53,6 +56,8 @@ from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
 from runtime.engine.scheduler import RowResult, Scheduler, StepPlan
 from runtime.engine.stream import GenerationStream
+from runtime.hosted.requests import HostedRequests
+from runtime.hosted.store import InferletStore, StoreLimits
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 
 __all__ = ["Engine"]
@@ -110,6 +115,10 @@ class Engine:
             None = the defaults of ``ChannelLimits``.
         model_thread: the single-thread executor every model step runs on (``boot`` passes
             the one that loaded the model); shut down when the engine exits.
+        adapters: LoRA adapters to load now, ``{name: PEFT folder}`` (docs/adapters.md);
+            more load at run time (``LoadAdapter``).
+        store_limits: the bounds of ``rt.store`` (None = the defaults of ``StoreLimits``);
+            its values live in ``<snapshot dir>/store`` (in memory without a snapshot dir).
     """
 
     def __init__(
@@ -129,6 +138,8 @@ class Engine:
         hidden_size: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
         channel_limits: ChannelLimits | None = None,
+        adapters: dict[str, str] | None = None,
+        store_limits: StoreLimits | None = None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
@@ -140,6 +151,9 @@ class Engine:
         grammars = Grammars(tokenizer, vocab_size, stop_token_ids)
         limits = channel_limits or ChannelLimits()
         self.channels = Channels(limits)
+        store_root = None if store.tier is None else store.tier.files.root / "store"
+        self.kv_store = InferletStore(store_root, store_limits)
+        slim = self.kv_store.limits
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,
             page_size=store.page_size, num_pages=store.num_pages_total, vocab_size=vocab_size,
@@ -155,13 +169,20 @@ class Engine:
             max_queue_messages=limits.max_queue_messages, max_channels=limits.max_channels,
             max_subscriptions=limits.max_subscriptions,
             max_channel_bytes=limits.max_channel_bytes,
+            max_store_value_bytes=slim.max_value_bytes, max_store_keys=slim.max_keys,
+            max_store_bytes=slim.max_bytes,
         )
+        self.adapters = Adapters(runner, store, model_name, self.run_on_model_thread,
+                                 self._adapters_changed)
         self.counters = LoopCounters()
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
                                  tokenizer, on_pages_freed=self._kick, channels=self.channels,
-                                 on_report=self.counters.add_pages)
+                                 on_report=self.counters.add_pages, adapters=self.adapters)
+        self.host: Any = None  # an InferletHost, once attached
+        self._hosted = HostedRequests(self.kv_store)
+        self.handlers.extend(self._hosted.table)
         self._wake = anyio.Event()
         self._task_group: Any = None
         self._running = False
@@ -170,6 +191,8 @@ class Engine:
         # run a parallel region every step is ~25% slower on 2 cores (measured).
         self._model_thread = model_thread or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pie-ctx-model")
+        for name, path in (adapters or {}).items():  # on the model thread, like any load
+            self.run_on_model_thread(self.adapters.load_now, name, path)
 
     @property
     def model_name(self) -> str:
@@ -186,6 +209,8 @@ class Engine:
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         self._running = False
+        if self.host is not None:
+            self.host.stop()
         self._task_group.cancel_scope.cancel()
         try:
             return await self._task_group.__aexit__(*exc)
@@ -231,6 +256,15 @@ class Engine:
             return GenerationStream.failed(ProtocolError("the engine is not running"))
         return await self.passes.generate(req, owner)
 
+    def attach_host(self, host: Any, folder: str) -> None:
+        """Let ``rt.spawn`` launch inferlets through ``host`` (an ``InferletHost`` of the
+        operator's ``folder``; see ``runtime.hosted.host.host_inferlets``)."""
+        if self.host is not None:
+            raise RuntimeError("this engine already hosts inferlets")
+        self.host = host
+        self._hosted.host = host
+        self._info = msgspec.structs.replace(self._info, inferlet_folder=folder)
+
     def release_soon(self, handle: int) -> None:
         """Release a handle from any thread (used when an SDK object is garbage collected)."""
         self.records.release_soon(handle)
@@ -244,6 +278,8 @@ class Engine:
         queues, its subscriptions close, its waiting sends and receives end.
         """
         self.channels.release_owner(owner)
+        if self.host is not None:
+            self.host.release_owner(owner)  # the inferlets it spawned end with it
         for job in self.scheduler.jobs_of(owner):
             self.cancel(job)
         return self.records.release_owner(owner)
@@ -251,6 +287,9 @@ class Engine:
     def info(self) -> P.EngineInfo:
         """The engine's fixed facts and limits."""
         return self._info
+
+    def _adapters_changed(self, adapters: list[P.AdapterInfo]) -> None:
+        self._info = msgspec.structs.replace(self._info, adapters=adapters)
 
     def cap_reply_bytes(self, limit: int) -> None:
         """Lower ``max_reply_bytes`` to ``limit`` (a server whose frames are smaller calls

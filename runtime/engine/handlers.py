@@ -19,6 +19,7 @@ import anyio
 from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
+from runtime.engine.adapters import Adapters
 from runtime.engine.channels import Channels, Message
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextRecord, ContextTable
@@ -42,14 +43,16 @@ class Handlers:
         channels: the queues and topics between inferlets.
         on_report: called with the report of every snapshot open or take that succeeded
             (the engine's counters sum it with the passes' reports).
+        adapters: the engine's LoRA adapters (``LoadAdapter``, ``CreateContext.adapter``).
     """
 
     def __init__(self, store: Any, records: ContextTable, passes: Passes,
                  info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
                  on_pages_freed: Callable[[], None], channels: Channels,
-                 on_report: Callable[[P.PassReport], None]) -> None:
+                 on_report: Callable[[P.PassReport], None], adapters: Adapters) -> None:
         self._store = store
+        self._adapters = adapters
         self._on_report = on_report
         self._channels = channels
         self._records = records
@@ -62,6 +65,8 @@ class Handlers:
         self._table: dict[type, Handler] = {
             P.CreateContext: self._create,
             P.ForkContext: self._fork,
+            P.LoadAdapter: self._load_adapter,
+            P.UnloadAdapter: self._unload_adapter,
             P.ReleaseContext: self._release,
             P.GetState: self._get_state,
             P.ReservePages: self._raw,
@@ -88,6 +93,13 @@ class Handlers:
             P.Unsubscribe: self._unsubscribe,
             P.SettleMessage: self._settle,
         }
+
+    def extend(self, table: dict[type, Handler]) -> None:
+        """Answer more request types (another part's handlers, e.g. ``HostedRequests``)."""
+        clash = table.keys() & self._table.keys()
+        if clash:
+            raise RuntimeError(f"request types handled twice: {clash}")
+        self._table.update(table)
 
     async def handle(self, req: Any, owner: Any, namespace: str) -> Any:
         """The reply to ``req``; a ``PieError`` is returned as an ``ErrorReply``."""
@@ -118,7 +130,16 @@ class Handlers:
                 f"{share}-page share of the KV pool: release contexts you no longer need")
 
     async def _create(self, req: P.CreateContext, owner: Any, ns: str) -> P.ContextReply:
-        return self._reply(self._records.add(self._store.create_context(owner), owner))
+        key = self._adapters.key_of(checks.text(req.adapter, "adapter"))
+        return self._reply(self._records.add(self._store.create_context(owner, key), owner))
+
+    async def _load_adapter(self, req: P.LoadAdapter, owner: Any, ns: str) -> P.EngineInfo:
+        await self._adapters.load(req.name, req.path)
+        return self._info()
+
+    async def _unload_adapter(self, req: P.UnloadAdapter, owner: Any, ns: str) -> P.EngineInfo:
+        await self._adapters.unload(req.name)
+        return self._info()
 
     async def _fork(self, req: P.ForkContext, owner: Any, ns: str) -> P.ContextReply:
         parent = self._records.get(req.ctx, owner)
@@ -205,6 +226,7 @@ class Handlers:
 
     async def _open(self, req: P.OpenSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
+        self._adapters.check_loaded(self._store.snapshot(name, ns).adapter, f"snapshot {name!r}")
         report = await self._restore(name, ns)
         snap = self._store.snapshot(name, ns)
         self._check_share(owner, len(snap.state.working))
@@ -214,6 +236,7 @@ class Handlers:
 
     async def _take(self, req: P.TakeSnapshot, owner: Any, ns: str) -> P.ContextReply:
         name = checks.snapshot_name(req.name)
+        self._adapters.check_loaded(self._store.snapshot(name, ns).adapter, f"snapshot {name!r}")
         report = await self._restore(name, ns)
         snap = self._store.snapshot(name, ns)
         cid = self._store.take_snapshot(name, ns, owner)

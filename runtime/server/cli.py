@@ -89,6 +89,10 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--disk-cache-gb", type=float, default=4.0,
                        help="with a snapshot directory: disk space for evicted cache pages "
                             "that prefix matching can load back (default 4)")
+    serve.add_argument("--inferlets", default=None, metavar="DIR",
+                       help="a folder of inferlet files (NAME.py) that clients may launch "
+                            "inside the server by name (`pie-ctx launch NAME`, rt.spawn); "
+                            "they run with the server's rights (docs/inferlets.md)")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
@@ -151,14 +155,19 @@ def _say(text: str) -> None:
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``pie-ctx serve`` until SIGINT/SIGTERM; return the exit code (0 on a signal)."""
     from runtime.engine.boot import boot_engine
+    from runtime.hosted.folder import InferletFolder
+    from runtime.hosted.host import host_inferlets
     from runtime.server.run import run_server, settle_token
 
     try:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
         http, api_key, key_file = _http_options(args)
+        folder = None if args.inferlets is None else InferletFolder(args.inferlets)
         engine = boot_engine(args.model, **engine_options(args), **_snapshot_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)
+        if folder is not None:
+            host_inferlets(engine, folder.path)
     except PieError as err:
         _say(f"error: {err}")
         return 2
@@ -172,6 +181,10 @@ def serve_main(args: argparse.Namespace) -> int:
         num = engine.store.stats().num_snapshots
         _say(f"snapshots: {num} in {folder}" if folder else
              "snapshots: in memory (lost when the server stops)")
+        if engine.host is not None:
+            names = engine.host.folder.names()
+            _say(f"inferlets: {len(names)} in {engine.host.folder.path}"
+                 f"{': ' + ', '.join(names) if names else ''}")
         if token_file is not None:
             _say(f"clients need the token in {token_file}")
 

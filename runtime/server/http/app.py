@@ -106,6 +106,7 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     from starlette.applications import Starlette
 
     from runtime.server.http.channels_api import ChannelRoutes
+    from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
     from runtime.server.http.state import state_routes
@@ -124,7 +125,8 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
                 del holder["rt"]
 
     channels = ChannelRoutes(lambda: holder["rt"])
-    routes = [*service.routes, *channels.routes, *metrics.routes,
+    inferlets = InferletRoutes(lambda: holder["rt"])
+    routes = [*service.routes, *channels.routes, *inferlets.routes, *metrics.routes,
               *state_routes(engine, metrics)]
     app: Any = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = metrics

@@ -470,7 +470,7 @@ class OpenAIService:
                     except Exception as err:  # noqa: BLE001 - after the headers: an error event
                         await send.send(error_body(_as_api_error(err)))
 
-        rt.spawn(produce)
+        rt.start_soon(produce)
         try:
             async with receive:
                 async for message in receive:
