@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pie_ctx.constrain import Constraint, constraint_spec
@@ -50,15 +51,22 @@ class Context(Counters):
 
     Args:
         rt: the inferlet's runtime.
+        adapter: the name of a loaded LoRA adapter (``rt.info.adapters``) every token of
+            this context runs through; its forks keep it, its snapshots record it. None:
+            the base model. Pages are shared only between contexts of the same adapter
+            (docs/adapters.md).
 
     Raises:
         ContextClosed: the runtime is closed.
+        AdapterNotFound: (from the first operation) no adapter of that name is loaded.
     """
 
-    def __init__(self, rt: Runtime, *, _core: ContextCore | None = None) -> None:
+    def __init__(self, rt: Runtime, *, adapter: str | None = None,
+                 _core: ContextCore | None = None) -> None:
         if _core is None:
             _core = ContextCore(rt)
-            _core.created = _core.spawn(_core.create)
+            name = "" if adapter is None else checks.text(adapter, "adapter")
+            _core.created = _core.spawn(partial(_core.create, name))
         self._core = _core
 
     @classmethod

@@ -253,6 +253,8 @@ class Scheduler:
                     and other.tokens[:end] == job.tokens[:end]
                     and other.positions[:end] == job.positions[:end]
                     and other.extras[:end] == job.extras[:end]
+                    and self.store.adapter_of(other.record.cid)
+                    == self.store.adapter_of(job.record.cid)
                     and self.store.state(other.record.cid).seq_len == 0):
                 return other
         return None
@@ -469,7 +471,7 @@ class Scheduler:
         extras = [0] * len(tokens) if start < 0 else job.extras[start : start + len(tokens)]
         self.store.write_tokens(job.shadow, tokens, positions, extras)
         chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
-                         probes, mask)
+                         probes, mask, self.store.adapter_of(job.shadow))
         rows: list[tuple[int, int]] = []
         for i, local in enumerate(probes):
             index = start + local if start >= 0 else -1
