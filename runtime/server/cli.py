@@ -50,12 +50,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
                         help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
                              "token and head; ~3.8x the pages per GB; docs/forward.md)")
+    parser.add_argument("--adapter", action="append", default=[], type=_adapter_option,
+                        metavar="NAME=PATH",
+                        help="load a PEFT LoRA folder as adapter NAME (repeatable; "
+                             "Context(rt, adapter=NAME), HTTP model=NAME; docs/adapters.md)")
+
+
+def _adapter_option(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--adapter takes NAME=PATH (a PEFT LoRA folder), "
+                                         f"got {value!r}")
+    return name, path
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
-    return {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
-            "weights": args.weights, "kv_dtype": args.kv_dtype}
+    options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
+               "weights": args.weights, "kv_dtype": args.kv_dtype}
+    adapters = dict(getattr(args, "adapter", None) or [])
+    if len(adapters) != len(args.adapter or []):
+        raise SystemExit("pie-ctx: error: --adapter names must differ")
+    if adapters:
+        options["adapters"] = adapters
+    return options
 
 
 def register(subparsers: Any) -> None:

@@ -318,27 +318,41 @@ class OpenAIService:
 
     # ------------------------------------------------------------------------ models
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "pie-ctx"}
+    def _model_card(self, adapter: str | None = None) -> dict[str, Any]:
+        """The base model's card, or a LoRA adapter's (``parent``: the base, as vLLM)."""
+        if adapter is None:
+            return {"id": self.model_name, "object": "model", "created": self.created,
+                    "owned_by": "pie-ctx", "root": self.model_name, "parent": None}
+        info = next(a for a in self.get_runtime().info.adapters if a.name == adapter)
+        return {"id": adapter, "object": "model", "created": self.created,
+                "owned_by": "pie-ctx", "root": info.path, "parent": self.model_name}
 
     async def models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card()] + [self._model_card(a.name)
+                                        for a in self.get_runtime().info.adapters]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        self._check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(self._check_model(request.path_params["model"])))
 
-    def _check_model(self, model: Any) -> None:
+    def _check_model(self, model: Any) -> str | None:
+        """The LoRA adapter ``model`` names (as vLLM's ``--lora-modules``), None for the
+        base model."""
         if not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", param="model")
-        if model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
+        if model == self.model_name:
+            return None
+        adapters = [a.name for a in self.get_runtime().info.adapters]
+        if model in adapters:
+            return model
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{self.model_name}'"
+                            + (f" and the adapters {adapters}" if adapters else ""),
+                       param="model", code="model_not_found")
 
     @staticmethod
     async def _body(request: Any) -> bytes:
@@ -353,18 +367,18 @@ class OpenAIService:
 
     async def chat(self, request: Any) -> Any:
         req = decode(await self._body(request), ChatRequest)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         turns = turns_of(req.messages)
         decoding = _decoding(req)
 
         async def build(rt: Runtime) -> Context:
-            return await build_context(rt, turns, decoding.tools, req.snapshot)
+            return await build_context(rt, turns, decoding.tools, req.snapshot, adapter)
 
         return await self._respond(req, decoding, build, chat=True)
 
     async def completions(self, request: Any) -> Any:
         req = decode(await self._body(request), CompletionRequest)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -377,7 +391,8 @@ class OpenAIService:
         decoding = _decoding(req)
 
         async def build(rt: Runtime) -> Context:
-            ctx = await Context.open(rt, req.snapshot) if req.snapshot else Context(rt)
+            ctx = (await Context.open(rt, req.snapshot) if req.snapshot
+                   else Context(rt, adapter=adapter))
             return ctx.append(prompt)
 
         return await self._respond(req, decoding, build, chat=False)
@@ -391,7 +406,7 @@ class OpenAIService:
         req = _Request(rt, d, self.observer)
         ident = ("chatcmpl-" if chat else "cmpl-") + _new_id()
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
+                "created": int(time.time()), "model": body.model}  # base or adapter
         if not stream:
             choices: list[_Choice] = []
             try:

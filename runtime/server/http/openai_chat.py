@@ -163,14 +163,15 @@ def openai_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
-                        snapshot: str | None) -> Context:
-    """A context holding the conversation, its assistant turn opened.
+                        snapshot: str | None, adapter: str | None = None) -> Context:
+    """A context holding the conversation, its assistant turn opened, on LoRA ``adapter``
+    (None: the base model; a snapshot keeps the adapter it was saved under).
 
     Raises:
         ApiError: tool messages that answer no call, tools a snapshot cannot take.
         PieError: from the SDK (an unknown snapshot, a template that refuses a turn).
     """
-    ctx = await Context.open(rt, snapshot) if snapshot else Context(rt)
+    ctx = await Context.open(rt, snapshot) if snapshot else Context(rt, adapter=adapter)
     try:
         _fill(ctx, turns, tools)
     except BaseException:
