@@ -30,6 +30,8 @@ KEYS = {
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
     "kv_pages.py": {"kv_int8_decode_ratio", "kv_pages_ratio"},
+    "lora.py": {"lora_same_over_base", "lora_mixed_over_base", "adapter_load_ms",
+                "lora_max_abs_logit_diff"},
     "model.py": {"max_abs_logit_diff", "decode_ratio"},
     "pages.py": {"alloc_free_ops_per_s", "ratio_fork_8192_over_64"},
     "prefix_reuse.py": {"ttft_hit_over_miss"},
