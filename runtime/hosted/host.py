@@ -7,8 +7,9 @@ has its own page share.
 
 Threads: each launch runs its inferlet on an event loop of its own, on a thread of its own
 (docs/inferlets.md, "CPU-heavy inferlets"): a launch that computes for seconds between
-awaits delays the engine's loop only by the GIL's switch interval, never for its whole
-computation, and one that hangs or raises ends alone. The host's methods run on the
+awaits delays the engine's threads by the GIL's switch interval at a time (set to
+``SWITCH_INTERVAL`` while hosting), never for its whole computation, and one that hangs or
+raises ends alone. The host's methods run on the
 engine's loop; a launch's thread reaches them only through ``call_soon_threadsafe`` and
 ``run_coroutine_threadsafe``.
 
@@ -28,6 +29,7 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,10 @@ log = logging.getLogger("pie_ctx.hosted")
 
 MAX_RUNNING = 64  # launches running at once (each is a thread)
 MAX_UNREAD_BYTES = 4 << 20  # session text a launch may have sent and nobody read yet
+# The GIL's switch interval while inferlets are hosted: a launch computing without awaiting
+# holds the GIL this long before the engine's threads get it back (Python's default, 5 ms,
+# slowed a tiny model's steps beside a busy launch about twice as much; docs/inferlets.md).
+SWITCH_INTERVAL = 0.001
 
 _IDS = itertools.count(1)
 
@@ -271,6 +277,8 @@ def host_inferlets(engine: Any, folder: str | os.PathLike[str]) -> InferletHost:
     """
     host = InferletHost(engine, InferletFolder(folder))
     engine.attach_host(host, str(host.folder.path))
+    if sys.getswitchinterval() > SWITCH_INTERVAL:
+        sys.setswitchinterval(SWITCH_INTERVAL)  # process-wide: see SWITCH_INTERVAL
     return host
 
 
