@@ -13,6 +13,7 @@ import torch
 from tiny_models import PagedSeq, free_list, make_hf_model, make_runner, random_tokens
 
 from pie_ctx.errors import InvalidArgument
+from runtime.model import kernels
 from runtime.model.reference import causal_mask, dense_forward
 from runtime.model.runner import ModelRunner, SeqInput
 
@@ -30,7 +31,7 @@ def hf_model() -> torch.nn.Module:
 def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """For the tests of run prefixes (lone decodes reading a run of pages in place): with
     pie-ctx's own kernel, fp32 lone decodes take that instead (tests/model/test_kernels.py)."""
-    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+    monkeypatch.setattr(kernels, "ENABLED", False)
 
 
 @pytest.fixture(autouse=True, params=["fp32", "int8"], ids=["kv_fp32", "kv_int8"])

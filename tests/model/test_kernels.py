@@ -18,7 +18,7 @@ from runtime.model.matmul import _quantize_rows
 
 @pytest.fixture
 def ops(monkeypatch):
-    monkeypatch.setenv("PIE_CTX_KERNELS", "1")
+    monkeypatch.setattr(kernels, "ENABLED", True)
     built = kernels.ops()
     if built is None:
         pytest.skip("the CPU kernels did not build here (no compiler?); the eager code runs")
@@ -123,7 +123,7 @@ def test_rms_norm_and_quantize_rows_match_the_eager_ops(ops, monkeypatch):
     x = torch.randn(7, 96) * 3
     w = torch.randn(96)
     fast_norm, (fast_q, fast_s) = rms_norm(x, w, 1e-5), _quantize_rows(x)
-    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+    monkeypatch.setattr(kernels, "ENABLED", False)
     slow_norm, (slow_q, slow_s) = rms_norm(x, w, 1e-5), _quantize_rows(x)
     assert (fast_norm - slow_norm).abs().max().item() < 1e-6
     assert torch.equal(fast_q, slow_q) and torch.equal(fast_s, slow_s)
@@ -140,7 +140,7 @@ def test_an_int8_projection_gives_the_same_bits_with_the_kernels(ops, monkeypatc
     b = torch.randn(80) if bias else None
     x = torch.randn(9, 96)
     fast = {n: Projection(w, b)._kernel(n)(x) for n in ("int_mm", "int_mm_kn")}
-    monkeypatch.setenv("PIE_CTX_KERNELS", "0")
+    monkeypatch.setattr(kernels, "ENABLED", False)
     slow = Projection(w, b)._kernel("int_mm")(x)
     assert torch.equal(fast["int_mm"], slow) and torch.equal(fast["int_mm_kn"], slow)
 
@@ -151,7 +151,7 @@ def test_the_model_with_kernels_matches_the_model_without(ops, monkeypatch):
     tokens = random_tokens(60, seed=4)
     out = {}
     for on in ("1", "0"):
-        monkeypatch.setenv("PIE_CTX_KERNELS", on)
+        monkeypatch.setattr(kernels, "ENABLED", on == "1")
         runner = make_runner(hf_model, page_size=16, num_pages=64)
         seq = PagedSeq(runner, free_list(runner, seed=1))
         out[on] = torch.cat([seq.run(tokens[:40])] + [seq.run([t]) for t in tokens[40:50]]

@@ -4,8 +4,9 @@ Owner: the model runner and the torch attention backend call :func:`ops` and fal
 their eager PyTorch code when it returns None. The C++ source is compiled once per machine
 (``-O3 -march=native``: the flags of the CPU that runs it) into
 ``~/.cache/pie-ctx/kernels/<digest>/`` by ``torch.utils.cpp_extension`` under an flock
-(two processes never build at once; a build killed half-way blocks nobody); the digest covers the source, torch's version and the
-CPU's flags, so a cache shared between different machines never loads a foreign build.
+(two processes never build at once; a build killed half-way blocks nobody); the digest
+covers the source, the compiler flags, torch's version and the CPU's flags, so a cache
+shared between different machines never loads a foreign build.
 
 They are on by default; ``PIE_CTX_KERNELS=0`` turns them off (the eager code runs). A
 build that fails (no C++ compiler) is logged once and the eager code runs; nothing else
@@ -47,9 +48,13 @@ _module: Any = None
 _tried = False
 
 
+# Read once: ops() runs several times a layer. Tests flip it with monkeypatch.setattr.
+ENABLED = os.environ.get("PIE_CTX_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    """False when ``PIE_CTX_KERNELS=0`` asks for the eager code."""
-    return os.environ.get("PIE_CTX_KERNELS", "1") not in ("0", "false", "no", "off")
+    """False when ``PIE_CTX_KERNELS=0`` (read at import) asks for the eager code."""
+    return ENABLED
 
 
 def _cpu_flags() -> str:
@@ -65,8 +70,9 @@ def _cpu_flags() -> str:
 def folder() -> Path:
     """Where this machine's build lives."""
     digest = hashlib.blake2b(digest_size=8)
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
+    # (this file too: it holds the compiler flags)
+    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), torch.__version__.encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):
         digest.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "pie-ctx" / "kernels" / digest.hexdigest()
@@ -80,7 +86,9 @@ def build(verbose: bool = False) -> Any:
     where.mkdir(parents=True, exist_ok=True)
     if shutil.which("ninja") is None:  # the ninja wheel's binary, beside this interpreter
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    flags = ["-O3", "-std=c++17"]
+    # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, serial without it
+    # (libgomp.so.1, the team library torch itself loaded).
+    flags = ["-O3", "-std=c++17", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
         # the CPU's own instructions; with AVX-512, its full-width registers too
         flags += ["-march=native", "-mprefer-vector-width=512"]
@@ -93,7 +101,8 @@ def build(verbose: bool = False) -> Any:
         fcntl.flock(held, fcntl.LOCK_EX)
         (where / "lock").unlink(missing_ok=True)
         return load(name=f"pie_ctx_cpu_ops_{where.name}", sources=[str(SOURCE)],
-                    extra_cflags=flags, build_directory=str(where), verbose=verbose)
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(where), verbose=verbose)
 
 
 def ops() -> Any:
