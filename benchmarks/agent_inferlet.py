@@ -2,10 +2,14 @@
 
     pie-ctx run benchmarks/agent_inferlet.py --connect ADDR -- \\
         --workload react|codeact|swarm --agent I --mode a1|a2 [--smoke] [--ring-id R]
+    pie-ctx launch agent_inferlet --connect ADDR -- ... --hosted --session S   (system a3)
 
 It prints ``READY``, waits for a line on stdin (the orchestrator releases every agent at
 once), does its agent's work on one context kept across rounds, and prints one ``RESULT``
-line of JSON (latency, tokens, steps).
+line of JSON (latency, tokens, steps). Hosted (``--hosted``: launched inside ``pie-ctx serve
+--inferlets benchmarks``), it has no stdin: it sends ``READY`` to its session and waits for
+a broadcast on the topic ``go-RUN``; its lines reach the orchestrator through
+``pie-ctx launch``'s stdout.
 
 * ``a1``, plain: the steps a client makes, as a new user writes them. Tool calls go through
   ``generate(tool_choice="required")`` (the engine's constraint and jump-forward, which
@@ -36,12 +40,18 @@ from pie_ctx.tools import Tool  # noqa: E402
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--workload", choices=("react", "codeact", "swarm"), required=True)
+    parser.add_argument("--workload", choices=("react", "codeact", "swarm", "hop"),
+                        required=True, help="hop: the socket-hop probe (agents.py)")
     parser.add_argument("--agent", type=int, required=True)
     parser.add_argument("--mode", choices=("a1", "a2"), default="a1")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--run", default="0", help="names this run's Swarm channels")
     parser.add_argument("--no-wait", action="store_true", help="start at once (tests)")
+    parser.add_argument("--hosted", action="store_true",
+                        help="launched inside the server: wait for the topic go-RUN")
+    parser.add_argument("--session", default=None,
+                        help="the prompts' session tag (default: $AGENT_SESSION; a hosted "
+                             "agent has the server's environment, so it is passed here)")
 
 
 class Tally:
@@ -52,6 +62,7 @@ class Tally:
         self.page_size = page_size
         self.generated = self.call_tokens = self.call_steps = 0
         self.sent = self.computed = 0
+        self.best: float | None = None  # the hop probe's best time
 
     def add(self, gen: Any, call: bool = False) -> None:
         r = gen.report
@@ -143,16 +154,42 @@ async def swarm(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
     await ctx.flush()  # the last message is part of the agent's work too
 
 
+async def hop(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
+    """Not an agent: one greedy generation read token by token, best of 5 (its latency is
+    that best). Run over the socket and hosted, the difference per token is what the socket
+    hop costs (agents.py: ``socket_hop_us_per_token``)."""
+    n = 8 if args.smoke else 64
+    best = float("inf")
+    for _ in range(5):
+        ctx = Context(rt).user(W.react_question(args.agent)).cue()
+        await ctx.flush()  # the prompt is not what is measured
+        t0 = time.perf_counter()
+        gen = ctx.generate(Sampler.greedy(), max_tokens=n, ignore_eos=True)
+        async for _ in gen:
+            pass
+        best = min(best, time.perf_counter() - t0)
+        tally.generated = len(gen.tokens_out)
+        await ctx.release()
+    tally.best = best
+
+
 async def main(rt: Any, args: Any) -> None:
     shape = W.SMOKE if args.smoke else W.Shape()
     tally = Tally(rt.page_size)
-    work = {"react": react, "codeact": codeact, "swarm": swarm}[args.workload]
+    work = {"react": react, "codeact": codeact, "swarm": swarm, "hop": hop}[args.workload]
     rt.tokenizer  # built before the clock starts  # noqa: B018
-    if not args.no_wait:
-        print("READY", flush=True)
+    if args.session is not None:
+        W.SESSION = args.session  # one run at a time per server: the tag of that run
+    if args.hosted and not args.no_wait:
+        async with rt.subscribe(f"go-{args.run}") as go:
+            await rt.session.send("READY\n")
+            await go.receive()
+    elif not args.no_wait:
+        await rt.session.send("READY\n")
         await anyio.to_thread.run_sync(sys.stdin.readline)
     t0 = time.perf_counter()
     await work(rt, args, shape, tally)
-    print(W.result_json(latency=time.perf_counter() - t0, generated=tally.generated,
-                        call_tokens=tally.call_tokens, call_steps=tally.call_steps,
-                        prompt_sent=tally.sent, prompt_computed=tally.computed), flush=True)
+    await rt.session.send(W.result_json(
+        latency=tally.best if tally.best is not None else time.perf_counter() - t0, generated=tally.generated,
+        call_tokens=tally.call_tokens, call_steps=tally.call_steps, prompt_sent=tally.sent,
+        prompt_computed=tally.computed) + "\n")

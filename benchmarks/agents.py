@@ -1,7 +1,7 @@
 """Programs vs prompts: three agent workloads as inferlets and as OpenAI clients, side by side.
 
     .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights int8,fp32]
-        [--workloads react,codeact,swarm] [--systems a1,a2,b,c]
+        [--workloads react,codeact,swarm] [--systems a1,a2,a3,b,c]
         [--llama-server PATH] [--threads 2] [--smoke] [--model M]
 
 Workloads (fixed structure, benchmarks/agent_workloads.py): ReAct (an ~800-token system
@@ -15,6 +15,9 @@ Systems, each agent its own process, released together once all are ready:
 * a1: plain inferlets on ``pie-ctx serve`` (benchmarks/agent_inferlet.py, over its socket);
 * a2: the same inferlets with what only a program can do (prompt lookup, tools started
   the moment their call is complete);
+* a3: the a2 inferlets hosted: launched inside ``pie-ctx serve --inferlets benchmarks``
+  (``pie-ctx launch agent_inferlet``, one launcher process per agent that only prints what
+  its agent sends), so their tokens never cross the socket (docs/inferlets.md);
 * b:  an OpenAI client program against ``pie-ctx serve --http`` that re-sends the whole
   message list every round (benchmarks/agent_client.py);
 * c:  the same client program against llama.cpp's ``llama-server`` on the same GGUF and
@@ -29,7 +32,10 @@ and warms it first, so no run reuses another's pages. Swarm runs at 4, 8 and 32 
 Reports per run: per-agent latency p50/p99, agents per minute, generated tokens/s,
 prompt tokens sent and computed; the last line is one JSON object with the ratios at 8
 agents (``*_tput_vs_llamaserver``, ``react_p50_vs_llamaserver``, ``*_tput_vs_http``,
-``react_plain_tput_vs_http``, ``tool_call_steps_per_token``) and the raw figures.
+``react_plain_tput_vs_http``, ``tool_call_steps_per_token``, ``react_hosted_tput_vs_http``,
+``react_hosted_tput_vs_socket``: a3 against b and a2) and the raw figures, and
+``socket_hop_us_per_token``: one greedy generation read token by token, best of 5, over the
+socket minus hosted, per token (the hop measured directly, on the first server).
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ class PieServer:
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
         cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
                "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
-               "--num-pages", str(NUM_PAGES), "--client-share", "1"]
+               "--num-pages", str(NUM_PAGES), "--client-share", "1", "--inferlets", str(HERE)]
         if model:
             cmd += ["--model", model]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -194,6 +200,12 @@ def _agent_commands(run: Run, target: str, session: str, smoke: bool, tools_as: 
                "--connect", target, "--"]
         return [pie + ["--workload", run.workload, "--agent", str(first + i), "--mode",
                        run.system, "--run", session] + extra for i in range(run.agents)]
+    if run.system == "a3":
+        pie = [sys.executable, "-m", "pie_ctx.cli", "launch", "agent_inferlet", "--connect",
+               target, "--"]
+        return [pie + ["--workload", run.workload, "--agent", str(first + i), "--mode", "a2",
+                       "--run", session, "--hosted", "--session", session] + extra
+                for i in range(run.agents)]
     count = run.agents // ring if run.workload == "swarm" else run.agents
     first = first // ring if run.workload == "swarm" else first
     return [[sys.executable, str(HERE / "agent_client.py"), "--url", target, "--workload",
@@ -220,8 +232,9 @@ async def _until(proc: asyncio.subprocess.Process, prefix: str) -> str:
 
 
 async def run_agents(run: Run, target: str, session: str, *, smoke: bool, tools_as: str,
-                     first: int = 0) -> None:
-    """Start every agent, release them together once all are ready, collect results."""
+                     first: int = 0, http: str | None = None) -> None:
+    """Start every agent, release them together once all are ready, collect results
+    (hosted agents, a3, are released by one broadcast through ``http``, the server's API)."""
     env = dict(os.environ, AGENT_SESSION=session, PYTHONPATH=str(ROOT))
     cmds = _agent_commands(run, target, session, smoke, tools_as, first)
     procs = [await _spawn(cmd, env) for cmd in cmds]
@@ -229,9 +242,12 @@ async def run_agents(run: Run, target: str, session: str, *, smoke: bool, tools_
     try:
         await asyncio.gather(*(_until(p, "READY") for p in procs))
         t0 = time.perf_counter()
-        for p in procs:
-            p.stdin.write(b"go\n")  # type: ignore[union-attr]
-        await asyncio.gather(*(p.stdin.drain() for p in procs))  # type: ignore[union-attr]
+        if run.system == "a3":
+            await asyncio.to_thread(_release_hosted, http, session, len(procs))
+        else:
+            for p in procs:
+                p.stdin.write(b"go\n")  # type: ignore[union-attr]
+            await asyncio.gather(*(p.stdin.drain() for p in procs))  # type: ignore[union-attr]
 
         async def results(p: asyncio.subprocess.Process) -> list[dict[str, Any]]:
             return [json.loads((await _until(p, "RESULT "))[len("RESULT "):])
@@ -247,8 +263,47 @@ async def run_agents(run: Run, target: str, session: str, *, smoke: bool, tools_
                 p.kill()
 
 
+def _release_hosted(http: str | None, session: str, expected: int) -> None:
+    """Broadcast ``go`` to the hosted agents of ``session`` (each subscribed before READY)."""
+    import httpx
+
+    if http is None:
+        raise RuntimeError("hosted agents need the server's HTTP API to be released")
+    reply = httpx.post(f"{http}/pie/topics/go-{session}", content="go", timeout=30)
+    reply.raise_for_status()
+    if reply.json()["subscribers"] != expected:
+        raise RuntimeError(f"{reply.json()['subscribers']} hosted agents heard go, "
+                           f"not {expected}")
+
+
+async def socket_hop_us(server: PieServer, smoke: bool) -> float:
+    """The socket hop per token: the hop probe over the socket minus hosted (best of 5
+    each, in separate processes like the agents)."""
+    extra = ["--smoke"] if smoke else []
+    probe = ["--", "--workload", "hop", "--agent", "0", "--no-wait", *extra]
+    socket_cmd = [sys.executable, "-m", "pie_ctx.cli", "run", str(HERE / "agent_inferlet.py"),
+                  "--connect", f"unix:{server.socket}", *probe]
+    hosted_cmd = [sys.executable, "-m", "pie_ctx.cli", "launch", "agent_inferlet",
+                  "--connect", f"unix:{server.socket}", *probe]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    best: dict[str, dict[str, Any]] = {}
+    for name, cmd in (("socket", socket_cmd), ("hosted", hosted_cmd)) * 2:
+        proc = await _spawn(cmd, env)
+        found = json.loads((await _until(proc, "RESULT "))[len("RESULT "):])
+        await proc.wait()
+        if name not in best or found["latency"] < best[name]["latency"]:
+            best[name] = found
+    tokens = best["socket"]["generated"]
+    hop = (best["socket"]["latency"] - best["hosted"]["latency"]) / tokens * 1e6
+    print(f"socket hop: {tokens} tokens in {best['socket']['latency'] * 1e3:.1f} ms over the "
+          f"socket, {best['hosted']['latency'] * 1e3:.1f} ms hosted: {hop:.0f} us per token",
+          flush=True)
+    return hop
+
+
 async def measure(weights: str, workload: str, agents: int, system: str, target: str,
-                  args: argparse.Namespace, tools_as: str = "tools") -> Run:
+                  args: argparse.Namespace, tools_as: str = "tools",
+                  http: str | None = None) -> Run:
     """One run, after a warm-up with the same session (so its system prompt is in every
     cache: once in ours, in every slot of llama-server) but other agents (so nothing
     else of the timed agents is)."""
@@ -256,9 +311,9 @@ async def measure(weights: str, workload: str, agents: int, system: str, target:
     slots = agents if system == "c" else min(agents, 8)
     if not args.smoke:  # (the smoke measures nothing)
         await run_agents(Run(weights, workload, slots, system), target, session, smoke=True,
-                         tools_as=tools_as, first=WARM_AGENTS)
+                         tools_as=tools_as, first=WARM_AGENTS, http=http)
     run = Run(weights, workload, agents, system)
-    await run_agents(run, target, session, smoke=args.smoke, tools_as=tools_as)
+    await run_agents(run, target, session, smoke=args.smoke, tools_as=tools_as, http=http)
     _print_run(run)
     return run
 
@@ -273,8 +328,9 @@ def _levels(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-async def amain(args: argparse.Namespace) -> list[Run]:
+async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
     runs: list[Run] = []
+    hop: float | None = None
     ring = (W.SMOKE if args.smoke else W.Shape()).ring
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
@@ -293,15 +349,17 @@ async def amain(args: argparse.Namespace) -> list[Run]:
         for weights in args.weights.split(","):
             server = PieServer(weights, args.model, tmp)
             try:
+                if hop is None:
+                    hop = await socket_hop_us(server, args.smoke)
                 for workload in workloads:
                     for level in _levels(args.concurrency):
                         agents = max(ring, level - level % ring) if workload == "swarm" \
                             else level
                         for system in [s for s in systems if s != "c"]:
-                            target = f"unix:{server.socket}" if system in ("a1", "a2") \
-                                else server.url
+                            target = f"unix:{server.socket}" \
+                                if system in ("a1", "a2", "a3") else server.url
                             runs.append(await measure(weights, workload, agents, system,
-                                                      target, args))
+                                                      target, args, http=server.url))
             finally:
                 server.stop()
         if "c" in systems:
@@ -318,7 +376,7 @@ async def amain(args: argparse.Namespace) -> list[Run]:
                                                   args, args.llama_tools))
                     finally:
                         server.stop()
-    return runs
+    return runs, hop
 
 
 def _default_gguf() -> str:
@@ -335,9 +393,9 @@ def _print_run(run: Run) -> None:
           f"prompt computed/sent {r['prompt_computed']}/{r['prompt_sent']}", flush=True)
 
 
-def summarize(runs: list[Run], at: int = 8) -> dict[str, Any]:
-    """The ratios at ``at`` agents (int8 for our side when it ran), and every run's raw
-    figures."""
+def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[str, Any]:
+    """The ratios at ``at`` agents (int8 for our side when it ran), the socket hop per
+    token, and every run's raw figures."""
     def find(workload: str, system: str) -> Run | None:
         found = [r for r in runs if r.workload == workload and r.system == system and
                  r.agents == at]
@@ -360,6 +418,9 @@ def summarize(runs: list[Run], at: int = 8) -> dict[str, Any]:
         "react_tput_vs_http": ratio("react", "a2", "b"),
         "swarm_tput_vs_http": ratio("swarm", "a2", "b"),
         "react_plain_tput_vs_http": ratio("react", "a1", "b"),
+        "react_hosted_tput_vs_http": ratio("react", "a3", "b"),
+        "react_hosted_tput_vs_socket": ratio("react", "a3", "a2"),
+        "socket_hop_us_per_token": hop,
         "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
         if a2 is not None and a2.total("call_tokens") else None,
         "agents": at,
@@ -373,7 +434,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--weights", default="int8,fp32")
     ap.add_argument("--workloads", default="react,codeact,swarm")
-    ap.add_argument("--systems", default="a1,a2,b,c")
+    ap.add_argument("--systems", default="a1,a2,a3,b,c")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
     ap.add_argument("--llama-tools", choices=("grammar", "schema", "tools"),
                     default="grammar",
@@ -391,9 +452,9 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.weights = "2", "fp32"
         args.systems = ",".join(s for s in args.systems.split(",") if s != "c")
-    runs = asyncio.run(amain(args))
+    runs, hop = asyncio.run(amain(args))
     table([("runs", str(len(runs)))])
-    emit(summarize(runs, at=8 if not args.smoke else 2))
+    emit(summarize(runs, at=8 if not args.smoke else 2, hop=hop))
 
 
 if __name__ == "__main__":

@@ -70,8 +70,7 @@ class Runtime:
                 memory, for this runtime's life (docs/snapshots.md). ``rt.store`` keeps its
                 values there too.
             engine: an existing, running engine to share (then ``model`` etc. are ignored).
-            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``,
-                ``inferlets``: the folder ``rt.spawn`` launches from...).
+            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``...).
 
         Raises:
             StorageError: ``snapshot_dir`` is missing, read-only, or in use by another engine.

@@ -26,6 +26,8 @@ HELPERS = {
 NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
 KEYS = {
+    "agents.py": {"react_tput_vs_http", "react_hosted_tput_vs_http",
+                  "react_hosted_tput_vs_socket", "socket_hop_us_per_token"},
     "best_of_n.py": {"speedup_vs_hf", "kv_ratio"},
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
@@ -83,7 +85,7 @@ def test_benchmark_smoke(name: str):
 def check_agents(result: dict) -> None:
     runs = {(r["workload"], r["system"]): r for r in result["runs"]}
     assert set(runs) == {(w, s) for w in ("react", "codeact", "swarm")
-                         for s in ("a1", "a2", "b")}
+                         for s in ("a1", "a2", "a3", "b")}
     for (workload, system), r in runs.items():
         assert r["generated"] > 0 and r["wall_s"] > 0, (workload, system, r)
         assert r["prompt_computed"] <= r["prompt_sent"], (workload, system, r)
@@ -92,3 +94,6 @@ def check_agents(result: dict) -> None:
     assert react["call_tokens"] > 0 and react["call_steps"] < react["call_tokens"]
     assert 0 < result["tool_call_steps_per_token"] < 1
     assert result["react_tput_vs_http"] > 0 and result["react_plain_tput_vs_http"] > 0
+    # the hosted column ran, and the hop was measured (its sign is noise at smoke size)
+    assert result["react_hosted_tput_vs_http"] > 0 and result["react_hosted_tput_vs_socket"] > 0
+    assert isinstance(result["socket_hop_us_per_token"], float)
