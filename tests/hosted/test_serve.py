@@ -54,6 +54,45 @@ def test_launch_over_the_socket(tmp_path) -> None:
         server.stop()
 
 
+def test_a_hung_launch_ends_with_its_launcher(tmp_path) -> None:
+    """``pie-ctx launch hang`` holds a context; killing the launcher cancels the launch and
+    releases it, while another client goes on."""
+    server, address = _serve(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-m", "pie_ctx.cli", "launch", "hang",
+                                 "--connect", address], stdout=subprocess.PIPE, text=True,
+                                env=serve_env(tmp_path), cwd=REPO)
+
+    async def contexts() -> int:
+        async with Runtime.connect(address) as rt:
+            return (await rt.stats()).num_contexts
+
+    try:
+        assert launcher.stdout.readline() == "holding\n"
+        assert anyio.run(contexts) == 1
+        launcher.kill()
+        launcher.wait(10)
+        end = time.monotonic() + 20
+        while anyio.run(contexts) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert anyio.run(contexts) == 0
+        assert _launch(tmp_path, address, "echo", "--", "ok").stdout == "ok\nok\n"
+    finally:
+        launcher.kill()
+        server.stop()
+
+
+def test_run_with_an_inferlet_folder_spawns_in_process(tmp_path) -> None:
+    from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
+
+    model = write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
+    done = subprocess.run([sys.executable, "-m", "pie_ctx.cli", "run", str(INFERLETS /
+                           "parent.py"), "--model", str(model), "--num-pages", "64",
+                           "--inferlets", str(INFERLETS), "--", "x"], capture_output=True,
+                          text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "child: x\nparent got x\n"  # its session is our stdout
+
+
 def test_launch_over_http_with_the_api_key(tmp_path) -> None:
     key_file = tmp_path / "key"
     server, address = _serve(tmp_path, "--http", "0", "--api-key-file", str(key_file))
