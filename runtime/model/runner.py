@@ -20,6 +20,7 @@ import torch
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
+from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
@@ -27,6 +28,11 @@ from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 
 __all__ = ["SeqInput", "ModelRunner"]
+
+# A batch of several adapters with at most this many rows runs them side by side (one
+# matmul pair for all, ``LoraBatch``); more rows (prefill chunks) run adapter by adapter.
+_STACK_MAX_ROWS = 64
+_STACK_CACHE = 2  # sets of adapters kept side by side (a decode batch keeps its set)
 
 
 class ModelRunner:
@@ -84,6 +90,8 @@ class ModelRunner:
                                                  kv_dtype)
         self.adapters: dict[str, LoraAdapter] = {}  # by name
         self._fused: dict[int, FusedAdapter] = {}  # by key: what SeqInput.adapter names
+        # the last few sets of adapters decoded together, side by side (LoraBatch)
+        self._stacks: dict[tuple[int, ...], StackedAdapters] = {}
 
     def load_adapter(self, name: str, path: str, model_name: str = "") -> LoraAdapter:
         """Read a PEFT LoRA folder and make it usable as ``SeqInput.adapter = key``.
@@ -106,6 +114,7 @@ class ModelRunner:
         adapter = self.adapters.pop(name)
         if all(a.key != adapter.key for a in self.adapters.values()):
             del self._fused[adapter.key]
+            self._stacks = {k: v for k, v in self._stacks.items() if adapter.key not in k}
         return adapter
 
     def has_adapter_key(self, key: int) -> bool:
@@ -173,7 +182,15 @@ class ModelRunner:
             else:
                 sel = torch.cat([torch.arange(a, b) for a, b in runs]).to(self.device)
             segments.append((sel, self._fused[key]))
-        return LoraBatch(segments)
+        if len(segments) < 2 or start > _STACK_MAX_ROWS:
+            return LoraBatch(segments)
+        keys = tuple(rows)
+        stacked = self._stacks.get(keys)
+        if stacked is None:
+            if len(self._stacks) >= _STACK_CACHE:
+                self._stacks.pop(next(iter(self._stacks)))
+            stacked = self._stacks[keys] = stack([f for _, f in segments])
+        return LoraBatch(segments, stacked, start)
 
     def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Validate the batch and flatten it into tensors and attention metadata."""

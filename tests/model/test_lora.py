@@ -67,13 +67,27 @@ def test_two_adapters_and_base_in_one_call(hf_model: torch.nn.Module, tmp_path: 
         step = seq.step(prompt)
         step.adapter = 0 if w is None else keys[w]
         steps.append(step)
-    out = runner.forward(steps)
+    out = runner.forward(steps)  # 75 rows: adapter by adapter
     start = 0
     for prompt, w in zip(prompts, which, strict=True):
         ref = _oracle(hf_model if w is None else oracles[w], prompt)
         got = out[start:start + len(prompt)]
         start += len(prompt)
         assert (got - ref).abs().max().item() <= TOL
+    # one decode step of all five: few rows, so the adapters run side by side
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.advance(len(prompt))
+    nxt = [7, 8, 9, 10, 11]
+    steps = []
+    for seq, t, w in zip(seqs, nxt, which, strict=True):
+        step = seq.step([t])
+        step.adapter = 0 if w is None else keys[w]
+        steps.append(step)
+    out = runner.forward(steps)
+    assert len(runner._stacks) == 1
+    for row, (prompt, t, w) in enumerate(zip(prompts, nxt, which, strict=True)):
+        ref = _oracle(hf_model if w is None else oracles[w], prompt + [t])[-1]
+        assert (out[row] - ref).abs().max().item() <= TOL
 
 
 def test_bf16_and_int8_follow_the_oracle(tmp_path: Path) -> None:
