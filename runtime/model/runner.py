@@ -184,13 +184,15 @@ class ModelRunner:
             segments.append((sel, self._fused[key]))
         if len(segments) < 2 or start > _STACK_MAX_ROWS:
             return LoraBatch(segments)
-        keys = tuple(rows)
+        # the set, not the batch's order, names a stack: the scheduler reorders rows
+        segments.sort(key=lambda seg: seg[1].key)
+        keys = tuple(f.key for _, f in segments)
         stacked = self._stacks.get(keys)
         if stacked is None:
             if len(self._stacks) >= _STACK_CACHE:
                 self._stacks.pop(next(iter(self._stacks)))
             stacked = self._stacks[keys] = stack([f for _, f in segments])
-        return LoraBatch(segments, stacked, start)
+        return LoraBatch(segments, stacked, start, self.device)
 
     def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         """Validate the batch and flatten it into tensors and attention metadata."""

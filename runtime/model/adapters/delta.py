@@ -192,18 +192,18 @@ class LoraBatch:
         segments: ``(rows, adapter)``, one entry per adapter present in the batch.
         stacked: the stacked adapters, in the order of ``segments``, or None.
         num_rows: the batch's rows (for the stacked masks).
+        device: where the model runs (the masks go there).
     """
 
     __slots__ = ("segments", "stacked", "_masks")
 
     def __init__(self, segments: list[tuple[slice | torch.Tensor, FusedAdapter]],
-                 stacked: StackedAdapters | None = None, num_rows: int = 0) -> None:
+                 stacked: StackedAdapters | None = None, num_rows: int = 0,
+                 device: torch.device | None = None) -> None:
         self.segments = segments
         self.stacked = stacked
         self._masks: dict[str, torch.Tensor] = {}
         if stacked is not None:
-            device = next(iter(stacked.layers[0].values()))[0].device if any(
-                stacked.layers[0]) else torch.device("cpu")
             for name, spans in stacked.spans.items():
                 width = max(hi for cols in spans for _, hi in cols)
                 mask = torch.zeros(num_rows, width, dtype=torch.float32)  # [T, W]
