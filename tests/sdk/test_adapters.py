@@ -189,3 +189,19 @@ async def test_load_and_unload_errors_and_races(tiny_folder_path, adapters,
         assert "unloaded" in outcomes and len(outcomes) == 7
         assert rt.info.adapters == []
         rt.transport.engine.store.check_invariants()
+
+
+def test_serve_and_run_take_repeatable_adapter_options() -> None:
+    from pie_ctx.cli import _parser
+    from runtime.server.cli import engine_options
+
+    for command in ("run", "serve"):
+        words = [command] + (["x.py"] if command == "run" else [])
+        args = _parser().parse_args(words + ["--adapter", "a=/p/a", "--adapter", "b=/p/b=c"])
+        assert engine_options(args)["adapters"] == {"a": "/p/a", "b": "/p/b=c"}
+        assert "adapters" not in engine_options(_parser().parse_args(words))
+        with pytest.raises(SystemExit):
+            _parser().parse_args(words + ["--adapter", "no-path"])
+        with pytest.raises(SystemExit):
+            engine_options(_parser().parse_args(words + ["--adapter", "a=/x", "--adapter",
+                                                         "a=/y"]))
