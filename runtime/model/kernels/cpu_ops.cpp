@@ -501,7 +501,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new K/V into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention over the paged KV pool");
-  m.attr("SPLIT_KEYS") = SPLIT_KEYS;
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("quantize_rows", &quantize_rows, "symmetric int8 per row");
 }
