@@ -138,11 +138,7 @@ class PieServer:
             pass
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        _stop(self.proc, 60)
 
 
 class LlamaServer:
@@ -172,11 +168,16 @@ class LlamaServer:
         raise RuntimeError("llama-server did not become healthy in 120 s")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        _stop(self.proc, 30)
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    """Terminate a server, and kill it if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _free_port() -> int:
