@@ -14,6 +14,10 @@ one layer's K of a run of consecutive pages ``kv[a:b, :, layer, 0]`` is a single
 view ``[(b - a) * page_size, KVH, D]`` (uniform token stride), so attention can read a
 context whose pages are consecutive in place, without gathering them.
 
+Page bytes: ``read_page`` / ``write_page`` move one whole page as bytes (the disk tier's
+format). A tensor-parallel engine's pool (``runtime.distributed.pool``) holds only its
+rank's KV heads and overrides them, and ``copy_pages``, so that they act on every rank.
+
 Invariants: the free list holds distinct ids in ``[0, num_pages)``; an id is either on the
 free list or owned by exactly one holder (checked by ``runtime.kv.invariants``). Allocation
 is deterministic: a fresh pool hands out ``0, 1, 2, ...`` and freed pages are reused
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from runtime.kv.layout import KV_DTYPES, entry_width
@@ -44,7 +49,7 @@ class PagePool:
         pool.free(ids)
     """
 
-    __slots__ = ("kv", "num_pages", "page_size", "dtype", "kv_dtype", "_free")
+    __slots__ = ("kv", "num_pages", "page_size", "dtype", "kv_dtype", "_free", "_bytes")
 
     def __init__(
         self,
@@ -98,6 +103,7 @@ class PagePool:
         )
         # A stack: the end of the list is handed out next.
         self._free: list[PageId] = [PageId(i) for i in range(num_pages - 1, -1, -1)]
+        self._bytes: np.ndarray | None = None  # [pages, page_bytes] uint8 view (CPU)
 
     @property
     def num_free(self) -> int:
@@ -146,6 +152,36 @@ class PagePool:
             to, frm = kv[d].view(-1), kv[s].view(-1)  # a page is contiguous
             for start in range(0, to.numel(), _SERIAL_COPY):
                 to[start : start + _SERIAL_COPY].copy_(frm[start : start + _SERIAL_COPY])
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one whole page, as ``read_page`` returns them."""
+        return self.kv[0].numel() * self.kv.element_size()
+
+    def read_page(self, page_id: PageId) -> memoryview:
+        """One page's bytes (every layer, K and V, in the pool layout): a view on CPU, a
+        copy elsewhere."""
+        array = self._byte_array()
+        if array is not None:
+            return memoryview(array[page_id])
+        return memoryview(self.kv[page_id].contiguous().view(torch.uint8).cpu().numpy())
+
+    def write_page(self, page_id: PageId, payload: bytes | memoryview) -> None:
+        """Overwrite one page with bytes ``read_page`` returned (here or in another engine
+        with the same fingerprint)."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        array = self._byte_array()
+        if array is not None:
+            array[page_id] = src
+            return
+        dst = self.kv[page_id].view(-1).view(torch.uint8)
+        dst.copy_(torch.from_numpy(src.copy()).to(dst.device))
+
+    def _byte_array(self) -> np.ndarray | None:
+        if self._bytes is None and self.kv.device.type == "cpu":
+            # numpy reads and writes never start a torch thread team
+            self._bytes = self.kv.view(torch.uint8).numpy().reshape(self.num_pages, -1)
+        return self._bytes
 
     def free(self, page_ids: Sequence[PageId]) -> None:
         """Give pages back; they are handed out again in the order given.

@@ -84,6 +84,7 @@ class PageStore:
         kv_dtype: str = "fp32",
         files: PageFiles | None = None,
         max_disk_cache_pages: int = 0,
+        pool: PagePool | None = None,
     ) -> None:
         """Allocate the pool and empty bookkeeping (and list the snapshots on disk).
 
@@ -98,11 +99,13 @@ class PageStore:
                 snapshot is then durable, and the disk tier is on. None: snapshots live in
                 the pool only, for the store's life.
             max_disk_cache_pages: evicted cache pages kept on disk at most (with ``files``).
+            pool: a pool built by the caller, of these sizes (a tensor-parallel engine's
+                holds its rank's KV heads, see ``runtime.distributed``); None: a new one.
 
         Raises:
             ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
         """
-        self.pool = PagePool(
+        self.pool = pool if pool is not None else PagePool(
             num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype
         )
         self.page_size = page_size

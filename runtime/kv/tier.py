@@ -24,10 +24,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
 from runtime.kv.disk import ManifestHead, PageFiles, PageRecord, page_parts
@@ -64,31 +63,19 @@ class TierCounters:
 
 @dataclass(slots=True)
 class TierView:
-    """The pool's bytes as one uint8 array per page (a view on CPU, copies elsewhere)."""
+    """The pool's pages as bytes (what page files hold); the pool moves them."""
 
     pool: PagePool
-    page_bytes: int = 0
-    _array: np.ndarray | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        kv = self.pool.kv
-        self.page_bytes = kv[0].numel() * kv.element_size()
-        if kv.device.type == "cpu":
-            # [pages, page_bytes]: numpy reads and writes never start a torch thread team
-            self._array = kv.view(torch.uint8).numpy().reshape(self.pool.num_pages, -1)
+    @property
+    def page_bytes(self) -> int:
+        return self.pool.page_bytes
 
     def read(self, page_id: PageId) -> memoryview:
-        if self._array is not None:
-            return memoryview(self._array[page_id])
-        return memoryview(self.pool.kv[page_id].contiguous().view(torch.uint8).cpu().numpy())
+        return self.pool.read_page(page_id)
 
     def write(self, page_id: PageId, payload: bytes | memoryview) -> None:
-        src = np.frombuffer(payload, dtype=np.uint8)
-        if self._array is not None:
-            self._array[page_id] = src
-            return
-        dst = self.pool.kv[page_id].view(-1).view(torch.uint8)
-        dst.copy_(torch.from_numpy(src.copy()).to(dst.device))
+        self.pool.write_page(page_id, payload)
 
 
 class DiskTier:

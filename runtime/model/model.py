@@ -82,6 +82,9 @@ class Transformer:
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
         self.weight_format = "fp32"  # "int8" once runtime.model.quant has quantized it
+        # Tensor parallelism (runtime.distributed): sums a row-parallel projection's partial
+        # output over the ranks, in place, after o_proj and down. None: one rank.
+        self.reduce: Callable[[torch.Tensor], None] | None = None
         self.kernel_report = choose_kernels(self.projections()) if choose else []
 
     def projections(self) -> list[Projection]:
@@ -157,9 +160,14 @@ class Transformer:
             o = lw.o_proj(attn)  # [T, hidden]
             if lora is not None:
                 lora.apply(i, "o", attn, o)
+            if self.reduce is not None:
+                self.reduce(o)
             x.add_(o)
-            x.add_(swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw,
-                              None if lora is None else partial(lora.apply, i)))
+            mlp = swiglu_mlp(rms_norm(x, lw.post_norm, c.rms_norm_eps), lw,
+                             None if lora is None else partial(lora.apply, i))
+            if self.reduce is not None:
+                self.reduce(mlp)
+            x.add_(mlp)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]

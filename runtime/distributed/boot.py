@@ -1,0 +1,92 @@
+"""Rank 0's boot: start the ranks, load the model, build the sharded pool and runner.
+
+Owner: nothing after it returns; the runner owns the group (``ShardedRunner.close`` stops
+the workers, and the engine calls it when it stops). ``runtime.engine.boot`` calls
+:func:`build_rank0` on the engine's model thread when ``tp > 1``; with ``tp == 1`` nothing
+here runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pie_ctx.proto.errors import InvalidArgument
+from runtime.distributed.launch import (
+    DEFAULT_TIMEOUT,
+    WorkerSpec,
+    ready,
+    send_spec,
+    start_ranks,
+    threads_per_rank,
+)
+from runtime.distributed.pool import ShardedPagePool
+from runtime.distributed.runner import ShardedRunner
+from runtime.distributed.shard import check_tensor_parallel, shard_config
+from runtime.kv.store import PageStore
+from runtime.model.loader import load_model
+
+__all__ = ["build_rank0"]
+
+
+def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callable[[Any, torch.dtype], int],
+                kv_dtype: str, weights: str, files_for: Callable[[Any], Any],
+                max_disk_cache_pages_for: Callable[[Any, torch.dtype], int],
+                dtype: Any = None, device: Any = None, progress: bool = True,
+                timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, PageStore, ShardedRunner]:
+    """Load ``model`` as rank 0 of ``tp`` ranks (the workers are started here).
+
+    Args:
+        tp: how many ranks (>= 2).
+        model, dtype, device, progress: as ``boot_engine``.
+        page_size, kv_dtype: as ``boot_engine``.
+        pages_for: ``(config, dtype) -> num_pages`` of the pool (every rank's).
+        weights: must be ``"fp32"``.
+        files_for: ``loaded model -> PageFiles | None`` (the snapshot directory).
+        max_disk_cache_pages_for: ``(config, dtype) -> pages`` the disk cache may hold.
+        timeout: seconds a collective waits for a rank before the engine gives up.
+
+    Returns:
+        ``(loaded, store, runner)``.
+
+    Raises:
+        InvalidArgument: int8 weights; the model cannot be split into ``tp`` ranks (the
+            message names the sizes that work).
+        ModelError: the model cannot be loaded, or a worker failed to start.
+    """
+    if weights != "fp32":
+        raise InvalidArgument(f"weights={weights!r} is not supported with tensor parallelism; "
+                              "use weights='fp32' (--weights fp32)")
+    loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+    cfg = loaded.config
+    check_tensor_parallel(cfg, tp, loaded.name)  # before any process starts
+    weight = loaded.weights["model.embed_tokens.weight"]
+    dev = weight.device
+    threads = threads_per_rank(tp, dev)
+    torch.set_num_threads(threads)
+    pages = pages_for(cfg, weight.dtype)
+    group = start_ranks(tp, dev, timeout)
+    files = None
+    try:
+        send_spec(group, WorkerSpec(str(loaded.path), loaded.name,
+                                    str(weight.dtype).removeprefix("torch."), page_size, pages,
+                                    kv_dtype, threads))
+        local = shard_config(cfg, tp)
+        pool = ShardedPagePool(group, tp, pages, page_size, cfg.num_layers, local.num_kv_heads,
+                               cfg.head_dim, weight.dtype, dev, kv_dtype)
+        runner = ShardedRunner(cfg, loaded.weights, pool.kv, page_size, group,
+                               dtype=weight.dtype)
+        ready(group)
+        files = files_for(loaded)
+        store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                          dtype=weight.dtype, device=dev, kv_dtype=kv_dtype, files=files,
+                          max_disk_cache_pages=max_disk_cache_pages_for(cfg, weight.dtype),
+                          pool=pool)
+    except BaseException:
+        if files is not None:
+            files.close()
+        group.close()
+        raise
+    return loaded, store, runner
