@@ -1,0 +1,56 @@
+"""``pie-ctx serve --tensor-parallel 2`` with a worker killed mid-generation: the client's
+pending generation gets a ModelError and the server exits with status 2, no hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pie_ctx import Context, Runtime, Sampler
+from pie_ctx.errors import ModelError
+from tests.parallel.tiny import tp_model_folder
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid``'s threads started (the worker comes from the model thread)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker")
+async def test_server_exits_non_zero_when_a_worker_dies(tmp_path):
+    folder = tp_model_folder(tmp_path)
+    sock = tmp_path / "tp.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "runtime.server", "serve", "--model", str(folder),
+         "--tensor-parallel", "2", "--page-size", "4", "--num-pages", "256",
+         "--memory-snapshots", "--socket", str(sock)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline
+            await anyio.sleep(0.1)
+        [worker] = _children(server.pid)
+        with anyio.fail_after(60):
+            async with Runtime.connect(f"unix:{sock}") as rt:
+                got = []
+                with pytest.raises(ModelError, match="tensor-parallel rank was lost"):
+                    async for token in Context(rt).user("hello world").generate(
+                            Sampler.greedy(), max_tokens=400, ignore_eos=True):
+                        got.append(token)
+                        if len(got) == 3:
+                            os.kill(worker, signal.SIGKILL)
+        assert server.wait(timeout=30) == 2
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
