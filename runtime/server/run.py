@@ -117,7 +117,11 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         api_key: required by the HTTP API if given; mandatory off loopback.
         http_ready: called with the bound HTTP address once HTTP clients can connect.
 
+    If the engine's runner is lost (a tensor-parallel rank died), every pending request
+    gets the ``ModelError``, then the server stops and raises it.
+
     Raises:
+        ModelError: the engine's runner was lost (``Engine.wait_lost``).
         InvalidArgument: TCP without a token, HTTP off loopback without a key, or an
             address is taken.
     """
@@ -132,10 +136,13 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         http_sock, http = bind(http)
     server = Server(engine, tokens=[token] if token else [], require_token=address.kind == "tcp",
                     max_frame_bytes=max_frame_bytes)
+    lost: list[BaseException] = []  # the engine's runner, if it is lost (tensor parallel)
     async with engine:
         listener, bound = await open_listener(address)
         try:
             async with anyio.create_task_group() as tg:
+                if hasattr(engine, "wait_lost"):
+                    tg.start_soon(_stop_on_lost_runner, engine, tg.cancel_scope, lost)
                 await tg.start(server.serve, listener)
                 if http_sock is not None:
                     from runtime.server.http.app import create_app, serve_http
@@ -151,6 +158,15 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
             if bound.kind == "unix":
                 with contextlib.suppress(OSError):
                     os.unlink(bound.path)
+        if lost:
+            raise lost[0]  # a non-zero exit: the engine cannot serve any more
+
+
+async def _stop_on_lost_runner(engine: Any, scope: anyio.CancelScope,
+                               lost: list[BaseException]) -> None:
+    lost.append(await engine.wait_lost())
+    await anyio.sleep(0.5)  # the failed requests' replies go out first
+    scope.cancel()
 
 
 async def _stop_on_signal(scope: anyio.CancelScope) -> None:
