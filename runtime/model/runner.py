@@ -14,16 +14,16 @@ so a rejected batch leaves the pool untouched.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.adapters.delta import StackedAdapters, stack
-from runtime.model.attention import AttentionBackend, AttentionMetadata, select_backend
+from runtime.model.attention import AttentionBackend, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
+from runtime.model.flatten import flatten
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 
@@ -56,6 +56,8 @@ class ModelRunner:
             ``weight_format``; int8 off CPU or without calibration tokens.
         ModelError: a weight is missing or mis-shaped.
     """
+
+    kind = "native"  # EngineInfo.backend
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  pool_kv: torch.Tensor, page_size: int,
@@ -148,7 +150,10 @@ class ModelRunner:
                 token out of range, bad mask); nothing is written.
         """
         with torch.inference_mode():
-            meta, tokens, rows = self._build(batch)
+            flat = flatten(batch, page_size=self.page_size, vocab_size=self.config.vocab_size,
+                           num_pages=self.num_pages, device=self.device,
+                           has_adapter=self.has_adapter_key)
+            meta, tokens, rows = flat.meta, flat.tokens, flat.rows
             lora = self._lora_batch(batch)
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
@@ -193,79 +198,3 @@ class ModelRunner:
                 self._stacks.pop(next(iter(self._stacks)))
             stacked = self._stacks[keys] = stack([f for _, f in segments])
         return LoraBatch(segments, stacked, start, self.device)
-
-    def _build(self, batch: list[SeqInput]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """Validate the batch and flatten it into tensors and attention metadata."""
-        if not batch:
-            raise InvalidArgument("forward needs at least one sequence")
-        s, vocab = self.page_size, self.config.vocab_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        write_pages: list[int] = []
-        write_slots: list[int] = []
-        rows: list[int] = []
-        q_lens, cached, kv_lens, tables = [], [], [], []
-        masks: list[torch.Tensor | None] = []
-        for i, seq in enumerate(batch):
-            n, nc = len(seq.tokens), seq.num_cached
-            if n == 0:
-                raise InvalidArgument(f"batch[{i}]: no new tokens")
-            if len(seq.positions) != n:
-                raise InvalidArgument(f"batch[{i}]: {len(seq.positions)} positions for {n} tokens")
-            if nc < 0:
-                raise InvalidArgument(f"batch[{i}]: num_cached must be >= 0, got {nc}")
-            kv_len = nc + n
-            if len(seq.page_table) * s < kv_len:
-                raise InvalidArgument(
-                    f"batch[{i}]: page table of {len(seq.page_table)} pages holds "
-                    f"{len(seq.page_table) * s} tokens, needs {kv_len}; reserve pages first")
-            pt = seq.page_table
-            if pt and (min(pt) < 0 or max(pt) >= self.num_pages):
-                raise InvalidArgument(f"batch[{i}]: page id out of range [0, {self.num_pages})")
-            if min(seq.tokens) < 0 or max(seq.tokens) >= vocab:
-                raise InvalidArgument(f"batch[{i}]: token id out of range [0, {vocab})")
-            if seq.logit_indices and (min(seq.logit_indices) < 0 or max(seq.logit_indices) >= n):
-                raise InvalidArgument(f"batch[{i}]: logit index out of range [0, {n})")
-            if not self.has_adapter_key(seq.adapter):
-                raise InvalidArgument(f"batch[{i}]: adapter {seq.adapter:#x} is not loaded")
-            masks.append(self._check_mask(i, seq.mask, n, kv_len))
-            base = len(tokens)
-            rows.extend(base + j for j in seq.logit_indices)
-            tokens.extend(seq.tokens)
-            positions.extend(seq.positions)
-            for idx in range(nc, kv_len):
-                write_pages.append(pt[idx // s])
-                write_slots.append(idx % s)
-            q_lens.append(n)
-            cached.append(nc)
-            kv_lens.append(kv_len)
-            tables.append(list(pt[: (kv_len + s - 1) // s]))
-        if len(set(zip(write_pages, write_slots, strict=True))) != len(write_pages):
-            raise InvalidArgument("two new tokens in this batch write the same KV slot")
-        dev = self.device
-        meta = AttentionMetadata(
-            page_size=s, query_lens=q_lens, num_cached=cached, kv_lens=kv_lens,
-            page_tables=tables,
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            write_pages=torch.tensor(write_pages, dtype=torch.int64, device=dev),
-            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=dev),
-            masks=masks,
-        )
-        token_t = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        return meta, token_t, row_t
-
-    def _check_mask(self, i: int, mask: np.ndarray | None, n: int, kv_len: int) -> torch.Tensor | None:
-        """Validate one custom mask and convert it to a bool tensor on the model's device."""
-        if mask is None:
-            return None
-        m = np.asarray(mask)
-        if m.dtype != np.bool_:
-            raise InvalidArgument(f"batch[{i}]: mask must be bool (True = attend), got {m.dtype}")
-        if m.shape != (n, kv_len):
-            raise InvalidArgument(
-                f"batch[{i}]: mask shape {m.shape}, expected (len(tokens), num_cached + "
-                f"len(tokens)) = ({n}, {kv_len})")
-        if not m.any(axis=1).all():
-            raise InvalidArgument(f"batch[{i}]: every mask row must attend to at least one entry")
-        return torch.from_numpy(np.ascontiguousarray(m)).to(self.device)
