@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--token-file", default=None, help="token file for a TCP server")
     run.add_argument("--inferlets", default=None, metavar="DIR",
                      help="without --connect: the folder rt.spawn launches inferlets from")
-    run.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
-                     help="async library to run the inferlet under")
+    run.add_argument("--loop", choices=("asyncio", "trio"), default="asyncio",
+                     help="async library to run the inferlet under (default asyncio)")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="print a one-line engine summary at the end")
     run.set_defaults(func=_run)
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                       file=sys.stderr)
         return result
 
-    result = anyio.run(go, backend=args.backend)
+    result = anyio.run(go, backend=args.loop)
     if result is not None:
         print(result)
     return 0

@@ -583,6 +583,7 @@ class EngineInfo(_Reply):
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged
     weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
+    backend: str = "native"  # the model runner: native or transformers (docs/models.md)
     adapters: list[AdapterInfo] = []  # LoRA adapters loaded now (docs/adapters.md)
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
     snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory

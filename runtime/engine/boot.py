@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,23 @@ import torch
 import xxhash
 
 from pie_ctx.proto import checks
-from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.proto.errors import InvalidArgument, ModelError
+from runtime.distributed.boot import build_rank0
 from runtime.engine.engine import Engine
 from runtime.kv.disk import Fingerprint, PageFiles
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
-from runtime.model.loader import load_model
+from runtime.model.config import ModelConfig
+from runtime.model.loader import load_model, resolve_model
+from runtime.model.loader.hf import read_config
 from runtime.model.matmul import adopt_kernel_choices, kernel_choices
 from runtime.model.quant import WEIGHT_FORMATS, calibration_tokens
 from runtime.model.runner import ModelRunner
+from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
 
 log = logging.getLogger("pie_ctx.engine")
+
+BACKENDS = ("native", "transformers", "auto")
 
 
 def page_bytes_for(config: Any, page_size: int, dtype: torch.dtype,
@@ -46,22 +53,45 @@ def pool_pages_for(config: Any, page_size: int, dtype: torch.dtype, kv_memory_gb
     return max(1, int(kv_memory_gb * 2**30) // page_bytes)
 
 
-def fingerprint(loaded: Any, page_size: int, weights: str, kv_dtype: str) -> Fingerprint:
-    """What decides this engine's KV bytes: its model files (hashed), formats and shapes.
-    Snapshots are shared only between engines with equal fingerprints."""
+def fingerprint(name: str, folder: Path, dtype: torch.dtype, shape: Any, page_size: int,
+                weights: str, kv_dtype: str, backend: str = "native") -> Fingerprint:
+    """What decides this engine's KV bytes: its model files (hashed), formats, shapes and
+    the runner (two backends round differently). Snapshots are shared only between
+    engines with equal fingerprints.
+
+    Args:
+        shape: has ``num_layers``, ``num_kv_heads`` and ``head_dim`` (a model config).
+    """
     digest = xxhash.xxh3_128()
-    for path in sorted(Path(loaded.path).iterdir()):
+    for path in sorted(Path(folder).iterdir()):
         if path.suffix in (".safetensors", ".gguf", ".bin") or path.name == "config.json":
             digest.update(path.name.encode())
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 24):
                     digest.update(chunk)
-    cfg = loaded.config
-    dtype = str(loaded.weights["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-    return Fingerprint(model=loaded.name, weights_digest=digest.hexdigest(), weights=weights,
-                       dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
-                       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim)
+    return Fingerprint(model=name, weights_digest=digest.hexdigest(), weights=weights,
+                       dtype=str(dtype).removeprefix("torch."), kv_dtype=kv_dtype,
+                       page_size=page_size, num_layers=shape.num_layers,
+                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                       backend=backend)
+
+
+def choose_backend(backend: str, model: str | None, *, progress: bool = True) -> str:
+    """``"native"`` or ``"transformers"`` for ``model`` (``backend``: native, transformers
+    or auto: native when its runner has the model's architecture and options, else
+    transformers; the choice is logged)."""
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    name, folder = resolve_model(model, progress=progress)
+    try:
+        ModelConfig.from_hf_config(read_config(folder))
+    except ModelError as e:
+        log.info("model %s: the transformers backend (the native runner cannot: %s)", name, e)
+        return "transformers"
+    log.info("model %s: the native backend", name)
+    return "native"
 
 
 @contextmanager
@@ -87,7 +117,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                 max_step_tokens: int = 1024, progress: bool = True,
                 owner_share: float | None = None, weights: str = "fp32",
                 kv_dtype: str = "fp32", snapshot_dir: str | Path | None = None,
-                disk_cache_gb: float = 4.0, **engine_kw: Any) -> Engine:
+                disk_cache_gb: float = 4.0, backend: str = "auto", tp: int = 1,
+                **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -110,11 +141,19 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
             in the pool, for the engine's life (docs/snapshots.md).
         disk_cache_gb: with ``snapshot_dir``, the disk space evicted cache pages (held by
             no snapshot) may take, so prefix matching can load them back.
+        backend: ``"native"`` (pie-ctx's own layers: Llama, Qwen2, Qwen3), ``"transformers"``
+            (transformers' model class over the same pages: any causal LM it loads) or
+            ``"auto"``: native when it can run the model, else transformers (logged; see
+            docs/models.md).
+        tp: tensor-parallel ranks: this process is rank 0 and starts the other ``tp - 1``
+            (or attaches to ``torchrun``'s); weights and KV pages are sharded by head
+            (docs/scale-out.md). 1: one device, nothing else starts.
         **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
-        InvalidArgument: a size is not positive.
-        ModelError: the model cannot be loaded.
+        InvalidArgument: a size is not positive; an unknown backend; int8 weights on the
+            transformers backend.
+        ModelError: the model cannot be loaded (on the backend asked for).
         StorageError: ``snapshot_dir`` is missing, read-only, or used by another engine.
     """
     checks.positive(page_size, "page_size")
@@ -130,42 +169,107 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     if not checks.finite(disk_cache_gb, "disk_cache_gb") >= 0:
         raise InvalidArgument(f"disk_cache_gb must be >= 0, got {disk_cache_gb!r}")
 
-    def build() -> tuple[Any, Any, Any]:
-        loaded = load_model(model, dtype=dtype, device=device, progress=progress)
-        cfg = loaded.config
-        weight = loaded.weights["model.embed_tokens.weight"]
-        pages = num_pages or pool_pages_for(cfg, page_size, weight.dtype, kv_memory_gb, kv_dtype)
+    kind = choose_backend(backend, model, progress=progress)
+    if kind == "transformers" and weights != "fp32":
+        raise InvalidArgument(
+            f"weights={weights!r} is a format of the native runner; the transformers backend "
+            "runs the checkpoint's weights in dtype: use weights='fp32' (--weights fp32), or "
+            "a model the native backend runs (docs/models.md)")
+
+    if tp != 1 and kind == "transformers":
+        raise InvalidArgument("tensor parallelism runs on the native backend; use "
+                              "backend='native' or tp=1 (docs/scale-out.md)")
+
+    def build() -> tuple[_Model, Any, Any]:
+        if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
+            return _build_rank0()
+        m = _load(kind, model, dtype=dtype, device=device, progress=progress)
+        pages = num_pages or pool_pages_for(m.shape, page_size, m.dtype, kv_memory_gb, kv_dtype)
         files = None
         if snapshot_dir is not None:
-            files = PageFiles(snapshot_dir, fingerprint(loaded, page_size, weights, kv_dtype))
+            files = PageFiles(snapshot_dir, fingerprint(m.name, m.path, m.dtype, m.shape,
+                                                        page_size, weights, kv_dtype, kind))
         try:
-            page_bytes = page_bytes_for(cfg, page_size, weight.dtype, kv_dtype)
-            store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=weight.dtype, device=weight.device, kv_dtype=kv_dtype,
-                              files=files,
+            page_bytes = page_bytes_for(m.shape, page_size, m.dtype, kv_dtype)
+            store = PageStore(pages, page_size, m.shape.num_layers, m.shape.num_kv_heads,
+                              m.shape.head_dim, dtype=m.dtype, device=m.device,
+                              kv_dtype=kv_dtype, files=files,
                               max_disk_cache_pages=int(disk_cache_gb * 2**30) // page_bytes)
-            calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
             with kernel_choices_kept(files):
-                runner = ModelRunner(cfg, loaded.weights, store.pool.kv, page_size,
-                                     weight_format=weights, calibration=calibration,
-                                     dtype=weight.dtype)
+                runner = m.make_runner(store.pool.kv, page_size, weights)
         except BaseException:
             if files is not None:
                 files.close()
             raise
-        return loaded, store, runner
+        return m, store, runner
+
+    def _build_rank0() -> tuple[_Model, Any, Any]:
+        def files_for(lm: Any) -> PageFiles | None:
+            if snapshot_dir is None:
+                return None
+            dt = lm.weights["model.embed_tokens.weight"].dtype
+            return PageFiles(snapshot_dir, fingerprint(lm.name, lm.path, dt, lm.config, page_size,
+                                                       weights, kv_dtype, "native"))
+
+        loaded, store, runner = build_rank0(
+            tp, model, page_size=page_size, kv_dtype=kv_dtype, weights=weights, dtype=dtype,
+            device=device, progress=progress, files_for=files_for,
+            pages_for=lambda cfg, dt: num_pages or pool_pages_for(cfg, page_size, dt,
+                                                                  kv_memory_gb, kv_dtype),
+            max_disk_cache_pages_for=lambda cfg, dt: int(disk_cache_gb * 2**30)
+            // page_bytes_for(cfg, page_size, dt, kv_dtype))
+        c, pool = loaded.config, store.pool
+        return (_Model(loaded.name, loaded.path, loaded.tokenizer, c, pool.dtype, pool.kv.device,
+                       c.vocab_size, c.hidden_size, c.max_position_embeddings,
+                       lambda *_: runner), store, runner)
 
     # Load on the thread that will run every model step (see Engine: one OpenMP team).
-    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-ctx-model")
+    # Engines of one process may share theirs (``model_thread=``: the benchmarks do).
+    thread = engine_kw.pop("model_thread", None) or ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="pie-ctx-model")
     try:
-        loaded, store, runner = thread.submit(build).result()
+        m, store, runner = thread.submit(build).result()
     except BaseException:
         thread.shutdown(wait=False)
         raise
-    cfg = loaded.config
     if owner_share is not None:
         engine_kw["max_pages_per_owner"] = max(1, int(owner_share * store.num_pages_total))
-    return Engine(store, runner, loaded.tokenizer, model_name=loaded.name,
-                  vocab_size=cfg.vocab_size, max_seq_len=cfg.max_position_embeddings,
-                  hidden_size=cfg.hidden_size,
+    return Engine(store, runner, m.tokenizer, model_name=m.name, vocab_size=m.vocab_size,
+                  max_seq_len=m.max_seq_len, hidden_size=m.hidden_size,
                   max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)
+
+
+@dataclass(slots=True)
+class _Model:
+    """A loaded model as boot needs it, from either backend."""
+
+    name: str
+    path: Path
+    tokenizer: Any
+    shape: Any  # num_layers, num_kv_heads, head_dim
+    dtype: torch.dtype
+    device: torch.device
+    vocab_size: int
+    hidden_size: int
+    max_seq_len: int
+    make_runner: Callable[[torch.Tensor, int, str], Any]  # (pool_kv, page_size, weights)
+
+
+def _load(kind: str, model: str | None, **load_kw: Any) -> _Model:
+    """Load ``model`` for the ``kind`` backend (on the model thread)."""
+    if kind == "transformers":
+        hf = load_transformers_model(model, **load_kw)
+        return _Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
+                      hf.hidden_size, hf.max_positions,
+                      lambda pool, page_size, _weights: TransformersRunner(hf, pool, page_size))
+    loaded = load_model(model, **load_kw)
+    cfg = loaded.config
+    weight = loaded.weights["model.embed_tokens.weight"]
+
+    def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
+        calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        return ModelRunner(cfg, loaded.weights, pool, page_size, weight_format=weights,
+                           calibration=calibration, dtype=weight.dtype)
+
+    return _Model(loaded.name, loaded.path, loaded.tokenizer, cfg, weight.dtype, weight.device,
+                  cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, make_runner)

@@ -50,6 +50,7 @@ from runtime.engine.adapters import Adapters
 from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
+from runtime.engine.failures import RunnerLost
 from runtime.engine.handlers import Handlers
 from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.passes import Passes
@@ -163,7 +164,7 @@ class Engine:
             hidden_size=hidden_size, can_constrain=grammars.available,
             dtype=str(store.pool.dtype).removeprefix("torch."),
             device=str(store.pool.kv.device), attention=runner.backend.name,
-            weights=runner.weight_format, kv_dtype=store.pool.kv_dtype,
+            weights=runner.weight_format, kv_dtype=store.pool.kv_dtype, backend=runner.kind,
             snapshot_dir="" if store.tier is None else str(store.tier.files.folder),
             max_message_bytes=limits.max_message_bytes,
             max_queue_messages=limits.max_queue_messages, max_channels=limits.max_channels,
@@ -184,6 +185,8 @@ class Engine:
         self._hosted = HostedRequests(self.kv_store)
         self.handlers.extend(self._hosted.table)
         self._wake = anyio.Event()
+        self.lost: RunnerLost | None = None  # the runner can step no more (see _lose_runner)
+        self._lost = anyio.Event()
         self._task_group: Any = None
         self._running = False
         # Every model step runs on this one thread (the one that loaded the model, when
@@ -224,6 +227,9 @@ class Engine:
             self.records.collect_garbage()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
             self.store.close()  # another engine may now use the snapshot folder
+            close = getattr(self.executor.runner, "close", None)  # tensor parallel: the ranks
+            if close is not None:
+                close()
 
     def run_on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the thread that runs the model, and wait for it (blocking).
@@ -241,7 +247,7 @@ class Engine:
         """Answer one non-streaming request. See the module docstring."""
         self.records.collect_garbage()
         if not self._running:
-            reply: Any = P.error_reply(ProtocolError("the engine is not running"))
+            reply: Any = P.error_reply(self.lost or ProtocolError("the engine is not running"))
         else:
             reply = await self.handlers.handle(req, owner, namespace)
         if raise_errors:
@@ -253,7 +259,7 @@ class Engine:
         """Start a generation (see ``Passes.generate``)."""
         self.records.collect_garbage()
         if not self._running:
-            return GenerationStream.failed(ProtocolError("the engine is not running"))
+            return GenerationStream.failed(self.lost or ProtocolError("the engine is not running"))
         return await self.passes.generate(req, owner)
 
     def attach_host(self, host: Any, folder: str) -> None:
@@ -332,7 +338,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a job for the loop (``JobQueue``)."""
         if not self._running:
-            job.fail(ProtocolError("the engine is not running"))
+            job.fail(self.lost or ProtocolError("the engine is not running"))
             self._notify(job)
             return
         self.scheduler.submit(job)
@@ -372,7 +378,11 @@ class Engine:
                         self._notify(job)
                 continue
             t1 = time.perf_counter()
-            results, failed = await self._run_isolated(plan)
+            try:
+                results, failed = await self._run_isolated(plan)
+            except RunnerLost as lost:
+                self._lose_runner(lost)
+                return
             t2 = time.perf_counter()
             self.counters.model_seconds += t2 - t1
             for job in self.scheduler.complete(plan, results, failed):
@@ -405,6 +415,8 @@ class Engine:
                     for i, result in zip(rows, await self._run_step(sub), strict=True):
                         results[i] = result
                     return
+                except RunnerLost:
+                    raise  # no row caused it: every later step would fail alike
                 except Exception as exc:  # noqa: BLE001 - isolated below, never fatal
                     error = exc
             if len(entries) == 1:
@@ -419,6 +431,20 @@ class Engine:
 
         await run(list(range(len(plan.entries))), None)
         return results, failed
+
+    def _lose_runner(self, lost: RunnerLost) -> None:
+        """The runner can step no more: every job fails with ``lost`` and none is taken."""
+        self.lost = lost
+        self._running = False
+        for job in self.scheduler.abort_all(lost):
+            self._notify(job)
+        self._lost.set()
+
+    async def wait_lost(self) -> RunnerLost:
+        """Wait until the runner is lost (a server then exits, see ``runtime.server.run``)."""
+        await self._lost.wait()
+        assert self.lost is not None
+        return self.lost
 
     def _notify(self, job: Job) -> None:
         self.executor.forget(job.key)

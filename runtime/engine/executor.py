@@ -23,6 +23,7 @@ from runtime.sampling import logprobs, make_generator, sample_rows, top_k_distri
 class Runner(Protocol):
     backend: Any  # the attention backend (its ``name`` is reported in EngineInfo)
     weight_format: str  # "fp32" or "int8" (reported in EngineInfo)
+    kind: str  # "native" or "transformers" (EngineInfo.backend)
 
     def forward(self, batch: list[SeqInput], *,
                 return_hidden: bool = False) -> Any: ...

@@ -92,16 +92,21 @@ class Fingerprint:
     num_kv_heads: int
     head_dim: int
     version: int = FORMAT_VERSION
+    backend: str = "native"  # the runner that computed the pages: native | transformers
 
     @property
     def key(self) -> str:
         """16 hex digits naming this fingerprint's folder."""
-        return xxhash.xxh3_64_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+        fields = asdict(self)
+        if self.backend == "native":  # the folders of engines made before backends existed
+            del fields["backend"]
+        return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
     def describe(self) -> str:
         """One line for messages: what differs between two fingerprints is visible."""
         return (f"model {self.model} (weights {self.weights_digest[:12]}, {self.weights}), "
-                f"dtype {self.dtype}, kv {self.kv_dtype}, page size {self.page_size}")
+                f"dtype {self.dtype}, kv {self.kv_dtype}, page size {self.page_size}, "
+                f"{self.backend} backend")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fingerprint:

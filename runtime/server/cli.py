@@ -50,10 +50,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
                         help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
                              "token and head; ~3.8x the pages per GB; docs/forward.md)")
+    parser.add_argument("--backend", type=_backend_option, default="auto",
+                        metavar="{native,transformers,auto}",
+                        help="native: pie-ctx's own layers (Llama, Qwen2, Qwen3); transformers: "
+                             "transformers' model class over the same pages (any causal LM); "
+                             "auto (default): native when it can run the model (docs/models.md)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="shard the model and its KV pages by head over N ranks "
+                             "(torch.distributed: gloo on CPU, NCCL on GPU; this process is "
+                             "rank 0 and starts the others; docs/scale-out.md)")
     parser.add_argument("--adapter", action="append", default=[], type=_adapter_option,
                         metavar="NAME=PATH",
                         help="load a PEFT LoRA folder as adapter NAME (repeatable; "
                              "Context(rt, adapter=NAME), HTTP model=NAME; docs/adapters.md)")
+
+
+def _backend_option(value: str) -> str:
+    if value in ("asyncio", "trio"):  # what `run --backend` meant before model backends
+        raise argparse.ArgumentTypeError(f"{value} is an async library: `run --loop {value}`; "
+                                         "--backend picks the model backend")
+    if value not in ("native", "transformers", "auto"):
+        raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose from native, "
+                                         "transformers, auto)")
+    return value
 
 
 def _adapter_option(value: str) -> tuple[str, str]:
@@ -67,7 +86,9 @@ def _adapter_option(value: str) -> tuple[str, str]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
     options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
-               "weights": args.weights, "kv_dtype": args.kv_dtype}
+               "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend}
+    if args.tensor_parallel != 1:
+        options["tp"] = args.tensor_parallel
     adapters = dict(getattr(args, "adapter", None) or [])
     if len(adapters) != len(args.adapter or []):
         raise SystemExit("pie-ctx: error: --adapter names must differ")
@@ -192,7 +213,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     def ready(bound: Address) -> None:
         share = engine.info().max_pages_per_owner
-        _say(f"serving {engine.model_name} on {bound} "
+        _say(f"serving {engine.model_name} ({engine.info().backend} backend) on {bound} "
              f"({engine.store.num_pages_total} pages of {engine.store.page_size} tokens"
              f"{f', at most {share} per client' if share else ''})")
         folder = engine.info().snapshot_dir

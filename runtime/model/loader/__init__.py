@@ -32,7 +32,8 @@ from .default import DEFAULT_NAME, default_gguf_path, ensure_default
 from .hf import load_tokenizer, load_weights, read_config
 
 __all__ = [
-    "LoadedModel", "CachedModel", "load_model", "resolve_model", "list_cached_models",
+    "LoadedModel", "CachedModel", "load_model", "resolve_model", "resolve_device",
+    "resolve_dtype", "list_cached_models",
     "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
 ]
 
@@ -72,7 +73,8 @@ class CachedModel:
     source: dict[str, Any]
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device a model loads onto (None: CUDA when available, else CPU)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -81,7 +83,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         raise InvalidArgument(f"device {device!r} is not a torch device (try 'cpu' or 'cuda')") from None
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The compute dtype named by ``dtype`` (None: float32 on CPU, bfloat16 on CUDA)."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
@@ -142,8 +145,8 @@ def load_model(
         ModelError: a file is missing, corrupt or unsupported (the message says which and
             what to do).
     """
-    dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     name, folder = resolve_model(ref, progress=progress)
     config_dict = read_config(folder)
     config = ModelConfig.from_hf_config(config_dict)
