@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -219,6 +220,12 @@ def _stats(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pie-ctx`` console script."""
+    if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+        # a torchrun rank other than 0: serve rank 0's tensor-parallel engine as a worker
+        from runtime.distributed.launch import under_torchrun, worker_main
+
+        if under_torchrun():
+            return worker_main()
     argv = list(sys.argv[1:] if argv is None else argv)
     rest: list[str] = []
     if "--" in argv:

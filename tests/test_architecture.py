@@ -24,7 +24,8 @@ ALLOWED_SDK_TO_RUNTIME = {
     "pie_ctx.runtime": {"runtime.engine.boot"},  # Runtime.local boots an engine lazily
     # the program's entry point (``run --inferlets`` boots an engine that hosts inferlets)
     "pie_ctx.cli": {"runtime.server.cli", "runtime.model.loader", "runtime.engine.boot",
-                    "runtime.hosted.folder", "runtime.hosted.host"},
+                    "runtime.hosted.folder", "runtime.hosted.host",
+                    "runtime.distributed.launch"},  # a torchrun rank > 0: a TP worker
 }
 
 

@@ -65,9 +65,10 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
     weight = loaded.weights["model.embed_tokens.weight"]
     dev = weight.device
     threads = threads_per_rank(tp, dev)
-    torch.set_num_threads(threads)
     pages = pages_for(cfg, weight.dtype)
     group = start_ranks(tp, dev, timeout)
+    group.threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     files = None
     try:
         send_spec(group, WorkerSpec(str(loaded.path), loaded.name,

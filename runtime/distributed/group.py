@@ -158,6 +158,9 @@ class RankGroup(_Collectives):
         self.processes = list(processes)
         self.lost: RunnerLost | None = None
         self.num_steps = 0
+        # rank 0 shares the process with others: the thread count it had before the ranks
+        # split the cores, put back on close (torch.set_num_threads is process-wide)
+        self.threads_before: int | None = None
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat,), daemon=True,
                                            name="pie-ctx-tp-heartbeat")
@@ -237,6 +240,9 @@ class RankGroup(_Collectives):
         """Stop the workers and leave the process group (another engine may start)."""
         self.stop()
         self._kill(grace=5.0)
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -10,9 +10,9 @@ Two ways in, one protocol:
   (``python -m runtime.distributed.worker``: nothing of the caller's main module is
   re-imported) and meets them over a TCP store on 127.0.0.1; a worker that exits before
   it joins fails the boot at once;
-* under ``torchrun --nproc-per-node N`` every rank runs ``python -m runtime.distributed
-  <pie-ctx args>``: rank 0 runs the ``pie-ctx`` command line (which boots with
-  ``--tensor-parallel N`` and attaches, ``env://``), the others run :func:`worker_main`.
+* under ``torchrun --nproc-per-node N`` every rank runs ``python -m pie_ctx <pie-ctx
+  args>``: rank 0 runs the command line (which boots with ``--tensor-parallel N`` and
+  attaches, ``env://``); on the others the command line calls :func:`worker_main`.
 
 Either way rank 0 then broadcasts a :class:`WorkerSpec` (model folder, dtype, pool size),
 each worker loads and shards the model, builds its pool slice, and a barrier says every
@@ -105,7 +105,7 @@ def start_ranks(tp: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT,
         if world != tp or rank != 0:
             raise InvalidArgument(f"torchrun started rank {rank} of {world}; --tensor-parallel "
                                   f"{tp} needs {tp} ranks, and boots on rank 0 only (workers "
-                                  "run python -m runtime.distributed)")
+                                  "run the worker loop: torchrun ... -m pie_ctx ARGS)")
         dist.init_process_group(backend, init_method="env://", world_size=tp, rank=0,
                                 timeout=wait)
     else:
@@ -243,17 +243,3 @@ def _serve(runner: ShardedRunner, kv: torch.Tensor, comm: WorkerChannel) -> None
             return
         elif kind != "noop":
             raise RuntimeError(f"unknown command {kind!r} from rank 0")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m runtime.distributed ARGS`` under torchrun: rank 0 runs ``pie-ctx ARGS``,
-    the others serve as workers."""
-    if not under_torchrun():
-        print("python -m runtime.distributed runs under torchrun: torchrun --nproc-per-node N "
-              "-m runtime.distributed serve --tensor-parallel N ...", file=sys.stderr)
-        return 2
-    if int(os.environ["RANK"]) == 0:
-        from pie_ctx.cli import main as cli_main
-
-        return cli_main(argv)
-    return worker_main()

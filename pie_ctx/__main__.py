@@ -1,0 +1,8 @@
+"""``python -m pie_ctx ARGS`` is the ``pie-ctx`` command (also what every rank runs under
+``torchrun``, see docs/scale-out.md)."""
+
+import sys
+
+from pie_ctx.cli import main
+
+sys.exit(main())
