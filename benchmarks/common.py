@@ -122,5 +122,12 @@ def table(rows: list[tuple[str, str]]) -> None:
         print(f"{k.ljust(width)}  {v}")
 
 
+def _rounded(v: Any) -> Any:
+    """Floats to 4 decimals, small ones (logit differences) to 4 significant digits."""
+    if not isinstance(v, float):
+        return v
+    return round(v, 4) if abs(v) >= 1e-2 or v == 0 else float(f"{v:.4g}")
+
+
 def emit(result: dict[str, Any]) -> None:
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}))
+    print(json.dumps({k: _rounded(v) for k, v in result.items()}))

@@ -28,6 +28,8 @@ NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
 KEYS = {
     "agents.py": {"react_tput_vs_http", "react_hosted_tput_vs_http",
                   "react_hosted_tput_vs_socket", "socket_hop_us_per_token"},
+    "backends.py": {"transformers_backend_over_hf_bon", "native_over_transformers_backend_decode",
+                    "backend_max_abs_logit_diff"},
     "best_of_n.py": {"speedup_vs_hf", "kv_ratio"},
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
@@ -42,6 +44,7 @@ KEYS = {
     "snapshots.py": {"reopen_after_restart_over_recompute", "reopen_mb_s", "disk_read_mb_s",
                      "save_mb_s", "disk_write_mb_s", "snapshots_saved"},
     "threads.py": {"copies_ratio"},
+    "tensor_parallel.py": {"tp_overhead_fraction", "tp_logits_max_abs_diff"},
     "throughput.py": {"tokens_per_s", "scheduler_overhead_fraction"},
     "vs_llamacpp.py": {"int8_decode_vs_llamacpp", "fp32_decode_vs_llamacpp",
                        "int8_prefill_vs_llamacpp", "int8_bon_vs_llamacpp",
