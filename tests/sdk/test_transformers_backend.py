@@ -182,3 +182,32 @@ async def test_refusals_are_typed(models, caplog) -> None:
         async with tiny_runtime(llama_folder) as rt:
             assert rt.info.backend == "native"
     assert "the native backend" in caplog.text
+
+
+async def test_probes_constraints_and_speculation(models) -> None:
+    """Hidden states, entropy and constrained generation over a GPT-2 (learned positions),
+    and speculative decoding (a verify block of several rows) identical to plain greedy."""
+    from pie_ctx.constrain import Regex
+
+    model, folder = models["gpt2"]
+    async with tiny_runtime(folder) as rt:
+        out = await (Context(rt).forward().input(PROMPT).hidden_states([5, 19])
+                     .entropy([19]).logits([19]).execute())
+        with torch.no_grad():
+            ref = model(torch.tensor([PROMPT]), output_hidden_states=True)
+        want_hidden = ref.hidden_states[-1][0, [5, 19]].numpy()
+        assert np.abs(np.stack(out.hidden_states) - want_hidden).max() <= TOL
+        p = torch.softmax(ref.logits[0, 19], -1)
+        assert abs(out.entropies[0] - float(-(p * p.log()).sum())) <= 1e-4
+        text = await Context(rt).append(PROMPT).generate(
+            GREEDY, max_tokens=6, constrain=Regex("[a-c]{3}")).text()
+        assert text in {a + b + c for a in "abc" for b in "abc" for c in "abc"}
+        loop = PROMPT[:6] * 3  # repeats: prompt lookup finds drafts
+        plain = await Context(rt).append(loop).generate(GREEDY, max_tokens=12,
+                                                        ignore_eos=True).tokens()
+        engine = rt.transport.engine
+        calls = engine.executor.num_model_calls
+        drafted = await Context(rt).append(loop).generate(
+            GREEDY, max_tokens=12, ignore_eos=True, speculator="prompt_lookup").tokens()
+        assert drafted == plain == _generate(model, loop, 12)
+        assert engine.executor.num_model_calls - calls < 12  # drafts were accepted
