@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint gpu-check
+.PHONY: setup demo test test-tp test-slow lint gpu-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The SDK suite against a tensor-parallel engine of 2 ranks (gloo; docs/scale-out.md).
+test-tp: $(STAMP)
+	PIE_CTX_TEST_TP=2 $(BIN)/python -m pytest -q tests/sdk
 
 test-slow: $(STAMP)
 	PIE_CTX_SLOW=1 $(BIN)/python -m pytest -q

@@ -23,6 +23,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("tiny_folder", dtypes, indirect=True, ids=[SHORT[d] for d in dtypes])
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``PIE_CTX_TEST_TP=N`` (``make test-tp``) the tests of features a tensor-parallel
+    engine refuses by design (marked ``no_tp`` with the reason) do not run: the refusals
+    themselves are tested in tests/parallel."""
+    if int(os.environ.get("PIE_CTX_TEST_TP", "1")) <= 1:
+        return
+    for item in items:
+        marker = item.get_closest_marker("no_tp")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"tensor parallel: {marker.args[0]}"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _data_home(tmp_path_factory: pytest.TempPathFactory):
     """Servers the tests start keep snapshots in a session folder, never in the user's

@@ -70,11 +70,18 @@ def tiny_model_folder(tmp_root: Path, *, scaled: bool = False) -> Path:
     return folder
 
 
+# PIE_CTX_TEST_TP=N runs every engine these helpers boot with tensor parallelism over N
+# ranks (`make test-tp`: the SDK suite against a TP=2 engine, docs/scale-out.md).
+TEST_TP = int(os.environ.get("PIE_CTX_TEST_TP", "1"))
+
+
 @asynccontextmanager
 async def tiny_engine(folder: Path | TinyModel, *, page_size: int = 4, num_pages: int = 512,
                       **kw) -> AsyncIterator[Any]:
     if isinstance(folder, TinyModel):
         kw.setdefault("dtype", folder.dtype)
+    if TEST_TP > 1:
+        kw.setdefault("tp", TEST_TP)
     engine = boot_engine(str(folder), page_size=page_size, num_pages=num_pages,
                          progress=False, **kw)
     async with engine:

@@ -14,6 +14,7 @@ from runtime.model.loader import load_model
 from tests.sdk.harness import sdk_runtime
 
 
+@pytest.mark.no_tp("int8 weights run on one device")
 async def test_int8_weights_engine_serves_and_reports_it(tiny_folder, transport):
     async with sdk_runtime(tiny_folder, transport, weights="int8") as (rt, engine):
         assert rt.info.weights == "int8" and rt.info.dtype == tiny_folder.dtype

@@ -17,6 +17,8 @@ from pie_ctx.errors import ContextTooLong, InvalidArgument, ModelError
 from tests.model.transformers_fixtures import ARCHS, NATIVE, POSITIONS, make_model, write_folder
 from tests.sdk.harness import tiny_runtime
 
+pytestmark = pytest.mark.no_tp("the transformers backend runs on one device")
+
 GREEDY = Sampler.greedy()
 PROMPT = list(range(40, 60))  # 20 tokens: longer than the sliding windows (8)
 TOL = 1e-4
