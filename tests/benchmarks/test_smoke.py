@@ -28,6 +28,7 @@ NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
 KEYS = {
     "agents.py": {"react_tput_vs_http", "react_hosted_tput_vs_http",
                   "react_hosted_tput_vs_socket", "socket_hop_us_per_token"},
+    "backend_hooks.py": {"cache_over_attention_ms"},
     "backends.py": {"transformers_backend_over_hf_bon", "native_over_transformers_backend_decode",
                     "backend_max_abs_logit_diff"},
     "best_of_n.py": {"speedup_vs_hf", "kv_ratio"},
