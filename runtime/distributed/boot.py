@@ -9,6 +9,7 @@ here runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from runtime.distributed.runner import ShardedRunner
 from runtime.distributed.shard import check_tensor_parallel, shard_config
 from runtime.kv.store import PageStore
 from runtime.model.loader import load_model
+from runtime.model.matmul import kernel_choices
 
 __all__ = ["build_rank0"]
 
@@ -34,6 +36,7 @@ __all__ = ["build_rank0"]
 def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callable[[Any, torch.dtype], int],
                 kv_dtype: str, weights: str, files_for: Callable[[Any], Any],
                 max_disk_cache_pages_for: Callable[[Any, torch.dtype], int],
+                kernels_kept: Callable[[Any], AbstractContextManager[None]] = nullcontext,
                 dtype: Any = None, device: Any = None, progress: bool = True,
                 timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, PageStore, ShardedRunner]:
     """Load ``model`` as rank 0 of ``tp`` ranks (the workers are started here).
@@ -46,6 +49,9 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
         weights: must be ``"fp32"``.
         files_for: ``loaded model -> PageFiles | None`` (the snapshot directory).
         max_disk_cache_pages_for: ``(config, dtype) -> pages`` the disk cache may hold.
+        kernels_kept: ``PageFiles | None -> context manager`` around building the runner that
+            adopts the kernel choices saved in the snapshot folder and saves the ones made
+            (``runtime.engine.boot.kernel_choices_kept``).
         timeout: seconds a collective waits for a rank before the engine gives up.
 
     Returns:
@@ -71,16 +77,19 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
     torch.set_num_threads(threads)
     files = None
     try:
-        send_spec(group, WorkerSpec(str(loaded.path), loaded.name,
-                                    str(weight.dtype).removeprefix("torch."), page_size, pages,
-                                    kv_dtype, threads))
+        files = files_for(loaded)
         local = shard_config(cfg, tp)
         pool = ShardedPagePool(group, tp, pages, page_size, cfg.num_layers, local.num_kv_heads,
                                cfg.head_dim, weight.dtype, dev, kv_dtype)
-        runner = ShardedRunner(cfg, loaded.weights, pool.kv, page_size, group,
-                               dtype=weight.dtype)
+        with kernels_kept(files):  # the choices saved beside the snapshots, if any
+            runner = ShardedRunner(cfg, loaded.weights, pool.kv, page_size, group,
+                                   dtype=weight.dtype)
+        # every rank computes with rank 0's kernel choices: its shards have the same shapes,
+        # and a restarted engine (which adopts the saved ones) rounds exactly as before
+        send_spec(group, WorkerSpec(str(loaded.path), loaded.name,
+                                    str(weight.dtype).removeprefix("torch."), page_size, pages,
+                                    kv_dtype, threads, kernel_choices()))
         ready(group)
-        files = files_for(loaded)
         store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                           dtype=weight.dtype, device=dev, kv_dtype=kv_dtype, files=files,
                           max_disk_cache_pages=max_disk_cache_pages_for(cfg, weight.dtype),

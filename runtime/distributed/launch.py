@@ -58,6 +58,7 @@ class WorkerSpec:
     num_pages: int
     kv_dtype: str
     threads: int  # torch threads per rank (CPU: the cores shared out)
+    kernel_choices: dict[str, list[Any]]  # rank 0's (runtime.model.matmul): every rank alike
 
 
 def under_torchrun() -> bool:
@@ -171,6 +172,7 @@ def worker_main(rank: int | None = None, tp: int | None = None, port: int | None
     With no arguments it joins the ``torchrun`` ranks (``env://``). Returns the exit code.
     """
     from runtime.model.loader import load_model
+    from runtime.model.matmul import adopt_kernel_choices
 
     logging.basicConfig(level=logging.WARNING, format=f"pie-ctx rank {rank}: %(message)s")
     wait = timedelta(seconds=timeout)
@@ -195,6 +197,7 @@ def worker_main(rank: int | None = None, tp: int | None = None, port: int | None
         dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
         spec: WorkerSpec = box[0]
         torch.set_num_threads(spec.threads)
+        adopt_kernel_choices(spec.kernel_choices)
         loaded = load_model(spec.model_path, dtype=spec.dtype, device=device, progress=False)
         cfg = loaded.config
         check_tensor_parallel(cfg, tp, spec.model_name)

@@ -217,7 +217,7 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
             pages_for=lambda cfg, dt: num_pages or pool_pages_for(cfg, page_size, dt,
                                                                   kv_memory_gb, kv_dtype),
             max_disk_cache_pages_for=lambda cfg, dt: int(disk_cache_gb * 2**30)
-            // page_bytes_for(cfg, page_size, dt, kv_dtype))
+            // page_bytes_for(cfg, page_size, dt, kv_dtype), kernels_kept=kernel_choices_kept)
         c, pool = loaded.config, store.pool
         return (_Model(loaded.name, loaded.path, loaded.tokenizer, c, pool.dtype, pool.kv.device,
                        c.vocab_size, c.hidden_size, c.max_position_embeddings,

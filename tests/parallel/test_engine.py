@@ -56,6 +56,8 @@ async def test_sdk_session_matches_single_device(folder, tmp_path):
     assert not dist.is_initialized()  # the engine's exit stopped the ranks
     assert two == one
     assert len({tuple(t) for t in two["forks"]}) > 1  # the seeds did differ
+    # the shards' kernel choices are kept beside the snapshots, as a single device's are
+    assert list((tmp_path / "b").glob("*/kernels.json"))
     # a snapshot saved by the TP=2 engine's disk tier reopens in a fresh TP=2 engine, and in
     # a single-device one: page files hold whole pages whatever the sharding
     for tp in (2, 1):
