@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-tp test-slow lint gpu-check
+.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 # The SDK suite against a tensor-parallel engine of 2 ranks (gloo; docs/scale-out.md).
 test-tp: $(STAMP)
 	PIE_CTX_TEST_TP=2 $(BIN)/python -m pytest -q tests/sdk
+
+# The SDK suite over the transformers backend (transformers' own Llama; docs/models.md).
+test-backend: $(STAMP)
+	PIE_CTX_TEST_BACKEND=transformers $(BIN)/python -m pytest -q tests/sdk
 
 test-slow: $(STAMP)
 	PIE_CTX_SLOW=1 $(BIN)/python -m pytest -q

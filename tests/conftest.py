@@ -24,15 +24,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``PIE_CTX_TEST_TP=N`` (``make test-tp``) the tests of features a tensor-parallel
-    engine refuses by design (marked ``no_tp`` with the reason) do not run: the refusals
-    themselves are tested in tests/parallel."""
-    if int(os.environ.get("PIE_CTX_TEST_TP", "1")) <= 1:
-        return
+    """The SDK suite runs again against other engines (``make test-tp``: tensor parallel,
+    ``PIE_CTX_TEST_TP``; ``make test-backend``: the transformers backend,
+    ``PIE_CTX_TEST_BACKEND``). Tests of what such an engine refuses by design (marked
+    ``no_tp`` / ``native_only`` with the reason) do not run there: the refusals themselves
+    are tested in tests/parallel and tests/sdk/test_transformers_backend.py."""
+    skips = []
+    if int(os.environ.get("PIE_CTX_TEST_TP", "1")) > 1:
+        skips.append(("no_tp", "tensor parallel"))
+    if os.environ.get("PIE_CTX_TEST_BACKEND", "native") != "native":
+        skips.append(("native_only", "transformers backend"))
     for item in items:
-        marker = item.get_closest_marker("no_tp")
-        if marker is not None:
-            item.add_marker(pytest.mark.skip(reason=f"tensor parallel: {marker.args[0]}"))
+        for name, why in skips:
+            marker = item.get_closest_marker(name)
+            if marker is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{why}: {marker.args[0]}"))
 
 
 @pytest.fixture(scope="session", autouse=True)

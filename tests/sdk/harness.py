@@ -73,6 +73,9 @@ def tiny_model_folder(tmp_root: Path, *, scaled: bool = False) -> Path:
 # PIE_CTX_TEST_TP=N runs every engine these helpers boot with tensor parallelism over N
 # ranks (`make test-tp`: the SDK suite against a TP=2 engine, docs/scale-out.md).
 TEST_TP = int(os.environ.get("PIE_CTX_TEST_TP", "1"))
+# PIE_CTX_TEST_BACKEND=transformers runs them on the transformers backend (`make
+# test-backend`: the SDK suite over transformers' own Llama, docs/models.md).
+TEST_BACKEND = os.environ.get("PIE_CTX_TEST_BACKEND")
 
 
 @asynccontextmanager
@@ -82,6 +85,8 @@ async def tiny_engine(folder: Path | TinyModel, *, page_size: int = 4, num_pages
         kw.setdefault("dtype", folder.dtype)
     if TEST_TP > 1:
         kw.setdefault("tp", TEST_TP)
+    if TEST_BACKEND:
+        kw.setdefault("backend", TEST_BACKEND)
     engine = boot_engine(str(folder), page_size=page_size, num_pages=num_pages,
                          progress=False, **kw)
     async with engine:

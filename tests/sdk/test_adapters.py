@@ -16,7 +16,8 @@ from tests.model.lora_fixtures import make_adapter
 from tests.sdk.harness import sdk_runtime, tiny_runtime
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.no_tp("LoRA adapters run on one device")
+pytestmark = [pytest.mark.no_tp("LoRA adapters run on one device"),
+              pytest.mark.native_only("LoRA adapters run on the native backend")]
 
 GREEDY = Sampler.greedy()
 PROMPT = list(range(40, 72))  # 32 tokens: 8 full pages of 4

@@ -15,6 +15,7 @@ from tests.sdk.harness import sdk_runtime
 
 
 @pytest.mark.no_tp("int8 weights run on one device")
+@pytest.mark.native_only("int8 weights are a format of the native runner")
 async def test_int8_weights_engine_serves_and_reports_it(tiny_folder, transport):
     async with sdk_runtime(tiny_folder, transport, weights="int8") as (rt, engine):
         assert rt.info.weights == "int8" and rt.info.dtype == tiny_folder.dtype

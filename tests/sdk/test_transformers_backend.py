@@ -158,6 +158,7 @@ async def test_contexts_of_different_lengths_decode_in_one_call(models) -> None:
         assert results["long"] == _generate(model, PROMPT, 6)
 
 
+@pytest.mark.native_only("checks that auto picks native for a Llama")
 async def test_refusals_are_typed(models, caplog) -> None:
     gpt2, gpt2_folder = models["gpt2"]
     async with tiny_runtime(gpt2_folder) as rt:
