@@ -34,7 +34,7 @@ test-tp: $(STAMP)
 
 # The SDK suite over the transformers backend (transformers' own Llama; docs/models.md).
 test-backend: $(STAMP)
-	PIE_CTX_TEST_BACKEND=transformers $(BIN)/python -m pytest -q tests/sdk
+	PIE_CTX_TEST_BACKEND=transformers $(BIN)/python -m pytest -q tests/sdk tests/decoding
 
 test-slow: $(STAMP)
 	PIE_CTX_SLOW=1 $(BIN)/python -m pytest -q

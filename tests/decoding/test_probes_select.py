@@ -23,6 +23,7 @@ def _reference(row: np.ndarray, k: int) -> tuple[list[tuple[int, float]], float]
     return list(zip(ids.tolist(), values.tolist(), strict=True)), entropy
 
 
+@pytest.mark.native_only("compares hidden states with the native runner's dense reference")
 async def test_forward_probes_equal_a_full_softmax(tiny_folder, transport):
     async with sdk_runtime(tiny_folder, transport) as (rt, engine):
         ctx = Context(rt).append([5, 6, 7, 8])
