@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jsonschema
@@ -30,11 +31,20 @@ async def test_first_three_examples_on_the_default_model(capsys, dtype):
         assert stats.num_contexts == 0 and stats.num_snapshots == 1
 
 
-async def test_structured_output_and_speculation_on_the_default_model(dtype):
+async def test_structured_output_and_speculation_on_the_default_model(dtype, capsys):
     async with Runtime.local(None, num_pages=2048, dtype=dtype) as rt:
         structured = load_inferlet(EXAMPLES / "structured_output.py")
         person = await structured.main(rt, inferlet_args(structured, [], prog="s"))
         jsonschema.validate(person, structured.SCHEMA)
         assert person["age"] == 85
+        capsys.readouterr()
         speculative = load_inferlet(EXAMPLES / "speculative.py")
-        assert await speculative.main(rt, inferlet_args(speculative, [], prog="s")) is True
+        identical = await speculative.main(rt, inferlet_args(speculative, [], prog="s"))
+    out = capsys.readouterr().out
+    tokens, steps = map(int, re.search(r"(\d+) tokens in (\d+) steps", out).groups())
+    assert "The quick brown fox" in out and steps < tokens  # drafts were accepted
+    if dtype == "float32":
+        assert identical is True
+    # bfloat16: a verify pass of several rows may round differently from single-row steps
+    # (the projection kernels are timed per row count; docs/decoding.md), so greedy output
+    # can part from plain decoding at a near-tie; it is not asserted equal here.
