@@ -50,14 +50,16 @@ def tiny_spec(pre: str = "smollm", add_bos: bool = False) -> GGUFTokenizerSpec:
 
 
 def hf_reference_weights(seed: int = 0, tied: bool = True, qkv_bias: bool = False,
-                         scaled: bool = False) -> dict[str, np.ndarray]:
+                         scaled: bool = False, *, heads: int = HEADS, kv_heads: int = KV_HEADS,
+                         head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
     """Random fp32 weights in HF naming and layout (what the loader must reproduce).
 
     By default every weight is N(0, 1): activations grow by ~sqrt(hidden) per matrix, which
     makes any slip in the loader or runner loud. ``scaled`` draws them like a trained model
     (matrices N(0, 1/fan_in), norm weights ~1), so activations stay O(1); the precision
     tests use that one, since with unscaled weights bf16 logits drift by a quarter of their
-    range (in transformers' own bf16 forward too).
+    range (in transformers' own bf16 forward too). ``heads``, ``kv_heads``, ``head_dim``:
+    the attention shape (default the tiny model's; tests/parallel needs 4 KV heads).
     """
     rng = np.random.default_rng(seed)
     vocab = len(tiny_tokens())
@@ -78,16 +80,16 @@ def hf_reference_weights(seed: int = 0, tied: bool = True, qkv_bias: bool = Fals
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         w |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-              p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.k_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.v_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
+              p + "self_attn.q_proj.weight": r(heads * head_dim, HIDDEN),
+              p + "self_attn.k_proj.weight": r(kv_heads * head_dim, HIDDEN),
+              p + "self_attn.v_proj.weight": r(kv_heads * head_dim, HIDDEN),
+              p + "self_attn.o_proj.weight": r(HIDDEN, heads * head_dim),
               p + "mlp.gate_proj.weight": r(FFN, HIDDEN), p + "mlp.up_proj.weight": r(FFN, HIDDEN),
               p + "mlp.down_proj.weight": r(HIDDEN, FFN)}
         if qkv_bias:
-            w |= {p + "self_attn.q_proj.bias": r(HEADS * HEAD_DIM),
-                  p + "self_attn.k_proj.bias": r(KV_HEADS * HEAD_DIM),
-                  p + "self_attn.v_proj.bias": r(KV_HEADS * HEAD_DIM)}
+            w |= {p + "self_attn.q_proj.bias": r(heads * head_dim),
+                  p + "self_attn.k_proj.bias": r(kv_heads * head_dim),
+                  p + "self_attn.v_proj.bias": r(kv_heads * head_dim)}
     return w
 
 
