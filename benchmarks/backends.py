@@ -23,25 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import torch
+from best_of_n import run_hf, run_ours
 from common import emit, load_hf, parse_args, prompt_tokens, summary, table
 
-from pie_ctx import Context, Runtime, Sampler, gather
+from pie_ctx import Context, Runtime, Sampler
 
 BACKENDS = ("native", "transformers")
-
-
-async def bon_ours(engine, prompt: list[int], n: int, new_tokens: int, seed: int) -> float:
-    async with Runtime.local(engine=engine) as rt:
-        t0 = time.perf_counter()
-        base = Context(rt).append(prompt)
-        await base.flush()
-        forks = [base.fork() for _ in range(n)]
-        outs = await gather(*(f.generate(Sampler.top_p(0.8, 0.95, seed=seed + i),
-                                         max_tokens=new_tokens, ignore_eos=True).tokens()
-                              for i, f in enumerate(forks)))
-        wall = time.perf_counter() - t0
-    assert all(len(o) == new_tokens for o in outs)
-    return wall
 
 
 async def decode_ours(engine, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
@@ -55,18 +42,6 @@ async def decode_ours(engine, prompt: list[int], new_tokens: int) -> tuple[float
         wall = time.perf_counter() - t0
         await ctx.release()
     return wall / new_tokens, out
-
-
-def bon_hf(model, prompt: list[int], n: int, new_tokens: int, seed: int) -> float:
-    torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=0.8,
-                             top_p=0.95, top_k=0, num_return_sequences=n,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=0)
-    assert out.shape == (n, len(prompt) + new_tokens)
-    return time.perf_counter() - t0
 
 
 def decode_hf(model, prompt: list[int], new_tokens: int) -> float:
@@ -114,16 +89,17 @@ async def main_async(args: argparse.Namespace) -> None:
     greedy = {}
     async with native, engines["transformers"]:
         for b in BACKENDS:  # warm up
-            await bon_ours(engines[b], prompt[:64], 2, 4, 0)
-        native.run_on_model_thread(bon_hf, hf, prompt[:64], 2, 4, 0)
+            await run_ours(engines[b], prompt[:64], 2, 4, 0)
+        native.run_on_model_thread(run_hf, hf, prompt[:64], 2, 4, 0)
         for r in range(args.repeats):  # interleaved, so machine noise hits every side alike
             salted = [1000 + r] + prompt[1:]  # a fresh prompt each repeat: no prefix reuse
             for b in BACKENDS:
-                bon[b].append(await bon_ours(engines[b], salted, args.n, args.new_tokens, r))
+                wall, _ = await run_ours(engines[b], salted, args.n, args.new_tokens, r)
+                bon[b].append(wall)
                 step, greedy[b] = await decode_ours(engines[b], [2000 + r] + short[1:],
                                                     args.decode_tokens)
                 per_token[b].append(step)
-            bon["hf"].append(native.run_on_model_thread(bon_hf, hf, salted, args.n,
+            bon["hf"].append(native.run_on_model_thread(run_hf, hf, salted, args.n,
                                                         args.new_tokens, r))
             per_token["hf"].append(native.run_on_model_thread(decode_hf, hf,
                                                               [2000 + r] + short[1:],
