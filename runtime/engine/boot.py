@@ -180,15 +180,18 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise InvalidArgument("tensor parallelism runs on the native backend; use "
                               "backend='native' or tp=1 (docs/scale-out.md)")
 
+    def files_for(m: _Model, runner_kind: str) -> PageFiles | None:
+        if snapshot_dir is None:
+            return None
+        return PageFiles(snapshot_dir, fingerprint(m.name, m.path, m.dtype, m.shape, page_size,
+                                                   weights, kv_dtype, runner_kind))
+
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
             return _build_rank0()
-        m = _load(kind, model, dtype=dtype, device=device, progress=progress)
+        m, make_runner = _load(kind, model, dtype=dtype, device=device, progress=progress)
         pages = num_pages or pool_pages_for(m.shape, page_size, m.dtype, kv_memory_gb, kv_dtype)
-        files = None
-        if snapshot_dir is not None:
-            files = PageFiles(snapshot_dir, fingerprint(m.name, m.path, m.dtype, m.shape,
-                                                        page_size, weights, kv_dtype, kind))
+        files = files_for(m, kind)
         try:
             page_bytes = page_bytes_for(m.shape, page_size, m.dtype, kv_dtype)
             store = PageStore(pages, page_size, m.shape.num_layers, m.shape.num_kv_heads,
@@ -196,7 +199,7 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                               kv_dtype=kv_dtype, files=files,
                               max_disk_cache_pages=int(disk_cache_gb * 2**30) // page_bytes)
             with kernel_choices_kept(files):
-                runner = m.make_runner(store.pool.kv, page_size, weights)
+                runner = make_runner(store.pool.kv, page_size, weights)
         except BaseException:
             if files is not None:
                 files.close()
@@ -204,24 +207,15 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         return m, store, runner
 
     def _build_rank0() -> tuple[_Model, Any, Any]:
-        def files_for(lm: Any) -> PageFiles | None:
-            if snapshot_dir is None:
-                return None
-            dt = lm.weights["model.embed_tokens.weight"].dtype
-            return PageFiles(snapshot_dir, fingerprint(lm.name, lm.path, dt, lm.config, page_size,
-                                                       weights, kv_dtype, "native"))
-
         loaded, store, runner = build_rank0(
             tp, model, page_size=page_size, kv_dtype=kv_dtype, weights=weights, dtype=dtype,
-            device=device, progress=progress, files_for=files_for,
+            device=device, progress=progress,
+            files_for=lambda lm: files_for(_Model.native(lm), "native"),
             pages_for=lambda cfg, dt: num_pages or pool_pages_for(cfg, page_size, dt,
                                                                   kv_memory_gb, kv_dtype),
             max_disk_cache_pages_for=lambda cfg, dt: int(disk_cache_gb * 2**30)
             // page_bytes_for(cfg, page_size, dt, kv_dtype), kernels_kept=kernel_choices_kept)
-        c, pool = loaded.config, store.pool
-        return (_Model(loaded.name, loaded.path, loaded.tokenizer, c, pool.dtype, pool.kv.device,
-                       c.vocab_size, c.hidden_size, c.max_position_embeddings,
-                       lambda *_: runner), store, runner)
+        return _Model.native(loaded), store, runner
 
     # Load on the thread that will run every model step (see Engine: one OpenMP team).
     # Engines of one process may share theirs (``model_thread=``: the benchmarks do).
@@ -252,24 +246,34 @@ class _Model:
     vocab_size: int
     hidden_size: int
     max_seq_len: int
-    make_runner: Callable[[torch.Tensor, int, str], Any]  # (pool_kv, page_size, weights)
+
+    @classmethod
+    def native(cls, loaded: Any) -> _Model:
+        """The facts of a ``LoadedModel`` (the native loader's)."""
+        cfg = loaded.config
+        weight = loaded.weights["model.embed_tokens.weight"]
+        return cls(loaded.name, loaded.path, loaded.tokenizer, cfg, weight.dtype, weight.device,
+                   cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings)
 
 
-def _load(kind: str, model: str | None, **load_kw: Any) -> _Model:
-    """Load ``model`` for the ``kind`` backend (on the model thread)."""
+# (pool_kv, page_size, weights) -> the runner
+MakeRunner = Callable[[torch.Tensor, int, str], Any]
+
+
+def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRunner]:
+    """Load ``model`` for the ``kind`` backend (on the model thread); returns its facts and
+    how to build its runner over a pool."""
     if kind == "transformers":
         hf = load_transformers_model(model, **load_kw)
-        return _Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
-                      hf.hidden_size, hf.max_positions,
-                      lambda pool, page_size, _weights: TransformersRunner(hf, pool, page_size))
+        return (_Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
+                       hf.hidden_size, hf.max_positions),
+                lambda pool, page_size, _weights: TransformersRunner(hf, pool, page_size))
     loaded = load_model(model, **load_kw)
-    cfg = loaded.config
-    weight = loaded.weights["model.embed_tokens.weight"]
+    m = _Model.native(loaded)
 
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
-        return ModelRunner(cfg, loaded.weights, pool, page_size, weight_format=weights,
-                           calibration=calibration, dtype=weight.dtype)
+        return ModelRunner(loaded.config, loaded.weights, pool, page_size,
+                           weight_format=weights, calibration=calibration, dtype=m.dtype)
 
-    return _Model(loaded.name, loaded.path, loaded.tokenizer, cfg, weight.dtype, weight.device,
-                  cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, make_runner)
+    return m, make_runner
