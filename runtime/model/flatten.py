@@ -1,8 +1,9 @@
 """Validate a batch of :class:`SeqInput` and flatten it into one forward's tensors.
 
-Owner: every model runner (the native one and the transformers backend) calls
-:func:`flatten` first, so both refuse the same malformed batches with the same messages,
-before any KV slot is written.
+Owner: every model runner (the native one and the transformers backend) checks its pool
+with :func:`check_pool` when built and calls :func:`flatten` first in every forward, so
+both refuse the same malformed pools and batches with the same messages, before any KV
+slot is written.
 """
 
 from __future__ import annotations
@@ -14,10 +15,31 @@ import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.attention import AttentionMetadata
 from runtime.model.batch import SeqInput
 
-__all__ = ["FlatBatch", "flatten"]
+__all__ = ["FlatBatch", "check_pool", "flatten"]
+
+
+def check_pool(pool_kv: torch.Tensor, page_size: int, num_layers: int, num_kv_heads: int,
+               head_dim: int, dtype: torch.dtype | None) -> str:
+    """Check that ``pool_kv`` fits a model of this shape (``dtype``: the model's compute
+    dtype, None = not fixed yet) and return its format, ``"fp32"`` or ``"int8"``.
+
+    Raises:
+        InvalidArgument: the pool's shape, or an unquantized pool's dtype, does not fit.
+    """
+    kv_dtype = "int8" if is_quantized(pool_kv) else "fp32"
+    want = (page_size, num_layers, 2, num_kv_heads, entry_width(kv_dtype, head_dim))
+    if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
+        raise InvalidArgument(
+            f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "
+            f"[num_pages, {', '.join(map(str, want))}]")
+    if kv_dtype == "fp32" and dtype is not None and dtype != pool_kv.dtype:
+        raise InvalidArgument(f"an unquantized {pool_kv.dtype} pool needs the model in "
+                              f"that dtype, got {dtype}")
+    return kv_dtype
 
 
 @dataclass(slots=True)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
-from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
-from runtime.model.flatten import flatten
+from runtime.model.flatten import check_pool, flatten
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 
@@ -68,15 +67,8 @@ class ModelRunner:
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
                                   f"got {weight_format!r}")
-        kv_dtype = "int8" if is_quantized(pool_kv) else "fp32"
-        want = (page_size, c.num_layers, 2, c.num_kv_heads, entry_width(kv_dtype, c.head_dim))
-        if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
-            raise InvalidArgument(
-                f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "
-                f"[num_pages, {', '.join(map(str, want))}]")
-        if kv_dtype == "fp32" and dtype is not None and dtype != pool_kv.dtype:
-            raise InvalidArgument(f"an unquantized {pool_kv.dtype} pool needs the model in "
-                                  f"that dtype, got {dtype}")
+        kv_dtype = check_pool(pool_kv, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
+                              dtype)
         self.config = c
         self.pool_kv = pool_kv
         self.kv_dtype = kv_dtype

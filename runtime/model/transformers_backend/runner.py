@@ -22,10 +22,9 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument, ModelError
 from pie_ctx.proto.tokenizer import Tokenizer
-from runtime.kv.layout import entry_width, is_quantized
 from runtime.model.attention import AttentionBackend, select_backend
 from runtime.model.batch import SeqInput
-from runtime.model.flatten import FlatBatch, flatten
+from runtime.model.flatten import FlatBatch, check_pool, flatten
 from runtime.model.loader import resolve_device, resolve_dtype, resolve_model
 from runtime.model.loader.hf import load_tokenizer, read_config
 from runtime.model.transformers_backend.attention import ATTN_NAME, PagedStep, ShapeProbe, register
@@ -164,16 +163,8 @@ class TransformersRunner:
 
     def __init__(self, model: TransformersModel, pool_kv: torch.Tensor, page_size: int,
                  backend: AttentionBackend | None = None) -> None:
-        kv_dtype = "int8" if is_quantized(pool_kv) else "fp32"
-        want = (page_size, model.num_layers, 2, model.num_kv_heads,
-                entry_width(kv_dtype, model.head_dim))
-        if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
-            raise InvalidArgument(
-                f"pool tensor shape {tuple(pool_kv.shape)} does not fit the model: expected "
-                f"[num_pages, {', '.join(map(str, want))}]")
-        if kv_dtype == "fp32" and pool_kv.dtype != model.dtype:
-            raise InvalidArgument(f"an unquantized {pool_kv.dtype} pool needs the model in "
-                                  f"that dtype, got {model.dtype}")
+        kv_dtype = check_pool(pool_kv, page_size, model.num_layers, model.num_kv_heads,
+                              model.head_dim, model.dtype)
         self.model = model
         self.pool_kv = pool_kv
         self.page_size = page_size
