@@ -190,3 +190,21 @@ def write_tiny_hf_folder(folder: Path, hf: dict[str, np.ndarray], shards: int = 
         {"chat_template": CHAT_TEMPLATE, "bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return folder
+
+
+def hf_default_model(folder: Path) -> Any:
+    """transformers' own model of the default SmolLM2, fp32 and in eval mode: loaded from the
+    same GGUF by transformers' dequantization when it can (needs ``accelerate``), else from
+    the converted ``folder`` our loader produced (the real-model oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model.loader import default_gguf_path
+
+    gguf = Path(default_gguf_path())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    except (ValueError, ImportError, OSError):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return model.eval()
+

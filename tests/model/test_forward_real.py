@@ -8,14 +8,14 @@ greedy 64 tokens identical.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from runtime.model.loader import LoadedModel, default_gguf_path, load_model
+from runtime.model.loader import LoadedModel, load_model
 from runtime.model.runner import ModelRunner, SeqInput
+from tests.model.loader_fixtures import hf_default_model
 
 pytestmark = pytest.mark.real_model
 
@@ -31,15 +31,7 @@ def loaded() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf_model(loaded: LoadedModel) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    gguf = Path(default_gguf_path())
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-    except (ValueError, ImportError, OSError):
-        model = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32)
-    return model.eval()
+    return hf_default_model(loaded.path)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,15 @@ PeftModel on transformers, fp32: max abs logit diff <= 1e-3, greedy 32 tokens id
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lora_fixtures import make_adapter
 
-from runtime.model.loader import LoadedModel, default_gguf_path, load_model
+from runtime.model.loader import LoadedModel, load_model
 from runtime.model.runner import ModelRunner, SeqInput
+from tests.model.loader_fixtures import hf_default_model
 
 pytestmark = pytest.mark.real_model
 pytest.importorskip("peft")
@@ -23,17 +23,10 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[LoadedModel, Any, ModelRunner, int]:
-    from transformers import AutoModelForCausalLM
-
     loaded = load_model(device="cpu", dtype=torch.float32, progress=False)
-    gguf = Path(default_gguf_path())
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-    except (ValueError, ImportError, OSError):
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32)
     folder = tmp_path_factory.mktemp("lora") / "r8"
-    oracle = make_adapter(hf.eval(), folder, rank=8, alpha=16, seed=7, std=0.02)
+    oracle = make_adapter(hf_default_model(loaded.path), folder, rank=8, alpha=16, seed=7,
+                          std=0.02)
     c = loaded.config
     pool = torch.zeros(24, PAGE_SIZE, c.num_layers, 2, c.num_kv_heads, c.head_dim)
     runner = ModelRunner(c, loaded.weights, pool, PAGE_SIZE)
