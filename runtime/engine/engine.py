@@ -9,8 +9,9 @@ and the parts it wires together, each with explicit dependencies:
 * ``Passes`` (``passes.py``): ``Forward``/``Generate`` requests as jobs;
 * ``Channels`` (``channels.py``): queues and topics between inferlets;
 * ``Handlers`` (``handlers.py``): every other request;
-* ``HostedRequests`` (``runtime/hosted``): the namespaced store, and inferlets launched by
-  name once a host is attached (``runtime.hosted.host.host_inferlets``).
+* ``HostedRequests`` (``hosted_requests.py``): the namespaced store (``inferlet_store.py``),
+  and inferlets launched by name once a host is attached (``runtime.hosted.host``, which
+  sits above the SDK and so above the engine: the engine only holds what it attaches).
 
 The SDK and the server both talk to it with the plain-data messages of
 ``pie_ctx.proto.messages``::
@@ -28,7 +29,7 @@ model step runs on the one model thread (see ``run_on_model_thread``).
 
 Usage::
 
-    async with boot_engine(model=None, page_size=16) as engine:   # runtime.engine.boot
+    async with boot_engine(model=None, page_size=16) as engine:   # runtime.boot
         reply = await engine.handle(CreateContext())
 """
 
@@ -50,16 +51,16 @@ from runtime.engine.adapters import Adapters
 from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
-from runtime.engine.failures import RunnerLost
 from runtime.engine.handlers import Handlers
+from runtime.engine.hosted_requests import HostedRequests
+from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
 from runtime.engine.scheduler import RowResult, Scheduler, StepPlan
 from runtime.engine.stream import GenerationStream
-from runtime.hosted.requests import HostedRequests
-from runtime.hosted.store import InferletStore, StoreLimits
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
+from runtime.model.failures import RunnerLost
 
 __all__ = ["Engine"]
 

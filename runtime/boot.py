@@ -1,7 +1,7 @@
 """Build an engine from a model reference: load the model, size the pool, wire the runner.
 
 Owns nothing after it returns; the engine owns what it builds. The arrow points one way:
-boot imports the engine, the engine never imports boot (``Engine.boot`` forwards here).
+boot imports the engine and ``runtime.distributed``; neither imports boot (docs/design.md).
 """
 
 from __future__ import annotations
