@@ -57,7 +57,8 @@ from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
-from runtime.engine.scheduler import RowResult, Scheduler, StepPlan
+from runtime.engine.rows import RowResult, StepPlan
+from runtime.engine.scheduler import Scheduler
 from runtime.engine.stream import GenerationStream
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 from runtime.model.failures import RunnerLost
@@ -421,7 +422,7 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - isolated below, never fatal
                     error = exc
             if len(entries) == 1:
-                job = plan.entries[entries[0]][0]
+                job = plan.entries[entries[0]].job
                 log.warning("a model step failed on one request's rows only: %r", error)
                 failed[job] = PieError(f"the model step failed on this request: {error!r}")
                 self.counters.isolated_failures += 1

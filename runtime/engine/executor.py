@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from runtime.engine import decoding
-from runtime.engine.scheduler import RowResult, StepPlan
+from runtime.engine.rows import RowResult, StepPlan
 from runtime.model.batch import SeqInput
 from runtime.sampling import logprobs, make_generator, sample_rows, top_k_distribution
 

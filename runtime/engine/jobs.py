@@ -116,6 +116,13 @@ class Job:
         """A generation with no prompt samples its first token from cached logits."""
         return self.kind is JobKind.GENERATE and not self.tokens and not self.generated
 
+    @property
+    def verify_start(self) -> int:
+        """Index in ``tokens`` of a speculative round's first row: the token before its
+        draft (only meaningful with ``verify``)."""
+        k = 0 if self.verify is None else len(self.verify.draft)
+        return len(self.tokens) - k - 1
+
     def probe_indices(self) -> set[int]:
         """Indices into ``tokens`` whose logits this job needs."""
         wanted = {s.index for s in self.sample}
@@ -126,8 +133,7 @@ class Job:
         wanted.update(t.index for t in self.top_logprobs)
         wanted.update(self.hidden)
         if self.verify is not None:  # one row per draft token, and one after them
-            k = len(self.verify.draft)
-            wanted.update(range(len(self.tokens) - k - 1, len(self.tokens)))
+            wanted.update(range(self.verify_start, len(self.tokens)))
         if self.kind is JobKind.GENERATE and self.tokens:
             wanted.add(len(self.tokens) - 1)
         return wanted
