@@ -450,7 +450,7 @@ class Engine:
 
     def _notify(self, job: Job) -> None:
         self.executor.forget(job.key)
-        report, c = job.report, self.counters
+        report, c = job.progress.report, self.counters
         c.tokens_computed += report.tokens_computed
         if job.error is None and not job.cancelled:
             c.add_pages(report)

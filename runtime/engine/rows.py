@@ -132,8 +132,8 @@ def row_request(job: Job, index: int | None) -> RowRequest:
     d = job.decoding
     if job.kind is JobKind.GENERATE and (index is None or index == len(job.tokens) - 1):
         req.sample = job.sampler
-        req.generator_seed = job.seed if not job.generated else None
-        req.logit_bias = min_tokens_bias(job, len(job.generated))
+        req.generator_seed = job.seed if not job.progress.generated else None
+        req.logit_bias = min_tokens_bias(job, len(job.progress.generated))
         req.allowed, req.matcher = d.allowed, d.matcher
         req.top_logprobs = d.top_logprobs
         req.entropy = bool(d.top_logprobs)
@@ -177,28 +177,28 @@ def draft_row(job: Job, num_generated: int) -> RowRequest:
 
 def fill_forward_outputs(job: Job) -> None:
     """Answer a forward's probes in the order they were requested."""
-    rows: dict[int, RowResult] = job.probe_rows
+    rows: dict[int, RowResult] = job.progress.out.rows
     for spec in job.sample:
-        job.sampled_out.append(_need(rows, spec.index).sampled)
+        job.progress.out.sampled.append(_need(rows, spec.index).sampled)
     for index in job.logits:
-        job.logits_out.append(_need(rows, index).logits)
+        job.progress.out.logits.append(_need(rows, index).logits)
     for d in job.distributions:
         r = _need(rows, d.index)
-        job.distributions_out.append(
+        job.progress.out.distributions.append(
             Distribution(token_ids=r.top_ids[: d.top_k], probs=r.top_probs[: d.top_k])
         )
     for lp in job.logprobs:
         r = _need(rows, lp.index)
         by_id = dict(zip(r.logprob_ids, r.logprobs, strict=True))
-        job.logprobs_out.append([by_id[t] for t in lp.token_ids])
+        job.progress.out.logprobs.append([by_id[t] for t in lp.token_ids])
     for index in job.entropy:
-        job.entropy_out.append(_need(rows, index).entropy)
+        job.progress.out.entropy.append(_need(rows, index).entropy)
     for t in job.top_logprobs:
         top = _need(rows, t.index).top_logprobs
-        job.top_logprobs_out.append(TopLogprobs(token_ids=top.token_ids[: t.k],
+        job.progress.out.top_logprobs.append(TopLogprobs(token_ids=top.token_ids[: t.k],
                                                 logprobs=top.logprobs[: t.k]))
     for index in job.hidden:
-        job.hidden_out.append(_need(rows, index).hidden)
+        job.progress.out.hidden.append(_need(rows, index).hidden)
     v = job.verify
     if v is not None:
         first = job.verify_start

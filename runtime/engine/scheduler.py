@@ -178,7 +178,7 @@ class Scheduler:
         with one new system prompt computes it once. Only prefix-reusing, committing jobs
         qualify, so the page will be shared; ``job`` waits at most until that job ends.
         """
-        end = job.num_written + self.page_size  # the end of the next page to attach
+        end = job.progress.num_written + self.page_size  # the end of the next page to attach
         usable = len(job.tokens) - (1 if job.probe_indices() else 0)
         if end > usable or self.store.state(job.record.cid).seq_len != 0:
             return None
@@ -203,10 +203,10 @@ class Scheduler:
             return
         loaded = self.store.num_pages_loaded
         num = self.store.attach_prefix(job.shadow, job.tokens[:usable], job.positions[:usable], 0)
-        job.num_written = num * self.page_size
-        job.report.pages_reused += num
-        job.report.pages_from_disk += self.store.num_pages_loaded - loaded
-        job.report.tokens_written += job.num_written
+        job.progress.num_written = num * self.page_size
+        job.progress.report.pages_reused += num
+        job.progress.report.pages_from_disk += self.store.num_pages_loaded - loaded
+        job.progress.report.tokens_written += job.progress.num_written
 
     # ------------------------------------------------------------------------- planning
 
@@ -365,7 +365,7 @@ class Scheduler:
             length = min(remaining, budget)
         if self._ensure_room(job, length) is not Room.OK:
             return 0
-        start = job.num_written
+        start = job.progress.num_written
         probes = sorted(i - start for i in job.probe_indices() if start <= i < start + length)
         mask = None
         if job.mask is not None:
@@ -381,19 +381,19 @@ class Scheduler:
         tokens it added (0 when it has no room now)."""
         draft: list[int] = []
         if job.drafter is not None:
-            limit = min(budget, job.max_tokens - len(job.generated)) - 1
+            limit = min(budget, job.max_tokens - len(job.progress.generated)) - 1
             draft = job.drafter.propose(job.decoding.matcher, limit)
         if draft and self._ensure_room(job, 1 + len(draft)) is not Room.OK:
             draft = []  # no pages for the draft now: a plain step
         if not draft and self._ensure_room(job, 1) is not Room.OK:
             return 0
-        tokens = [job.generated[-1], *draft]
+        tokens = [job.progress.generated[-1], *draft]
         first = self.store.next_position(job.shadow)
         rows = [row_request(job, None)]
         rows[0].verify = draft or None
         rows[0].stops = job.stop_token_ids
         for j in range(1, len(tokens)):  # the rows judging the draft, one per token
-            rows.append(draft_row(job, len(job.generated) + j))
+            rows.append(draft_row(job, len(job.progress.generated) + j))
         self._append(plan, job, EntryKind.DECODE, 0, tokens,
                      list(range(first, first + len(tokens))), list(range(len(tokens))), None, rows)
         return len(tokens)
@@ -443,12 +443,12 @@ class Scheduler:
                 self._drop(job)
                 finished.append(job)
                 continue
-            job.report.tokens_computed += length
+            job.progress.report.tokens_computed += length
             if entry.has_chunk:  # a seed row runs no model
-                job.report.num_steps += 1
+                job.progress.report.num_steps += 1
             if entry.kind is EntryKind.PROMPT and length:
-                job.num_written += length
-                job.report.tokens_written += length
+                job.progress.num_written += length
+                job.progress.report.tokens_written += length
                 self._collect_probes(job, rows, results)
             errors = [results[r].error for _, r in rows if results[r].error]
             if errors:  # e.g. a constraint that allows no token: the job cannot go on
@@ -473,7 +473,7 @@ class Scheduler:
                         results: list[RowResult]) -> None:
         if job.kind is JobKind.FORWARD:
             for index, row in rows:
-                job.probe_rows[index] = results[row]
+                job.progress.out.rows[index] = results[row]
 
     def _on_decoded(self, job: Job, group: list[RowResult]) -> None:
         """A decode step's tokens: the kept draft tokens, then the one sampled after them,
@@ -495,10 +495,10 @@ class Scheduler:
         token = row.sampled
         if token is None:
             raise RuntimeError("a generation row came back without a sampled token")
-        job.generated.append(token)
+        job.progress.generated.append(token)
         if job.drafter is not None:
             job.drafter.accept(token)
-        n = len(job.generated)
+        n = len(job.progress.generated)
         matcher = job.decoding.matcher
         if token in job.stop_token_ids:
             job.finish_reason = "stop_token"
@@ -531,7 +531,7 @@ class Scheduler:
         before = self.store.state(job.shadow).num_committed_pages
         self.store.commit_full_pages(job.shadow)
         after = self.store.state(job.shadow).num_committed_pages
-        job.report.pages_computed += after - before
+        job.progress.report.pages_computed += after - before
 
     def _is_finished(self, job: Job) -> bool:
         if job.kind is JobKind.FORWARD:

@@ -138,11 +138,11 @@ def test_decode_growth_preempts_the_most_recent_job():
     for _ in range(60):
         step(sched)
     assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
-    assert a.status is JobStatus.DONE and len(a.generated) == 12  # the oldest always progresses
+    assert a.status is JobStatus.DONE and len(a.progress.generated) == 12  # the oldest always progresses
     store.release(a.record.cid)
     for _ in range(60):
         step(sched)
-    assert b.status is JobStatus.DONE and len(b.generated) == 12
+    assert b.status is JobStatus.DONE and len(b.progress.generated) == 12
     store.check_invariants()
 
 
