@@ -22,7 +22,8 @@ from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument, ModelError
 from runtime.distributed.boot import build_rank0
 from runtime.engine.engine import Engine
-from runtime.kv.disk import Fingerprint, PageFiles
+from runtime.kv.disk import PageFiles
+from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig

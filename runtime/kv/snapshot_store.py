@@ -22,8 +22,8 @@ import numpy as np
 
 from pie_ctx.proto.errors import SnapshotCorrupt
 from runtime.kv.context import PageState
-from runtime.kv.disk import foreign_manifests
 from runtime.kv.durable import RestoreJob, SaveJob, parent_hash, plan_restore, plan_save
+from runtime.kv.file_format import foreign_manifests
 from runtime.kv.pool import PagePool
 from runtime.kv.snapshots import Snapshot, SnapshotRegistry, snapshot_key
 from runtime.kv.states import ContextStates

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
-from runtime.kv.disk import ManifestHead, PageFiles, PageRecord, page_parts
+from runtime.kv.disk import PageFiles
+from runtime.kv.file_format import ManifestHead, PageRecord, page_parts
 from runtime.kv.hashing import fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
