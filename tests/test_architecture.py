@@ -158,6 +158,9 @@ ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain"
                           "runtime.server.http.openai_chat": {"pie_ctx.tools"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
                           "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"},
+                          # one in-process transport: the bridge is a LocalTransport whose
+                          # engine calls hop to the engine's loop
+                          "runtime.hosted.bridge": {"pie_ctx.transport"},
                           # the program: ``run`` runs an inferlet file on a Runtime, ``stats``
                           # and ``launch`` are clients of a server
                           "runtime.cli": {"pie_ctx.loading", "pie_ctx.runtime",
