@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -62,6 +62,10 @@ from runtime.engine.scheduler import Scheduler
 from runtime.engine.stream import GenerationStream
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 from runtime.model.failures import RunnerLost
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
+    from runtime.model.runner_protocol import Runner
 
 __all__ = ["Engine"]
 
@@ -126,8 +130,8 @@ class Engine:
 
     def __init__(
         self,
-        store: Any,
-        runner: Any,
+        store: PageStore,
+        runner: Runner,
         tokenizer: Any,
         *,
         model_name: str = "model",

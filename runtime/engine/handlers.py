@@ -12,7 +12,7 @@ contract's ``pie_ctx.proto.checks`` (the store checks its own state-dependent ru
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -23,6 +23,9 @@ from runtime.engine.adapters import Adapters
 from runtime.engine.channels import Channels, Message
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextRecord, ContextTable
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 __all__ = ["Handlers"]
 
@@ -46,7 +49,7 @@ class Handlers:
         adapters: the engine's LoRA adapters (``LoadAdapter``, ``CreateContext.adapter``).
     """
 
-    def __init__(self, store: Any, records: ContextTable, passes: Passes,
+    def __init__(self, store: PageStore, records: ContextTable, passes: Passes,
                  info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
                  on_pages_freed: Callable[[], None], channels: Channels,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -34,6 +34,9 @@ from runtime.engine.drafts import Drafter
 from runtime.engine.jobs import Decoding, Job, JobKind, JobQueue, VerifyRound
 from runtime.engine.records import ContextRecord, ContextTable
 from runtime.engine.stream import GenerationStream
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 __all__ = ["Passes"]
 
@@ -50,7 +53,7 @@ class Passes:
         grammars: compiles constraints.
     """
 
-    def __init__(self, store: Any, records: ContextTable, jobs: JobQueue,
+    def __init__(self, store: PageStore, records: ContextTable, jobs: JobQueue,
                  info: Callable[[], P.EngineInfo], tokenizer: Any, grammars: Grammars) -> None:
         self._store = store
         self._records = records

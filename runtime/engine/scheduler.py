@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages
 from runtime.engine.jobs import Job, JobKind, JobStatus
@@ -49,6 +49,9 @@ from runtime.engine.rows import (
 )
 from runtime.model.batch import SeqInput
 
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
+
 
 class Room(enum.Enum):
     """Whether a job got the pages it asked for."""
@@ -61,7 +64,7 @@ class Room(enum.Enum):
 class Scheduler:
     """Continuous batching over every job of every context, within a token budget."""
 
-    def __init__(self, store: Any, *, max_step_tokens: int = 1024,
+    def __init__(self, store: PageStore, *, max_step_tokens: int = 1024,
                  max_pages_per_owner: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_step_tokens < 1:
