@@ -7,7 +7,8 @@ and the parts it wires together, each with explicit dependencies:
 * ``Scheduler`` (``scheduler.py``): which tokens of which jobs go into each model call;
 * ``StepExecutor`` (``executor.py``): one model call plus sampling, on the model thread;
 * ``Passes`` (``passes.py``): ``Forward``/``Generate`` requests as jobs;
-* ``Channels`` (``channels.py``): queues and topics between inferlets;
+* ``Channels`` (``channels.py``): queues and topics between inferlets, with their requests
+  table (``channel_requests.py``);
 * ``Handlers`` (``handlers.py``): every other request;
 * ``HostedRequests`` (``hosted_requests.py``): the namespaced store (``inferlet_store.py``),
   and inferlets launched by name once a host is attached (``runtime.hosted.host``, which
@@ -48,6 +49,7 @@ import msgspec
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
 from runtime.engine.adapters import Adapters
+from runtime.engine.channel_requests import ChannelRequests
 from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
@@ -185,8 +187,9 @@ class Engine:
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
-                                 tokenizer, on_pages_freed=self._kick, channels=self.channels,
+                                 tokenizer, on_pages_freed=self._kick,
                                  on_report=self.counters.add_pages, adapters=self.adapters)
+        self.handlers.extend(ChannelRequests(self.channels, self.info).table)
         self.host: Any = None  # an InferletHost, once attached
         self._hosted = HostedRequests(self.kv_store)
         self.handlers.extend(self._hosted.table)
