@@ -68,7 +68,7 @@ class SnapshotStore:
                         self.tier.files.root)
 
     @property
-    def _disk(self) -> DiskTier:
+    def disk(self) -> DiskTier:
         """The disk tier, in code that runs only with one."""
         if self.tier is None:
             raise RuntimeError("no snapshot directory: this path needs the disk tier")
@@ -85,7 +85,7 @@ class SnapshotStore:
             self.states.release(snap.pages)
             snap.state = None
             snap.last_logits = None  # on disk too; read back on open
-            self._disk.counters.snapshots_spilled += 1
+            self.disk.counters.snapshots_spilled += 1
         return self.states.num_available() >= n
 
     # -- saving ------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class SnapshotStore:
     def end_save(self, job: SaveJob) -> None:
         """List the written snapshot, or undo everything if its write failed (see
         ``PageStore.end_save``)."""
-        tier = self._disk
+        tier = self.disk
         self.registry.unreserve(job.key)
         if job.error is not None:
             tier.end_writes(job.new_hashes)  # deletes what it wrote that nothing else uses
@@ -127,7 +127,7 @@ class SnapshotStore:
         snap = self.registry.get(name, namespace)
         if snap.state is not None:
             return None
-        return plan_restore(snapshot_key(name, namespace), snap.head, self._disk,
+        return plan_restore(snapshot_key(name, namespace), snap.head, self.disk,
                             self.trie.by_hash)
 
     def restore(self, name: str, namespace: str,
@@ -139,11 +139,11 @@ class SnapshotStore:
             self.registry.touch(key, snap)
             return snap.state.num_committed_pages + len(snap.state.working), 0
         if job is None or job.head is not snap.head:  # the stale-job rule
-            job = plan_restore(key, snap.head, self._disk, self.trie.by_hash)
+            job = plan_restore(key, snap.head, self.disk, self.trie.by_hash)
             job.read()
         if job.error is not None:
             if job.damaged is not None:
-                self._disk.drop_damaged(job.damaged)
+                self.disk.drop_damaged(job.damaged)
             raise job.error
         state, from_memory = self._install(job)
         snap.state = state
@@ -154,7 +154,7 @@ class SnapshotStore:
     def _install(self, job: RestoreJob) -> tuple[PageState, int]:
         """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
         pages found in the pool. On any error every page taken goes back."""
-        head, ps, tier, states = job.head, self.states.page_size, self._disk, self.states
+        head, ps, tier, states = job.head, self.states.page_size, self.disk, self.states
         state = PageState(adapter=head.adapter)
         from_memory = 0
         what = f"reopen snapshot {job.key[1]!r}"
@@ -225,8 +225,8 @@ class SnapshotStore:
         references. Its page state, if any, is the caller's."""
         snap = self.registry.get(name, namespace)
         if snap.head is not None:
-            self._disk.files.remove(self._disk.files.manifest_path(namespace, name))
+            self.disk.files.remove(self.disk.files.manifest_path(namespace, name))
         self.registry.pop(name, namespace)
         if snap.head is not None:
-            self._disk.drop_refs(snap.head.pages)
+            self.disk.drop_refs(snap.head.pages)
         return snap

@@ -21,7 +21,6 @@ forward to ``SnapshotStore``, whose docstrings say how each step goes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,8 +42,6 @@ from runtime.kv.tier import DiskTier
 from runtime.kv.trie import Node, PageTrie
 from runtime.kv.types import ContextId, PageId, StoreStats
 from runtime.kv.validation import Extra, page_inputs
-
-log = logging.getLogger("pie_ctx.snapshots")
 
 __all__ = ["PageStore"]
 
@@ -119,10 +116,9 @@ class PageStore:
         return self._states.num_available()
 
     def _spill_page(self, node: Node) -> None:
-        """The trie evicts ``node``: keep its page on disk (the disk tier decides)."""
-        if self.tier is None:
-            raise RuntimeError("no snapshot directory: this path needs the disk tier")
-        self.tier.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
+        """The trie evicts ``node`` (wired only with a disk tier): keep its page on disk
+        (the disk tier decides)."""
+        self._snaps.disk.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
                         node.tokens, node.positions, node.extras, node.page_id)
 
     def owner_pages(self, owner: Any) -> int:
@@ -337,12 +333,22 @@ class PageStore:
 
         Read-only: touches neither counts nor LRU order. Errors as ``attach_prefix``.
         """
+        state, toks, poss, extras = self._prefix_inputs(
+            cid, tokens, positions, extra, "match_prefix: the context has working tokens; "
+            "commit them first")
+        return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
+
+    def _prefix_inputs(self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int],
+                       extra: Extra, refusal: str) -> tuple[PageState, list[int], list[int],
+                                                            list[int]]:
+        """The checked inputs of a prefix match, with the context's adapter folded into
+        the extras; ``InvalidArgument(refusal)`` when the context has working tokens."""
         state = self._states.get(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
         extras = adapter_extras(extras, state.adapter)
         if state.tokens:
-            raise InvalidArgument("match_prefix: the context has working tokens; commit them first")
-        return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
+            raise InvalidArgument(refusal)
+        return state, toks, poss, extras
 
     def attach_prefix(
         self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
@@ -363,13 +369,9 @@ class PageStore:
             ContextClosed: unknown context.
             InvalidArgument: malformed inputs, or the context has working tokens.
         """
-        state = self._states.get(cid)
-        toks, poss, extras = page_inputs(tokens, positions, extra)
-        extras = adapter_extras(extras, state.adapter)
-        if state.tokens:
-            raise InvalidArgument(
-                "attach_prefix: the context has working tokens; commit or truncate them first"
-            )
+        state, toks, poss, extras = self._prefix_inputs(
+            cid, tokens, positions, extra, "attach_prefix: the context has working tokens; "
+            "commit or truncate them first")
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         if hits:
             self._states.set_tip(state, hits[-1])
@@ -570,18 +572,8 @@ class PageStore:
             num_prefix_hits=self._states.num_prefix_hits,
             num_evictions=trie.num_evictions,
             num_snapshots_resident=sum(1 for _, snap in self.snapshots if snap.state is not None),
-            **self._disk_stats(),
+            **({} if self.tier is None else self.tier.stats_fields()),
         )
-
-    def _disk_stats(self) -> dict[str, int]:
-        tier = self.tier
-        if tier is None:
-            return {}
-        c = tier.counters
-        return {"num_disk_pages": tier.num_pages, "num_disk_bytes": tier.num_bytes,
-                "disk_pages_written": c.pages_written, "disk_bytes_written": c.bytes_written,
-                "disk_pages_loaded": c.pages_loaded, "disk_bytes_loaded": c.bytes_loaded,
-                "num_snapshots_spilled": c.snapshots_spilled}
 
     @property
     def num_pages_loaded(self) -> int:

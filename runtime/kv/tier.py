@@ -347,6 +347,14 @@ class DiskTier:
     def num_bytes(self) -> int:
         return sum(p.nbytes for p in self.index.values())
 
+    def stats_fields(self) -> dict[str, int]:
+        """The disk tier's part of ``StoreStats``: files on disk and bytes moved."""
+        c = self.counters
+        return {"num_disk_pages": self.num_pages, "num_disk_bytes": self.num_bytes,
+                "disk_pages_written": c.pages_written, "disk_bytes_written": c.bytes_written,
+                "disk_pages_loaded": c.pages_loaded, "disk_bytes_loaded": c.bytes_loaded,
+                "num_snapshots_spilled": c.snapshots_spilled}
+
     def check(self, refs: dict[PageHash, int]) -> None:
         """Compare the index with the files on disk and ``refs`` (hash -> manifests that
         list it, recomputed by the caller).
