@@ -72,7 +72,7 @@ def logit_diff(engines: dict, prompt: list[int]) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
     from runtime.model.loader import resolve_model
 
     thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-ctx-model")

@@ -51,7 +51,7 @@ def run_hf(model, prompt, n, new_tokens, seed):
 
 
 async def main_async(args):
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0, device=args.device,
                          dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)

@@ -23,7 +23,7 @@ import time
 import torch
 from common import Ours, emit, parse_args, prompt_tokens, table
 
-from runtime.engine.boot import pool_pages_for
+from runtime.boot import pool_pages_for
 from runtime.model.loader import load_model
 
 CHUNK = 1024

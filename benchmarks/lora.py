@@ -54,7 +54,7 @@ async def decode_tps(rt, prompts, adapters, new_tokens) -> float:
 
 
 async def main_async(args):
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
     from runtime.model.loader import resolve_model
 
     engine = boot_engine(None, page_size=16, kv_memory_gb=1.0)

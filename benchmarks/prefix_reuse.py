@@ -21,7 +21,7 @@ from pie_ctx import Context, Runtime, Sampler
 
 
 async def main_async(args):
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
     tok = engine.tokenizer

@@ -79,7 +79,7 @@ async def rtt_us(t: Any, count: int) -> list[float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0)
     tok = engine.tokenizer

@@ -108,7 +108,7 @@ async def continuation(ctx: Context) -> list[int]:
 
 
 async def reopen_after_restart(args: argparse.Namespace, folder: Path) -> tuple[dict, list[int]]:
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     engine = boot_engine(args.model, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder)
     tokens = prompt_tokens(engine.tokenizer, args.tokens)
@@ -179,7 +179,7 @@ def reopen_in_new_process(folder: Path, settle: float, model: str | None) -> dic
 async def reopen(folder: Path, model: str | None) -> dict:
     """The restarted process: boot on ``folder``, read the raw file (the disk's speed, just
     before the reopen), reopen "long", generate."""
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     t0 = time.perf_counter()
     engine = boot_engine(model, page_size=16, kv_memory_gb=1.0, snapshot_dir=folder,

@@ -74,7 +74,7 @@ def write_model(root: Path, shape: dict) -> Path:
 
 def run(folder: Path, tp: int, batch: int, prompt: int, steps: int) -> dict:
     """Prefill ``batch`` contexts, then time ``steps`` decode steps of all of them."""
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
     from runtime.model.batch import SeqInput
 
     page = 16

@@ -316,7 +316,7 @@ def leading_run(a: list[int], b: list[int]) -> int:
 
 async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                   formats: list[str]) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
 
     threads = torch.get_num_threads()
     rows = {k: {"pf": [], "dec": [], "bon": [], "d8": []} for k in ("llamacpp", *formats)}

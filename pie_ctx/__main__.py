@@ -3,6 +3,6 @@
 
 import sys
 
-from pie_ctx.cli import main
+from runtime.cli import main
 
 sys.exit(main())

@@ -80,7 +80,7 @@ class Runtime:
                 yield rt
             return
         # The documented lazy entry point into the runtime package: torch loads only here.
-        from runtime.engine.boot import boot_engine
+        from runtime.boot import boot_engine
 
         booted = boot_engine(model, page_size=page_size, num_pages=num_pages,
                              snapshot_dir=snapshot_dir, **engine_kw)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pie_ctx  # noqa: E402
-from pie_ctx import cli, constrain, errors, speculate, tools  # noqa: E402
+from pie_ctx import constrain, errors, loading, speculate, tools  # noqa: E402
 from pie_ctx.tools.mcp import MCPClient  # noqa: E402  (imports no mcp until used)
 
 SECTIONS = [
@@ -53,7 +53,7 @@ SECTIONS = [
 
 
 FUNCTIONS = [pie_ctx.gather]
-INFERLET_FUNCTIONS = [cli.load_inferlet, cli.inferlet_args]  # ``pie-ctx run``'s entry points
+INFERLET_FUNCTIONS = [loading.load_inferlet, loading.inferlet_args]  # ``pie-ctx run``'s entry points
 
 
 def _doc(obj: object) -> str:
@@ -143,7 +143,7 @@ def render() -> str:
     out += ["## Functions", ""]
     for fn in FUNCTIONS:
         out += [f"### `{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
-    out += ["## Inferlets (`pie-ctx run`, `pie_ctx.cli`)", ""]
+    out += ["## Inferlets (`pie-ctx run`, `pie_ctx.loading`)", ""]
     for fn in INFERLET_FUNCTIONS:
         out += [f"### `{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
     for title, cls in SECTIONS:

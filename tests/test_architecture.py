@@ -21,12 +21,40 @@ PACKAGES = ("pie_ctx", "runtime")
 
 # The only places the SDK reaches into the runtime package (both documented):
 ALLOWED_SDK_TO_RUNTIME = {
-    "pie_ctx.runtime": {"runtime.engine.boot"},  # Runtime.local boots an engine lazily
-    # the program's entry point (``run --inferlets`` boots an engine that hosts inferlets)
-    "pie_ctx.cli": {"runtime.server.cli", "runtime.model.loader", "runtime.engine.boot",
-                    "runtime.hosted.folder", "runtime.hosted.host",
-                    "runtime.distributed.launch"},  # a torchrun rank > 0: a TP worker
+    "pie_ctx.runtime": {"runtime.boot"},  # Runtime.local boots an engine lazily
+    # ``python -m pie_ctx`` is the program, not a module anything imports: it hands over
+    # to the command line at the top of the order (checked below: no module imports it)
+    "pie_ctx.__main__": {"runtime.cli"},
 }
+
+# The package order, lowest first (docs/design.md, "The layers"): a module may import its
+# own layer and the layers below it, never one above. The SDK needs nothing of the runtime
+# but ``Runtime.local``'s lazy import of the boot, so it ranks just above the boot; the
+# hosting, the server and the command line use the SDK, so they rank above it.
+LAYERS = (
+    ("pie_ctx.proto",),           # the contract
+    ("runtime.kv",),              # pages: pool, trie, page states, snapshots, disk tier
+    ("runtime.model",),           # weights, the forward math, runner failures
+    ("runtime.sampling",),        # draws from logits (the executor and decoding use it)
+    ("runtime.engine",),          # the step loop, its jobs, rows and request tables
+    ("runtime.distributed",),     # tensor parallelism: a runner over many ranks
+    ("runtime.boot",),            # builds a store, a runner and an engine
+    ("pie_ctx",),                 # the SDK
+    ("runtime.hosted",),          # inferlets launched inside the engine's process
+    ("runtime.server",),          # connections, HTTP, ``serve``
+    ("runtime.cli", "pie_ctx.__main__"),  # the program
+)
+# The bare package modules import nothing and rank below everything.
+ROOTS = ("runtime", "pie_ctx")
+
+
+def _layer(module: str) -> int:
+    best, rank = "", -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, rank = prefix, i
+    return rank
 
 
 def _modules() -> dict[str, Path]:
@@ -96,6 +124,24 @@ def test_no_import_circles():
     assert _cycles(_graph()) == []
 
 
+def test_every_module_has_a_layer():
+    unplaced = [m for m in _modules() if m not in ROOTS and _layer(m) < 0]
+    assert unplaced == [], "add these to LAYERS: " + ", ".join(sorted(unplaced))
+
+
+def test_no_package_imports_a_package_above_it():
+    upward = sorted((name, target) for name, targets in _graph().items() for target in targets
+                    if target not in ROOTS and name not in ROOTS
+                    and _layer(target) > _layer(name))
+    assert upward == [], upward
+
+
+def test_the_roots_import_nothing_and_nothing_imports_the_program():
+    graph = _graph()
+    assert all(not graph[root] for root in ROOTS), {r: graph[r] for r in ROOTS}
+    assert not [name for name, targets in graph.items() if "pie_ctx.__main__" in targets]
+
+
 def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
     for name, targets in _graph().items():
         if not name.startswith("pie_ctx"):
@@ -111,7 +157,14 @@ ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain"
                                                              "pie_ctx.tools"},
                           "runtime.server.http.openai_chat": {"pie_ctx.tools"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
-                          "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"}}
+                          "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"},
+                          # one in-process transport: the bridge is a LocalTransport whose
+                          # engine calls hop to the engine's loop
+                          "runtime.hosted.bridge": {"pie_ctx.transport"},
+                          # the program: ``run`` runs an inferlet file on a Runtime, ``stats``
+                          # and ``launch`` are clients of a server
+                          "runtime.cli": {"pie_ctx.loading", "pie_ctx.runtime",
+                                          "pie_ctx.socket_transport"}}
 
 
 def test_the_runtime_depends_only_on_the_contract():

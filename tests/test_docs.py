@@ -87,7 +87,7 @@ def test_api_docstrings_name_only_calls_that_exist():
     classes["Sampler"] = gen.pie_ctx.Sampler
     public = {name for cls in classes.values() for name in dir(cls) if not name.startswith("_")}
     modules = {"pie_ctx": gen.pie_ctx, "constrain": gen.constrain, "tools": gen.tools,
-               "speculate": gen.speculate, "errors": gen.errors, "cli": gen.cli}
+               "speculate": gen.speculate, "errors": gen.errors, "loading": gen.loading}
     public |= {name for m in modules.values() for name in dir(m) if not name.startswith("_")}
     wrong = []
     for where, doc, params in gen.documented():

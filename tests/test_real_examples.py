@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from pie_ctx import Runtime
-from pie_ctx.cli import inferlet_args, load_inferlet
+from pie_ctx.loading import inferlet_args, load_inferlet
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

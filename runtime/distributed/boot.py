@@ -1,7 +1,7 @@
 """Rank 0's boot: start the ranks, load the model, build the sharded pool and runner.
 
 Owner: nothing after it returns; the runner owns the group (``ShardedRunner.close`` stops
-the workers, and the engine calls it when it stops). ``runtime.engine.boot`` calls
+the workers, and the engine calls it when it stops). ``runtime.boot`` calls
 :func:`build_rank0` on the engine's model thread when ``tp > 1``; with ``tp == 1`` nothing
 here runs.
 """
@@ -51,7 +51,7 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
         max_disk_cache_pages_for: ``(config, dtype) -> pages`` the disk cache may hold.
         kernels_kept: ``PageFiles | None -> context manager`` around building the runner that
             adopts the kernel choices saved in the snapshot folder and saves the ones made
-            (``runtime.engine.boot.kernel_choices_kept``).
+            (``runtime.boot.kernel_choices_kept``).
         timeout: seconds a collective waits for a rank before the engine gives up.
 
     Returns:

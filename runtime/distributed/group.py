@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pie_ctx.proto.errors import InvalidArgument
-from runtime.engine.failures import RunnerLost
+from runtime.model.failures import RunnerLost
 
 __all__ = ["CommStats", "RankGroup", "WorkerChannel", "BUFFER_BYTES"]
 

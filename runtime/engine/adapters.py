@@ -18,12 +18,16 @@ name: an adapter's identity is its weights).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import AdapterInUse, AdapterNotFound, InvalidArgument
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
+    from runtime.model.runner_protocol import Runner
 
 __all__ = ["Adapters"]
 
@@ -45,7 +49,7 @@ class Adapters:
         on_change: called with the new list of ``AdapterInfo`` after a load or unload.
     """
 
-    def __init__(self, runner: Any, store: Any, model_name: str,
+    def __init__(self, runner: Runner, store: PageStore, model_name: str,
                  on_model_thread: Callable[..., Any],
                  on_change: Callable[[list[P.AdapterInfo]], None]) -> None:
         self._runner = runner

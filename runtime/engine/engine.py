@@ -7,10 +7,12 @@ and the parts it wires together, each with explicit dependencies:
 * ``Scheduler`` (``scheduler.py``): which tokens of which jobs go into each model call;
 * ``StepExecutor`` (``executor.py``): one model call plus sampling, on the model thread;
 * ``Passes`` (``passes.py``): ``Forward``/``Generate`` requests as jobs;
-* ``Channels`` (``channels.py``): queues and topics between inferlets;
+* ``Channels`` (``channels.py``): queues and topics between inferlets, with their requests
+  table (``channel_requests.py``);
 * ``Handlers`` (``handlers.py``): every other request;
-* ``HostedRequests`` (``runtime/hosted``): the namespaced store, and inferlets launched by
-  name once a host is attached (``runtime.hosted.host.host_inferlets``).
+* ``HostedRequests`` (``hosted_requests.py``): the namespaced store (``inferlet_store.py``),
+  and inferlets launched by name once a host is attached (``runtime.hosted.host``, which
+  sits above the SDK and so above the engine: the engine only holds what it attaches).
 
 The SDK and the server both talk to it with the plain-data messages of
 ``pie_ctx.proto.messages``::
@@ -28,7 +30,7 @@ model step runs on the one model thread (see ``run_on_model_thread``).
 
 Usage::
 
-    async with boot_engine(model=None, page_size=16) as engine:   # runtime.engine.boot
+    async with boot_engine(model=None, page_size=16) as engine:   # runtime.boot
         reply = await engine.handle(CreateContext())
 """
 
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -47,19 +49,25 @@ import msgspec
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
 from runtime.engine.adapters import Adapters
+from runtime.engine.channel_requests import ChannelRequests
 from runtime.engine.channels import ChannelLimits, Channels
 from runtime.engine.decoding import Grammars
 from runtime.engine.executor import StepExecutor
-from runtime.engine.failures import RunnerLost
 from runtime.engine.handlers import Handlers
+from runtime.engine.hosted_requests import HostedRequests
+from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
-from runtime.engine.scheduler import RowResult, Scheduler, StepPlan
+from runtime.engine.rows import RowResult, StepPlan
+from runtime.engine.scheduler import Scheduler
 from runtime.engine.stream import GenerationStream
-from runtime.hosted.requests import HostedRequests
-from runtime.hosted.store import InferletStore, StoreLimits
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
+from runtime.model.failures import RunnerLost
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
+    from runtime.model.runner_protocol import Runner
 
 __all__ = ["Engine"]
 
@@ -124,8 +132,8 @@ class Engine:
 
     def __init__(
         self,
-        store: Any,
-        runner: Any,
+        store: PageStore,
+        runner: Runner,
         tokenizer: Any,
         *,
         model_name: str = "model",
@@ -179,8 +187,9 @@ class Engine:
         self.records = ContextTable(store, on_release=self._kick)
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
-                                 tokenizer, on_pages_freed=self._kick, channels=self.channels,
+                                 tokenizer, on_pages_freed=self._kick,
                                  on_report=self.counters.add_pages, adapters=self.adapters)
+        self.handlers.extend(ChannelRequests(self.channels, self.info).table)
         self.host: Any = None  # an InferletHost, once attached
         self._hosted = HostedRequests(self.kv_store)
         self.handlers.extend(self._hosted.table)
@@ -420,7 +429,7 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - isolated below, never fatal
                     error = exc
             if len(entries) == 1:
-                job = plan.entries[entries[0]][0]
+                job = plan.entries[entries[0]].job
                 log.warning("a model step failed on one request's rows only: %r", error)
                 failed[job] = PieError(f"the model step failed on this request: {error!r}")
                 self.counters.isolated_failures += 1
@@ -448,7 +457,7 @@ class Engine:
 
     def _notify(self, job: Job) -> None:
         self.executor.forget(job.key)
-        report, c = job.report, self.counters
+        report, c = job.progress.report, self.counters
         c.tokens_computed += report.tokens_computed
         if job.error is None and not job.cancelled:
             c.add_pages(report)

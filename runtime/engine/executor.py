@@ -9,25 +9,15 @@ was, so the engine can re-run part of it (see ``Engine._run_isolated``).
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.engine import decoding
-from runtime.engine.scheduler import RowResult, StepPlan
-from runtime.model.batch import SeqInput
+from runtime.engine.rows import RowResult, StepPlan
+from runtime.model.runner_protocol import Runner
 from runtime.sampling import logprobs, make_generator, sample_rows, top_k_distribution
-
-
-class Runner(Protocol):
-    backend: Any  # the attention backend (its ``name`` is reported in EngineInfo)
-    weight_format: str  # "fp32" or "int8" (reported in EngineInfo)
-    kind: str  # "native" or "transformers" (EngineInfo.backend)
-
-    def forward(self, batch: list[SeqInput], *,
-                return_hidden: bool = False) -> Any: ...
-
 
 Saved = list[tuple[int, torch.Generator | None, torch.Tensor | None]]
 

@@ -1,10 +1,11 @@
 """Request handlers: every non-streaming request of ``pie_ctx.proto.messages``.
 
 Owns nothing but its dependencies, given at construction: the page store, the context
-table, the passes (``Forward``), the channels and the engine's facts. Bookkeeping requests
-(create, fork, release, raw page operations, snapshots) answer at once from the store;
-``Forward`` goes to :class:`~runtime.engine.passes.Passes`; the channel requests go to
-:class:`~runtime.engine.channels.Channels` (a receive or a send may wait there). Every input is checked here, once, through the
+table, the passes (``Forward``) and the engine's facts. Bookkeeping requests (create, fork,
+release, raw page operations, snapshots) answer at once from the store; ``Forward`` goes to
+:class:`~runtime.engine.passes.Passes`. The channel requests have their own table
+(``channel_requests.py``), as the hosted ones do (``hosted_requests.py``); the engine adds
+both with ``extend``. Every input is checked here, once, through the
 contract's ``pie_ctx.proto.checks`` (the store checks its own state-dependent rules), and a
 ``PieError`` becomes an ``ErrorReply`` that changes nothing.
 """
@@ -12,7 +13,7 @@ contract's ``pie_ctx.proto.checks`` (the store checks its own state-dependent ru
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -20,9 +21,11 @@ from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
 from runtime.engine.adapters import Adapters
-from runtime.engine.channels import Channels, Message
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextRecord, ContextTable
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 __all__ = ["Handlers"]
 
@@ -40,21 +43,19 @@ class Handlers:
         stats: builds the engine's counters (``GetStats``).
         tokenizer: encodes text (``Tokenize``).
         on_pages_freed: called when a request gave pages back (a waiting job may run).
-        channels: the queues and topics between inferlets.
         on_report: called with the report of every snapshot open or take that succeeded
             (the engine's counters sum it with the passes' reports).
         adapters: the engine's LoRA adapters (``LoadAdapter``, ``CreateContext.adapter``).
     """
 
-    def __init__(self, store: Any, records: ContextTable, passes: Passes,
+    def __init__(self, store: PageStore, records: ContextTable, passes: Passes,
                  info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
-                 on_pages_freed: Callable[[], None], channels: Channels,
+                 on_pages_freed: Callable[[], None],
                  on_report: Callable[[P.PassReport], None], adapters: Adapters) -> None:
         self._store = store
         self._adapters = adapters
         self._on_report = on_report
-        self._channels = channels
         self._records = records
         self._passes = passes
         self._info = info  # a callable: the limits may be lowered by a server
@@ -85,13 +86,6 @@ class Handlers:
             P.Tokenize: self._tokenize,
             P.GetInfo: self._get_info,
             P.GetStats: self._get_stats,
-            P.ChannelSend: self._channel_send,
-            P.ChannelReceive: self._channel_receive,
-            P.Broadcast: self._broadcast,
-            P.Subscribe: self._subscribe,
-            P.SubscriptionReceive: self._subscription_receive,
-            P.Unsubscribe: self._unsubscribe,
-            P.SettleMessage: self._settle,
         }
 
     def extend(self, table: dict[type, Handler]) -> None:
@@ -250,52 +244,6 @@ class Handlers:
 
     async def _list(self, req: P.ListSnapshots, owner: Any, ns: str) -> P.SnapshotList:
         return P.SnapshotList(names=self._store.list_snapshots(ns))
-
-    # ------------------------------------------------------------------------ channels
-
-    def _message(self, req: P.ChannelSend | P.Broadcast) -> Message:
-        checks.payload(req.payload, req.text, self._info().max_message_bytes)
-        return Message(req.payload, req.text)
-
-    @staticmethod
-    def _taken(message: Message, lease: int) -> P.ChannelMessage:
-        return P.ChannelMessage(payload=message.payload, text=message.text, lease=lease)
-
-    async def _channel_send(self, req: P.ChannelSend, owner: Any, ns: str) -> P.Ok:
-        name = checks.channel_name(req.channel, "channel")
-        await self._channels.send(owner, ns, name, self._message(req))
-        return P.Ok()
-
-    async def _channel_receive(self, req: P.ChannelReceive, owner: Any,
-                               ns: str) -> P.ChannelMessage:
-        name = checks.channel_name(req.channel, "channel")
-        lease = checks.positive(req.lease, "lease")
-        return self._taken(await self._channels.receive(owner, ns, name, lease), lease)
-
-    async def _broadcast(self, req: P.Broadcast, owner: Any, ns: str) -> P.BroadcastReply:
-        name = checks.channel_name(req.topic, "topic")
-        return P.BroadcastReply(num_subscribers=self._channels.broadcast(
-            ns, name, self._message(req)))
-
-    async def _subscribe(self, req: P.Subscribe, owner: Any, ns: str) -> P.SubscriptionReply:
-        name = checks.channel_name(req.topic, "topic")
-        return P.SubscriptionReply(sub=self._channels.subscribe(owner, ns, name))
-
-    async def _subscription_receive(self, req: P.SubscriptionReceive, owner: Any,
-                                    ns: str) -> P.ChannelMessage:
-        lease = checks.positive(req.lease, "lease")
-        return self._taken(await self._channels.next(owner, req.sub, lease), lease)
-
-    async def _unsubscribe(self, req: P.Unsubscribe, owner: Any, ns: str) -> P.Ok:
-        self._channels.unsubscribe(owner, req.sub)
-        return P.Ok()
-
-    async def _settle(self, req: P.SettleMessage, owner: Any, ns: str) -> P.Ok:
-        lease = checks.positive(req.lease, "lease")
-        if not isinstance(req.delivered, bool):
-            raise InvalidArgument("delivered must be a bool")
-        self._channels.settle(owner, lease, req.delivered)
-        return P.Ok()
 
     # ------------------------------------------------------------------------- engine
 

@@ -47,7 +47,11 @@ class JobStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Job:
-    """One request on one context. Fields after ``status`` are owned by the scheduler."""
+    """One request on one context, in three parts: the request (the fields up to ``key``,
+    set by ``Passes`` and never changed after), its lifecycle (``status`` on: the shadow,
+    ordering, cancel and failure, what was streamed), and its ``progress`` (what it
+    computed into the shadow, with the outputs: a preemption starts it over with one
+    assignment). Fields after ``status`` are owned by the scheduler."""
 
     kind: JobKind
     record: ContextRecord  # the context it runs on (``record.cid`` is the caller's context)
@@ -85,19 +89,9 @@ class Job:
     shadow: Any = None  # store ContextId of the shadow while ACTIVE
     base_working_pages: int = 0
     admitted_order: int = 0
-    num_written: int = 0  # prompt tokens written to the shadow (attached + computed)
-    generated: list[int] = field(default_factory=list)
+    progress: Progress = field(default_factory=lambda: Progress())  # lost on preemption
     num_emitted: int = 0  # generated tokens already streamed (survives preemption)
     finish_reason: str = ""
-    report: PassReport = field(default_factory=PassReport)
-    sampled_out: list[int] = field(default_factory=list)
-    logits_out: list[bytes] = field(default_factory=list)
-    distributions_out: list[Distribution] = field(default_factory=list)
-    logprobs_out: list[list[float]] = field(default_factory=list)
-    entropy_out: list[float] = field(default_factory=list)
-    top_logprobs_out: list[TopLogprobs] = field(default_factory=list)
-    hidden_out: list[bytes] = field(default_factory=list)
-    probe_rows: dict[int, Any] = field(default_factory=dict)  # token index -> RowResult
     error: BaseException | None = None
     cancelled: bool = False
     num_preemptions: int = 0
@@ -105,16 +99,24 @@ class Job:
 
     @property
     def prompt_remaining(self) -> int:
-        return len(self.tokens) - self.num_written
+        return len(self.tokens) - self.progress.num_written
 
     @property
     def is_decoding(self) -> bool:
-        return self.kind is JobKind.GENERATE and self.prompt_remaining == 0 and bool(self.generated)
+        return (self.kind is JobKind.GENERATE and self.prompt_remaining == 0
+                and bool(self.progress.generated))
 
     @property
     def needs_seed_row(self) -> bool:
         """A generation with no prompt samples its first token from cached logits."""
-        return self.kind is JobKind.GENERATE and not self.tokens and not self.generated
+        return self.kind is JobKind.GENERATE and not self.tokens and not self.progress.generated
+
+    @property
+    def verify_start(self) -> int:
+        """Index in ``tokens`` of a speculative round's first row: the token before its
+        draft (only meaningful with ``verify``)."""
+        k = 0 if self.verify is None else len(self.verify.draft)
+        return len(self.tokens) - k - 1
 
     def probe_indices(self) -> set[int]:
         """Indices into ``tokens`` whose logits this job needs."""
@@ -126,8 +128,7 @@ class Job:
         wanted.update(t.index for t in self.top_logprobs)
         wanted.update(self.hidden)
         if self.verify is not None:  # one row per draft token, and one after them
-            k = len(self.verify.draft)
-            wanted.update(range(len(self.tokens) - k - 1, len(self.tokens)))
+            wanted.update(range(self.verify_start, len(self.tokens)))
         if self.kind is JobKind.GENERATE and self.tokens:
             wanted.add(len(self.tokens) - 1)
         return wanted
@@ -136,17 +137,7 @@ class Job:
         """Forget everything written to the (released) shadow; keep what was streamed."""
         self.shadow = None
         self.status = JobStatus.WAITING
-        self.num_written = 0
-        self.generated = []
-        self.report = PassReport()
-        self.sampled_out = []
-        self.logits_out = []
-        self.distributions_out = []
-        self.logprobs_out = []
-        self.entropy_out = []
-        self.top_logprobs_out = []
-        self.hidden_out = []
-        self.probe_rows = {}
+        self.progress = Progress()
         if self.stop is not None:
             self.stop.reset()
         if self.decoding.matcher is not None:
@@ -157,6 +148,31 @@ class Job:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.status = JobStatus.DONE
+
+
+@dataclass(slots=True)
+class Outputs:
+    """A forward's answers, in the order its probes were requested (``rows.py`` fills them
+    from ``rows`` when the job finishes)."""
+
+    sampled: list[int] = field(default_factory=list)
+    logits: list[bytes] = field(default_factory=list)
+    distributions: list[Distribution] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    hidden: list[bytes] = field(default_factory=list)
+    rows: dict[int, Any] = field(default_factory=dict)  # token index -> RowResult
+
+
+@dataclass(slots=True)
+class Progress:
+    """What a job computed into its shadow; a preempted job starts over from a new one."""
+
+    num_written: int = 0  # prompt tokens written to the shadow (attached + computed)
+    generated: list[int] = field(default_factory=list)
+    report: PassReport = field(default_factory=PassReport)
+    out: Outputs = field(default_factory=Outputs)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -34,6 +34,9 @@ from runtime.engine.drafts import Drafter
 from runtime.engine.jobs import Decoding, Job, JobKind, JobQueue, VerifyRound
 from runtime.engine.records import ContextRecord, ContextTable
 from runtime.engine.stream import GenerationStream
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 __all__ = ["Passes"]
 
@@ -50,7 +53,7 @@ class Passes:
         grammars: compiles constraints.
     """
 
-    def __init__(self, store: Any, records: ContextTable, jobs: JobQueue,
+    def __init__(self, store: PageStore, records: ContextTable, jobs: JobQueue,
                  info: Callable[[], P.EngineInfo], tokenizer: Any, grammars: Grammars) -> None:
         self._store = store
         self._records = records
@@ -86,12 +89,12 @@ class Passes:
                 hidden=list(req.hidden),
             )
             await self._run(job)
-            record.last_logits = np.frombuffer(job.logits_out[logits.index(n - 1)], dtype="<f4")
+            record.last_logits = np.frombuffer(job.progress.out.logits[logits.index(n - 1)], dtype="<f4")
             return P.ForwardReply(
-                state=self._store.state(record.cid), report=job.report, sampled=job.sampled_out,
-                logits=job.logits_out[: len(req.logits)], distributions=job.distributions_out,
-                logprobs=job.logprobs_out, entropy=job.entropy_out,
-                top_logprobs=job.top_logprobs_out, hidden=job.hidden_out,
+                state=self._store.state(record.cid), report=job.progress.report, sampled=job.progress.out.sampled,
+                logits=job.progress.out.logits[: len(req.logits)], distributions=job.progress.out.distributions,
+                logprobs=job.progress.out.logprobs, entropy=job.progress.out.entropy,
+                top_logprobs=job.progress.out.top_logprobs, hidden=job.progress.out.hidden,
             )
 
     # ----------------------------------------------------------------------- generate
@@ -137,9 +140,9 @@ class Passes:
                 elif not job.cancelled:
                     record.last_logits = None  # the pending token's logits are not computed
                     final = P.GenerateDone(
-                        finish_reason=job.finish_reason, tokens=list(job.generated),
-                        pending=job.generated[-1:], state=self._store.state(record.cid),
-                        report=job.report,
+                        finish_reason=job.finish_reason, tokens=list(job.progress.generated),
+                        pending=job.progress.generated[-1:], state=self._store.state(record.cid),
+                        report=job.progress.report,
                     )
                 if final is not None:
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -221,7 +224,7 @@ class Passes:
                 job.on_chunk = lambda _job, _token, _text, row: rows.append(row)
                 await self._run(job)
                 record.last_logits = None
-                return self._verify_reply(record, job, 0, job.generated[0], rows)
+                return self._verify_reply(record, job, 0, job.progress.generated[0], rows)
             draft = tokens[len(tokens) - req.num_draft:]
             v = VerifyRound(draft=draft, sampler=sampler, stops=frozenset(req.stop_token_ids),
                             seed=sampler.seed)
@@ -242,7 +245,7 @@ class Passes:
             accepted=accepted, token=token, logprobs=[r.sampled_logprob for r in rows],
             top_logprobs=[r.top_logprobs for r in rows if r.top_logprobs is not None],
             entropy=[r.entropy for r in rows if r.entropy is not None],
-            state=self._store.state(record.cid), report=job.report)
+            state=self._store.state(record.cid), report=job.progress.report)
 
     async def select(self, req: P.Select, owner: Any) -> P.SelectReply:
         """Score options as continuations, in one pass that changes nothing.
@@ -273,7 +276,7 @@ class Passes:
                      for base in bases for node, ids in tree.children()]
             job = await self._scratch(record, tokens, positions, mask, logprobs=specs)
             lp = {spec.index: dict(zip(spec.token_ids, out, strict=True))
-                  for spec, out in zip(specs, job.logprobs_out, strict=True)}
+                  for spec, out in zip(specs, job.progress.out.logprobs, strict=True)}
             conditional = tree.score(0, lp, lambda t: float(first_lp[t]))
             unconditional = tree.score(tree.size, lp, lambda t: 0.0) if req.unconditional else []
             return P.SelectReply(logprobs=conditional, unconditional=unconditional)
@@ -320,7 +323,7 @@ class Passes:
         row[state.seq_len - 1] = False
         job = await self._scratch(record, [last], [state.next_position - 1],
                                   np.asarray([row]), logits=[0])
-        return np.frombuffer(job.logits_out[0], dtype="<f4")
+        return np.frombuffer(job.progress.out.logits[0], dtype="<f4")
 
     def _check_fits(self, num_tokens: int, what: str, hint: str = "") -> None:
         """Refuse at once what could never fit: the pool, or the owner's share of it."""

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from pie_ctx.proto.errors import ContextClosed
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 __all__ = ["ContextRecord", "ContextTable"]
 
@@ -50,7 +53,7 @@ class ContextTable:
             a job waiting for pages may run now).
     """
 
-    def __init__(self, store: Any, on_release: Callable[[], None]) -> None:
+    def __init__(self, store: PageStore, on_release: Callable[[], None]) -> None:
         self._store = store
         self._on_release = on_release
         self._records: dict[int, ContextRecord] = {}

@@ -1,8 +1,8 @@
 """The scheduler: which tokens of which jobs go into the next model call.
 
-Owns: the job queues and every mutation of context state at run time (through the page
-store). Plain Python over plain data: it never touches tensors, so tests drive it with a
-fake executor.
+Owns: the job queues, admission and preemption, and every mutation of context state at run
+time (through the page store). Plain Python over plain data: it never touches tensors, so
+tests drive it with a fake executor. What each row of a step computes is ``rows.py``'s.
 
 A step is ``plan() -> StepPlan`` (sync), the model call (off the event loop, by the engine),
 then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md):
@@ -33,13 +33,24 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pie_ctx.proto.errors import InvalidArgument, OutOfPages
-from pie_ctx.proto.messages import Distribution, TopLogprobs
 from runtime.engine.jobs import Job, JobKind, JobStatus
+from runtime.engine.rows import (
+    Entry,
+    EntryKind,
+    RowRequest,
+    RowResult,
+    StepPlan,
+    draft_row,
+    fill_forward_outputs,
+    row_request,
+)
 from runtime.model.batch import SeqInput
+
+if TYPE_CHECKING:
+    from runtime.kv.store import PageStore
 
 
 class Room(enum.Enum):
@@ -50,84 +61,10 @@ class Room(enum.Enum):
     OVER_SHARE = "over_share"  # its owner already holds its share of the pool
 
 
-@dataclass(slots=True)
-class RowRequest:
-    """What to compute from one logits row (all optional)."""
-
-    sample: Any = None  # SamplerSpec
-    generator_seed: int | None = None  # seed for a fresh generator (None: job's own)
-    job_key: int = 0  # identifies the job's persistent generator
-    raw_logits: bool = False
-    top_k: int = 0  # distribution size (0 = none)
-    logprob_ids: list[int] | None = None
-    given_logits: Any = None  # np.ndarray [vocab]: a row computed earlier (no model row)
-    # what the row is sampled from (docs/decoding.md): bias, then restrictions
-    logit_bias: dict[int, float] | None = None
-    allowed: list[int] | None = None
-    matcher: Any = None  # the generation's constraint matcher (llguidance)
-    # probes of the model's own distribution (temperature 1)
-    top_logprobs: int = 0  # k most likely tokens with their log-probabilities
-    entropy: bool = False
-    hidden: bool = False  # the final-norm hidden state of the row's token
-    # speculative verification: set on the first row of a group of len(draft) + 1 rows
-    verify: list[int] | None = None  # the draft tokens the group judges
-    stops: frozenset[int] = frozenset()  # a kept draft token in here ends the group
-
-
-@dataclass(slots=True)
-class StepPlan:
-    chunks: list[SeqInput] = field(default_factory=list)  # one model call's batch
-    rows: list[RowRequest] = field(default_factory=list)
-    # (job, chunk start in job.tokens, -1 for a decode step or -2 for a seed row,
-    #  chunk length, [(token index, row in `rows`)]); one entry per job, and the entries
-    #  with a chunk (all but seed rows) are in `chunks` order
-    entries: list[tuple[Job, int, int, list[tuple[int, int]]]] = field(default_factory=list)
-
-    def subset(self, keep: list[int]) -> tuple[StepPlan, list[int]]:
-        """The plan of some entries only (in order), to run them apart from the others.
-
-        Returns:
-            ``(plan, rows)``: row ``i`` of the new plan is row ``rows[i]`` of this one.
-        """
-        if len(keep) == len(self.entries):
-            return self, list(range(len(self.rows)))
-        sub = StepPlan()
-        rows: list[int] = []
-        chunk_of = iter(range(len(self.chunks)))
-        chunk_index = [-1 if start == -2 else next(chunk_of) for _, start, _, _ in self.entries]
-        for e in keep:
-            job, start, length, entry_rows = self.entries[e]
-            if start != -2:
-                sub.chunks.append(self.chunks[chunk_index[e]])
-            new_rows = []
-            for index, row in entry_rows:
-                new_rows.append((index, len(sub.rows)))
-                sub.rows.append(self.rows[row])
-                rows.append(row)
-            sub.entries.append((job, start, length, new_rows))
-        return sub, rows
-
-
-@dataclass(slots=True)
-class RowResult:
-    sampled: int | None = None  # for a verify group: the token emitted at this row, if any
-    sampled_logprob: float = 0.0
-    logits: bytes | None = None
-    top_ids: list[int] | None = None
-    top_probs: list[float] | None = None
-    logprob_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: Any = None  # TopLogprobs
-    entropy: float | None = None
-    hidden: bytes | None = None
-    accepted: int | None = None  # verify groups (first row): draft tokens kept
-    error: str | None = None  # the row's job cannot go on (e.g. no token allowed)
-
-
 class Scheduler:
     """Continuous batching over every job of every context, within a token budget."""
 
-    def __init__(self, store: Any, *, max_step_tokens: int = 1024,
+    def __init__(self, store: PageStore, *, max_step_tokens: int = 1024,
                  max_pages_per_owner: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_step_tokens < 1:
@@ -244,7 +181,7 @@ class Scheduler:
         with one new system prompt computes it once. Only prefix-reusing, committing jobs
         qualify, so the page will be shared; ``job`` waits at most until that job ends.
         """
-        end = job.num_written + self.page_size  # the end of the next page to attach
+        end = job.progress.num_written + self.page_size  # the end of the next page to attach
         usable = len(job.tokens) - (1 if job.probe_indices() else 0)
         if end > usable or self.store.state(job.record.cid).seq_len != 0:
             return None
@@ -269,10 +206,10 @@ class Scheduler:
             return
         loaded = self.store.num_pages_loaded
         num = self.store.attach_prefix(job.shadow, job.tokens[:usable], job.positions[:usable], 0)
-        job.num_written = num * self.page_size
-        job.report.pages_reused += num
-        job.report.pages_from_disk += self.store.num_pages_loaded - loaded
-        job.report.tokens_written += job.num_written
+        job.progress.num_written = num * self.page_size
+        job.progress.report.pages_reused += num
+        job.progress.report.pages_from_disk += self.store.num_pages_loaded - loaded
+        job.progress.report.tokens_written += job.progress.num_written
 
     # ------------------------------------------------------------------------- planning
 
@@ -295,7 +232,7 @@ class Scheduler:
             plan = self._compose()
             if plan.entries:
                 self.num_steps += 1
-                self.in_flight = {entry[0] for entry in plan.entries}
+                self.in_flight = {entry.job for entry in plan.entries}
                 return plan
             if len(self.active) == 1:
                 self.stalled = self.active[0]
@@ -372,10 +309,10 @@ class Scheduler:
         budget = self.max_step_tokens
         for job in self.active:
             if job.needs_seed_row:
-                row = self._row_request(job, -1)
+                row = row_request(job, None)
                 row.given_logits = job.first_logits
                 plan.rows.append(row)
-                plan.entries.append((job, -2, 0, [(-1, len(plan.rows) - 1)]))
+                plan.entries.append(Entry(job, EntryKind.SEED, 0, 0, [(None, len(plan.rows) - 1)]))
         decoding = [j for j in self.active if j.is_decoding]
         prefilling = [j for j in self.active if j.prompt_remaining > 0]
         if len(decoding) > budget:  # more decodes than the budget: rotate who waits
@@ -431,13 +368,13 @@ class Scheduler:
             length = min(remaining, budget)
         if self._ensure_room(job, length) is not Room.OK:
             return 0
-        start = job.num_written
+        start = job.progress.num_written
         probes = sorted(i - start for i in job.probe_indices() if start <= i < start + length)
         mask = None
         if job.mask is not None:
             seq_len = self.store.state(job.shadow).seq_len
             mask = job.mask[start : start + length, : seq_len + length]
-        self._append(plan, job, start, job.tokens[start : start + length],
+        self._append(plan, job, EntryKind.PROMPT, start, job.tokens[start : start + length],
                      job.positions[start : start + length], probes, mask)
         return length
 
@@ -447,86 +384,40 @@ class Scheduler:
         tokens it added (0 when it has no room now)."""
         draft: list[int] = []
         if job.drafter is not None:
-            limit = min(budget, job.max_tokens - len(job.generated)) - 1
+            limit = min(budget, job.max_tokens - len(job.progress.generated)) - 1
             draft = job.drafter.propose(job.decoding.matcher, limit)
         if draft and self._ensure_room(job, 1 + len(draft)) is not Room.OK:
             draft = []  # no pages for the draft now: a plain step
         if not draft and self._ensure_room(job, 1) is not Room.OK:
             return 0
-        tokens = [job.generated[-1], *draft]
+        tokens = [job.progress.generated[-1], *draft]
         first = self.store.next_position(job.shadow)
-        rows = [self._row_request(job, -1)]
+        rows = [row_request(job, None)]
         rows[0].verify = draft or None
         rows[0].stops = job.stop_token_ids
         for j in range(1, len(tokens)):  # the rows judging the draft, one per token
-            rows.append(self._draft_row(job, len(job.generated) + j))
-        self._append(plan, job, -1, tokens, list(range(first, first + len(tokens))),
-                     list(range(len(tokens))), None, rows)
+            rows.append(draft_row(job, len(job.progress.generated) + j))
+        self._append(plan, job, EntryKind.DECODE, 0, tokens,
+                     list(range(first, first + len(tokens))), list(range(len(tokens))), None, rows)
         return len(tokens)
 
-    def _append(self, plan: StepPlan, job: Job, start: int, tokens: list[int],
+    def _append(self, plan: StepPlan, job: Job, kind: EntryKind, start: int, tokens: list[int],
                 positions: list[int], probes: list[int], mask: Any,
                 requests: list[RowRequest] | None = None) -> None:
+        prompt = kind is EntryKind.PROMPT
         num_cached = self.store.state(job.shadow).seq_len
-        extras = [0] * len(tokens) if start < 0 else job.extras[start : start + len(tokens)]
+        extras = job.extras[start : start + len(tokens)] if prompt else [0] * len(tokens)
         self.store.write_tokens(job.shadow, tokens, positions, extras)
         chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
                          probes, mask, self.store.adapter_of(job.shadow))
-        rows: list[tuple[int, int]] = []
+        rows: list[tuple[int | None, int]] = []
         for i, local in enumerate(probes):
-            index = start + local if start >= 0 else -1
+            index = start + local if prompt else None
             rows.append((index, len(plan.rows)))
-            plan.rows.append(self._row_request(job, index) if requests is None
+            plan.rows.append(row_request(job, index) if requests is None
                              else requests[i])
         plan.chunks.append(chunk)
-        plan.entries.append((job, start, len(tokens), rows))
-
-    def _row_request(self, job: Job, index: int) -> RowRequest:
-        req = RowRequest(job_key=job.key)
-        d = job.decoding
-        if job.kind is JobKind.GENERATE and (index == -1 or index == len(job.tokens) - 1):
-            req.sample = job.sampler
-            req.generator_seed = job.seed if not job.generated else None
-            req.logit_bias = _min_tokens_bias(job, len(job.generated))
-            req.allowed, req.matcher = d.allowed, d.matcher
-            req.top_logprobs = d.top_logprobs
-            req.entropy = bool(d.top_logprobs)
-            return req
-        v = job.verify
-        if v is not None and index >= len(job.tokens) - len(v.draft) - 1:
-            req.logit_bias, req.allowed = d.logit_bias, d.allowed
-            req.top_logprobs, req.entropy = d.top_logprobs, bool(d.top_logprobs)
-            if index == len(job.tokens) - len(v.draft) - 1:  # the group's first row
-                req.verify, req.stops, req.sample = list(v.draft), v.stops, v.sampler
-                req.generator_seed = v.seed
-            return req
-        for s in job.sample:
-            if s.index == index:
-                req.sample = s.sampler
-                req.logit_bias, req.allowed = s.logit_bias, s.allowed_tokens
-                # Seeded per row (seed + index), so every sampled row is reproducible.
-                req.generator_seed = None if s.sampler.seed is None else s.sampler.seed + index
-        req.raw_logits = index in job.logits
-        req.entropy = index in job.entropy
-        req.hidden = index in job.hidden
-        for t in job.top_logprobs:
-            if t.index == index:
-                req.top_logprobs = max(req.top_logprobs, t.k)
-        for d in job.distributions:
-            if d.index == index:
-                req.top_k = max(req.top_k, d.top_k)
-        for lp in job.logprobs:
-            if lp.index == index:
-                req.logprob_ids = (req.logprob_ids or []) + list(lp.token_ids)
-        return req
-
-    def _draft_row(self, job: Job, num_generated: int) -> RowRequest:
-        """A row judging one draft token of a generation, after ``num_generated`` tokens
-        (its constraint's mask comes from the group's first row: ``decoding.adjust``)."""
-        d = job.decoding
-        return RowRequest(job_key=job.key, logit_bias=_min_tokens_bias(job, num_generated),
-                          allowed=d.allowed, top_logprobs=d.top_logprobs,
-                          entropy=bool(d.top_logprobs))
+        plan.entries.append(Entry(job, kind, start, len(tokens), rows))
 
     # ----------------------------------------------------------------------- completion
 
@@ -541,7 +432,8 @@ class Scheduler:
         """
         finished: list[Job] = []
         self.in_flight = set()
-        for job, start, length, rows in plan.entries:
+        for entry in plan.entries:
+            job, length, rows = entry.job, entry.length, entry.rows
             if job.status is not JobStatus.ACTIVE:
                 continue  # preempted meanwhile (cannot happen) or already done
             if failed and job in failed:
@@ -554,12 +446,12 @@ class Scheduler:
                 self._drop(job)
                 finished.append(job)
                 continue
-            job.report.tokens_computed += length
-            if start != -2:  # a seed row runs no model
-                job.report.num_steps += 1
-            if start >= 0 and length:
-                job.num_written += length
-                job.report.tokens_written += length
+            job.progress.report.tokens_computed += length
+            if entry.has_chunk:  # a seed row runs no model
+                job.progress.report.num_steps += 1
+            if entry.kind is EntryKind.PROMPT and length:
+                job.progress.num_written += length
+                job.progress.report.tokens_written += length
                 self._collect_probes(job, rows, results)
             errors = [results[r].error for _, r in rows if results[r].error]
             if errors:  # e.g. a constraint that allows no token: the job cannot go on
@@ -569,7 +461,7 @@ class Scheduler:
                 finished.append(job)
                 continue
             if job.kind is JobKind.GENERATE and rows and job.prompt_remaining == 0:
-                if start == -1:
+                if entry.kind is EntryKind.DECODE:
                     self._on_decoded(job, [results[r] for _, r in rows])
                 else:
                     self._on_sampled(job, results[rows[-1][1]])
@@ -580,11 +472,11 @@ class Scheduler:
                 finished.append(job)
         return finished
 
-    def _collect_probes(self, job: Job, rows: list[tuple[int, int]],
+    def _collect_probes(self, job: Job, rows: list[tuple[int | None, int]],
                         results: list[RowResult]) -> None:
         if job.kind is JobKind.FORWARD:
             for index, row in rows:
-                job.probe_rows[index] = results[row]
+                job.progress.out.rows[index] = results[row]
 
     def _on_decoded(self, job: Job, group: list[RowResult]) -> None:
         """A decode step's tokens: the kept draft tokens, then the one sampled after them,
@@ -606,10 +498,10 @@ class Scheduler:
         token = row.sampled
         if token is None:
             raise RuntimeError("a generation row came back without a sampled token")
-        job.generated.append(token)
+        job.progress.generated.append(token)
         if job.drafter is not None:
             job.drafter.accept(token)
-        n = len(job.generated)
+        n = len(job.progress.generated)
         matcher = job.decoding.matcher
         if token in job.stop_token_ids:
             job.finish_reason = "stop_token"
@@ -642,7 +534,7 @@ class Scheduler:
         before = self.store.state(job.shadow).num_committed_pages
         self.store.commit_full_pages(job.shadow)
         after = self.store.state(job.shadow).num_committed_pages
-        job.report.pages_computed += after - before
+        job.progress.report.pages_computed += after - before
 
     def _is_finished(self, job: Job) -> bool:
         if job.kind is JobKind.FORWARD:
@@ -659,7 +551,7 @@ class Scheduler:
         if spare > 0:
             self.store.release_working_pages(shadow, spare)
         if job.kind is JobKind.FORWARD:
-            _fill_forward_outputs(job)
+            fill_forward_outputs(job)
         old = job.record.cid
         job.record.cid = shadow
         job.shadow = None
@@ -683,55 +575,6 @@ class Scheduler:
             f"the KV pool, and this request needs more: release contexts you no longer need "
             f"or lower max_tokens (other clients' pages are not yours to free)"
         )
-
-
-def _fill_forward_outputs(job: Job) -> None:
-    """Answer a forward's probes in the order they were requested."""
-    rows: dict[int, RowResult] = job.probe_rows
-    for spec in job.sample:
-        job.sampled_out.append(_need(rows, spec.index).sampled)
-    for index in job.logits:
-        job.logits_out.append(_need(rows, index).logits)
-    for d in job.distributions:
-        r = _need(rows, d.index)
-        job.distributions_out.append(
-            Distribution(token_ids=r.top_ids[: d.top_k], probs=r.top_probs[: d.top_k])
-        )
-    for lp in job.logprobs:
-        r = _need(rows, lp.index)
-        by_id = dict(zip(r.logprob_ids, r.logprobs, strict=True))
-        job.logprobs_out.append([by_id[t] for t in lp.token_ids])
-    for index in job.entropy:
-        job.entropy_out.append(_need(rows, index).entropy)
-    for t in job.top_logprobs:
-        top = _need(rows, t.index).top_logprobs
-        job.top_logprobs_out.append(TopLogprobs(token_ids=top.token_ids[: t.k],
-                                                logprobs=top.logprobs[: t.k]))
-    for index in job.hidden:
-        job.hidden_out.append(_need(rows, index).hidden)
-    v = job.verify
-    if v is not None:
-        first = len(job.tokens) - len(v.draft) - 1
-        v.accepted = _need(rows, first).accepted
-        emitted = [_need(rows, first + j) for j in range(len(v.draft) + 1)]
-        emitted = [r for r in emitted if r.sampled is not None]
-        v.rows = emitted
-        v.token = emitted[-1].sampled if len(emitted) > v.accepted else None
-
-
-def _need(rows: dict[int, RowResult], index: int) -> RowResult:
-    if index not in rows:
-        raise RuntimeError(f"probe row for token index {index} was never computed")
-    return rows[index]
-
-
-def _min_tokens_bias(job: Job, num_generated: int) -> dict[int, float] | None:
-    """The logit bias of a generation's row after ``num_generated`` tokens: its own, plus
-    the stop tokens masked while ``min_tokens`` is not reached."""
-    bias = job.decoding.logit_bias
-    if num_generated >= job.min_tokens or not job.stop_token_ids:
-        return bias
-    return {**(bias or {}), **{t: -math.inf for t in job.stop_token_ids}}
 
 
 def _owner(job: Job) -> Any:

@@ -19,14 +19,18 @@ from typing import Any
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import ProtocolError
 from pie_ctx.proto.messages import raise_if_error
+from pie_ctx.transport import LocalTransport
 
 __all__ = ["HostedTransport"]
 
 _END = object()
 
 
-class HostedTransport:
+class HostedTransport(LocalTransport):
     """One launch's connection to the engine, across two event loops.
+
+    A ``LocalTransport`` (the same engine, info, tokenizer and ``release_soon``, which is
+    safe from any thread) whose engine calls hop to the engine's loop.
 
     Args:
         engine: the running engine.
@@ -38,21 +42,10 @@ class HostedTransport:
 
     def __init__(self, engine: Any, engine_loop: asyncio.AbstractEventLoop, owner: Any,
                  namespace: str, is_open: Callable[[], bool]) -> None:
-        self._engine = engine
+        super().__init__(engine, namespace=namespace)
+        self._owner = owner  # the launch's, made by the host (not a fresh one)
         self._loop = engine_loop
-        self._owner = owner
-        self._namespace = namespace
         self._is_open = is_open
-        self._info: P.EngineInfo = engine.info()
-        self._closed = False
-
-    @property
-    def info(self) -> P.EngineInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
 
     def _check_open(self) -> None:
         if self._closed or not self._is_open():
@@ -90,10 +83,6 @@ class HostedTransport:
                 put(_END)
 
         return _BridgedStream(queue, asyncio.run_coroutine_threadsafe(pump(), self._loop))
-
-    def release_soon(self, ctx: int) -> None:
-        if not self._closed:
-            self._engine.release_soon(ctx)  # safe from any thread
 
     async def aclose(self) -> None:
         if self._closed:

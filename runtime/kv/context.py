@@ -56,6 +56,22 @@ class PageState:
         """Pages on the committed chain."""
         return 0 if self.tip is None else self.tip.depth
 
+    def next_position(self) -> int:
+        """Position after the last written token (0 for an empty state)."""
+        if self.positions:
+            return self.positions[-1] + 1
+        if self.tip is not None:
+            return self.tip.positions[-1] + 1
+        return 0
+
+    def all_tokens(self) -> list[int]:
+        """Every token id, committed then working. O(seq_len)."""
+        out: list[int] = []
+        for node in chain_nodes(self.tip):
+            out.extend(node.tokens)
+        out.extend(self.tokens)
+        return out
+
     def committed_page_ids(self) -> list[PageId]:
         """Committed page ids root..tip; computed once, then kept in step with commits.
 

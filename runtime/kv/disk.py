@@ -1,8 +1,10 @@
 """The snapshot directory: content-addressed page files and snapshot manifests on disk.
 
-Owns: one engine's folder inside a snapshot directory, and every byte written there. It
-knows files and formats only (bytes in, bytes out); which pages exist and who references
-them is the disk tier's business (``runtime.kv.tier``). Layout (docs/snapshots.md)::
+Owns: one engine's folder inside a snapshot directory, and every write, rename, sync and
+read there (the crash-safe I/O); what the files hold and how a read is checked is
+``runtime.kv.file_format``'s. It knows files only (bytes in, bytes out); which pages
+exist and who references them is the disk tier's (``runtime.kv.tier``). Layout
+(docs/snapshots.md)::
 
     DIR/                            the snapshot directory (--snapshot-dir)
       <fingerprint key>/            one folder per model fingerprint (16 hex digits)
@@ -17,13 +19,7 @@ folder fsynced (``write_atomic``), so a file under ``pages/`` or ``snapshots/`` 
 absent or complete. A save writes its pages before its manifest, so a listed manifest's
 pages exist. Every file ends with an xxh3-64 checksum of what precedes it, checked on
 every read; a page file also repeats its tokens, positions, extras and parent hash, and
-reading it recomputes the chained hash from them.
-
-Page file: ``magic "PIEPAGE1" | hash u64 | parent u64 | count u32 | payload u64 |
-tokens i64*count | positions i64*count | extras u64*count | payload bytes | xxh3 u64``.
-Manifest: ``magic "PIESNAP1" | head_len u32 | head (msgpack) | xxh3 u64 | blob | xxh3 u64``
-where the blob is the working tail's KV bytes then the last logits; the head alone is
-read at boot, the blob when the snapshot is opened.
+reading it recomputes the chained hash from them (``runtime.kv.file_format``).
 
 Reading many pages (a reopen): ``read_pages`` reads the files with several threads (the
 disk serves parallel reads faster than one stream; the GIL is released in the reads and
@@ -37,7 +33,6 @@ ENOSPC) and ``SnapshotCorrupt`` (a file fails its checks), each naming the path.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -45,72 +40,39 @@ import itertools
 import json
 import logging
 import os
-import struct
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import xxhash
-
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
-from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.file_format import (
+    PAGE_HEAD,
+    SUM,
+    Fingerprint,
+    ManifestHead,
+    PageRecord,
+    manifest_key,
+    manifest_parts,
+    page_front_fits,
+    page_parts,
+    parse_blob,
+    parse_page,
+    read_head,
+    verify_page,
+)
 from runtime.kv.types import PageHash
 
-__all__ = ["Fingerprint", "FileOps", "PageFiles", "PageRecord", "ManifestHead",
-           "foreign_manifests", "read_head", "manifest_key", "FORMAT_VERSION"]
+__all__ = ["FileOps", "PageFiles"]
 
 log = logging.getLogger("pie_ctx.snapshots")
 
-FORMAT_VERSION = 1
-_PAGE_MAGIC = b"PIEPAGE1"
-_SNAP_MAGIC = b"PIESNAP1"
-_PAGE_HEAD = struct.Struct("<8sQQIQ")  # magic, hash, parent, count, payload bytes
-_SNAP_HEAD = struct.Struct("<8sI")  # magic, head length
-_SUM = struct.Struct("<Q")
 _BATCH_FILES = 256  # files a batched write keeps open at once (one syncfs each)
 # Threads ``read_pages`` reads with: 256 cold page files (188 MB) took 0.20 s with one
 # thread and 0.11-0.13 s with 4-16 on the 2-core Xeon VM (docs/performance.md).
 READ_THREADS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
-    """Everything that decides a page's KV bytes. Files are shared only between engines
-    with equal fingerprints."""
-
-    model: str  # the model's name (for messages)
-    weights_digest: str  # xxh3-128 of the model files
-    weights: str  # projection weight format: fp32 | int8
-    dtype: str  # compute dtype
-    kv_dtype: str  # page format: fp32 | int8
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    version: int = FORMAT_VERSION
-    backend: str = "native"  # the runner that computed the pages: native | transformers
-
-    @property
-    def key(self) -> str:
-        """16 hex digits naming this fingerprint's folder."""
-        fields = asdict(self)
-        if self.backend == "native":  # the folders of engines made before backends existed
-            del fields["backend"]
-        return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True).encode())
-
-    def describe(self) -> str:
-        """One line for messages: what differs between two fingerprints is visible."""
-        return (f"model {self.model} (weights {self.weights_digest[:12]}, {self.weights}), "
-                f"dtype {self.dtype}, kv {self.kv_dtype}, page size {self.page_size}, "
-                f"{self.backend} backend")
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Fingerprint:
-        return cls(**data)
 
 
 class FileOps:
@@ -160,113 +122,6 @@ def _find_syncfs() -> Any:
 
 
 _SYNCFS = _find_syncfs()
-
-
-@dataclass(frozen=True, slots=True)
-class PageRecord:
-    """One page read back from disk, verified."""
-
-    page_hash: PageHash
-    parent: int  # the parent page's hash, or the chain root (0 for fp32 chains)
-    tokens: tuple[int, ...]
-    positions: tuple[int, ...]
-    extras: tuple[int, ...]
-    payload: bytes | memoryview  # the page's KV bytes, exactly as in the pool
-
-
-class ManifestHead(msgspec.Struct, frozen=True, kw_only=True):
-    """The small part of a manifest, read at boot for every snapshot."""
-
-    version: int
-    fingerprint: str  # the Fingerprint.key of the engine that saved it
-    namespace: str
-    name: str
-    pages: list[int]  # committed page hashes, root first
-    tokens: list[int]  # the committed pages' contents, to verify every page on reopen
-    positions: list[int]
-    extras: list[int]
-    tail_tokens: list[int]
-    tail_positions: list[int]
-    tail_extras: list[int]
-    tail_pages: int  # working pages whose bytes are in the blob
-    tail_bytes: int
-    logits_bytes: int  # 0: no last logits saved
-    meta: str
-    saved_at: float
-    adapter: int = 0  # the LoRA adapter key its pages were computed under (0: none)
-
-
-def _sum(*parts: bytes | memoryview) -> bytes:
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    return _SUM.pack(h.intdigest())
-
-
-def manifest_key(namespace: str, name: str) -> str:
-    """The file stem of a snapshot's manifest (names may hold any character)."""
-    return xxhash.xxh3_128_hexdigest(f"{namespace}\0{name}".encode())
-
-
-def read_head(path: Path) -> ManifestHead:
-    """Read and verify a manifest's head (not its blob).
-
-    Raises:
-        SnapshotCorrupt: unreadable, truncated or failing its checksum.
-    """
-    try:
-        with open(path, "rb") as f:
-            front = f.read(_SNAP_HEAD.size)
-            if len(front) < _SNAP_HEAD.size:
-                raise SnapshotCorrupt(f"manifest {path} is truncated")
-            magic, size = _SNAP_HEAD.unpack(front)
-            if magic != _SNAP_MAGIC:
-                raise SnapshotCorrupt(f"manifest {path} is not a snapshot manifest")
-            packed = f.read(size)
-            check = f.read(_SUM.size)
-    except OSError as e:
-        raise SnapshotCorrupt(f"manifest {path} cannot be read: {e}") from None
-    if len(packed) != size or _sum(front, packed) != check:
-        raise SnapshotCorrupt(f"manifest {path} is corrupt (head checksum mismatch)")
-    try:
-        return msgspec.msgpack.decode(packed, type=ManifestHead)
-    except msgspec.DecodeError as e:
-        raise SnapshotCorrupt(f"manifest {path} is corrupt ({e})") from None
-
-
-def page_parts(page_hash: int, parent: int, tokens: Sequence[int], positions: Sequence[int],
-               extras: Sequence[int], payload: bytes | memoryview) -> list[bytes | memoryview]:
-    """The bytes of one page file: header, tokens/positions/extras, KV payload, checksum."""
-    n = len(tokens)
-    payload = memoryview(payload).cast("B")
-    head = _PAGE_HEAD.pack(_PAGE_MAGIC, page_hash, parent, n, payload.nbytes)
-    body = struct.pack(f"<{n}q{n}q{n}Q", *tokens, *positions, *extras)
-    return [head, body, payload, _sum(head, body, payload)]
-
-
-def _corrupt(path: Path, why: str) -> SnapshotCorrupt:
-    return SnapshotCorrupt(f"page file {path} is corrupt ({why})")
-
-
-def _verify_page(path: Path, page_hash: int, payload_bytes: int, front: memoryview,
-                 payload: memoryview, check: memoryview) -> PageRecord:
-    """The checks of a page file split as its header says (``front``: header, tokens,
-    positions, extras): checksum, name, payload size, and the chained hash recomputed.
-
-    Raises:
-        SnapshotCorrupt: naming ``path`` and the failed check.
-    """
-    _, h, parent, n, size = _PAGE_HEAD.unpack_from(front)
-    if _sum(front, payload) != check:
-        raise _corrupt(path, "checksum mismatch")
-    if h != page_hash or size != payload_bytes:
-        raise _corrupt(path, f"holds page {h:016x} of {size} bytes, expected "
-                             f"{page_hash:016x} of {payload_bytes}")
-    values = struct.unpack_from(f"<{n}q{n}q{n}Q", front, _PAGE_HEAD.size)
-    tokens, positions, extras = values[:n], values[n:2 * n], values[2 * n:]
-    if n == 0 or hash_page(parent, tokens, positions, fold_extras(extras)) != h:
-        raise _corrupt(path, "its tokens do not hash to its name")
-    return PageRecord(PageHash(h), parent, tokens, positions, extras, payload)
 
 
 def _write_error(path: Path, e: OSError) -> StorageError:
@@ -481,12 +336,8 @@ class PageFiles:
     def write_manifest(self, head: ManifestHead, tail: bytes | memoryview,
                        logits: bytes | memoryview) -> int:
         """Write (durably) one snapshot manifest; returns its size in bytes."""
-        packed = msgspec.msgpack.encode(head)
-        front = _SNAP_HEAD.pack(_SNAP_MAGIC, len(packed))
-        tail, logits = memoryview(tail).cast("B"), memoryview(logits).cast("B")
-        return self.write_atomic(
-            self.manifest_path(head.namespace, head.name),
-            [front, packed, _sum(front, packed), tail, logits, _sum(tail, logits)])
+        return self.write_atomic(self.manifest_path(head.namespace, head.name),
+                                 manifest_parts(head, tail, logits))
 
     def remove(self, path: Path, durable: bool = True) -> None:
         """Delete a file (missing is fine); fsync its folder when ``durable``.
@@ -519,18 +370,7 @@ class PageFiles:
             data = path.read_bytes()
         except OSError as e:
             raise SnapshotCorrupt(f"page file {path} cannot be read: {e}") from None
-        if len(data) < _PAGE_HEAD.size + _SUM.size:
-            raise _corrupt(path, f"truncated to {len(data)} bytes")
-        magic, _, _, n, size = _PAGE_HEAD.unpack_from(data)
-        if magic != _PAGE_MAGIC:
-            raise _corrupt(path, "not a page file")
-        front = _PAGE_HEAD.size + 24 * n
-        if len(data) != front + size + _SUM.size:
-            raise _corrupt(path, f"{len(data)} bytes, its header says "
-                                 f"{front + size + _SUM.size}")
-        view = memoryview(data)
-        return _verify_page(path, page_hash, payload_bytes, view[:front],
-                            view[front:front + size], view[front + size:])
+        return parse_page(path, page_hash, payload_bytes, data)
 
     def read_pages(self, hashes: Sequence[int], payload_bytes: int, out: memoryview,
                    threads: int = READ_THREADS) -> list[PageRecord | SnapshotCorrupt]:
@@ -578,22 +418,19 @@ class PageFiles:
             raise SnapshotCorrupt(f"page file {path} cannot be read: {e}") from None
         try:
             total = os.fstat(fd).st_size
-            front = total - payload_bytes - _SUM.size
-            if front < _PAGE_HEAD.size:
+            front = total - payload_bytes - SUM.size
+            if front < PAGE_HEAD.size:
                 got = -1
             else:
-                meta, trailer = bytearray(front), bytearray(_SUM.size)
+                meta, trailer = bytearray(front), bytearray(SUM.size)
                 got = os.preadv(fd, [meta, row, trailer], 0)
         except OSError as e:
             raise SnapshotCorrupt(f"page file {path} cannot be read: {e}") from None
         finally:
             os.close(fd)
-        if got == total:
-            magic, _, _, n, size = _PAGE_HEAD.unpack_from(meta)
-            if magic == _PAGE_MAGIC and front == _PAGE_HEAD.size + 24 * n and \
-                    size == payload_bytes:
-                return _verify_page(path, page_hash, payload_bytes, memoryview(meta), row,
-                                    memoryview(trailer))
+        if got == total and page_front_fits(meta, payload_bytes):
+            return verify_page(path, page_hash, payload_bytes, memoryview(meta), row,
+                               memoryview(trailer))
         record = self.read_page(page_hash, payload_bytes)  # raises, naming the flaw
         row[:] = record.payload  # (a file that changed while being read, and is fine now)
         return PageRecord(record.page_hash, record.parent, record.tokens, record.positions,
@@ -610,16 +447,7 @@ class PageFiles:
             data = path.read_bytes()
         except OSError as e:
             raise SnapshotCorrupt(f"manifest {path} cannot be read: {e}") from None
-        packed = msgspec.msgpack.encode(head)
-        start = _SNAP_HEAD.size + len(packed) + _SUM.size
-        end = start + head.tail_bytes + head.logits_bytes
-        if len(data) != end + _SUM.size:
-            raise SnapshotCorrupt(f"manifest {path} is corrupt ({len(data)} bytes, expected "
-                                  f"{end + _SUM.size})")
-        view = memoryview(data)
-        if _sum(view[start:end]) != data[end:]:
-            raise SnapshotCorrupt(f"manifest {path} is corrupt (checksum mismatch)")
-        return data[start:start + head.tail_bytes], data[start + head.tail_bytes:end]
+        return parse_blob(path, head, data)
 
     # ------------------------------------------------------------------------ listing
 
@@ -650,22 +478,3 @@ class PageFiles:
         return out
 
 
-def foreign_manifests(root: Path, fingerprint: Fingerprint) -> dict[tuple[str, str], str]:
-    """Snapshots in ``root`` saved by engines with other fingerprints: ``(namespace, name)
-    -> why this engine cannot use them``. Unreadable entries are skipped."""
-    out: dict[tuple[str, str], str] = {}
-    for fmt in sorted(root.glob("*/FORMAT.json")):
-        folder = fmt.parent
-        if folder.name == fingerprint.key:
-            continue
-        try:
-            other = Fingerprint.from_json(json.loads(fmt.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        why = (f"it was saved by {other.describe()}; this engine runs "
-               f"{fingerprint.describe()}")
-        for path in (folder / "snapshots").glob("*.snap"):
-            with contextlib.suppress(SnapshotCorrupt):  # only named in messages
-                head = read_head(path)
-                out.setdefault((head.namespace, head.name), why)
-    return out

@@ -24,7 +24,7 @@ import numpy as np
 
 from pie_ctx.proto.errors import PieError, SnapshotCorrupt, StorageError
 from runtime.kv.context import chain_nodes
-from runtime.kv.disk import FORMAT_VERSION, ManifestHead, PageRecord
+from runtime.kv.file_format import FORMAT_VERSION, ManifestHead, PageRecord
 from runtime.kv.snapshots import Snapshot
 from runtime.kv.tier import DiskTier
 from runtime.kv.types import PageHash, PageId

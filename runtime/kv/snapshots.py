@@ -46,7 +46,7 @@ class Snapshot:
     state: PageState | None  # None: spilled (durable, on disk only)
     meta: str = ""  # opaque to the runtime; the SDK keeps the conversation here
     last_logits: Any = None  # float32 [vocab] of the last token written, or None
-    head: Any = None  # the durable manifest's head (runtime.kv.disk.ManifestHead), or None
+    head: Any = None  # the durable manifest's head (runtime.kv.file_format.ManifestHead), or None
 
     @property
     def adapter(self) -> int:

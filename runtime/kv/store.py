@@ -1,8 +1,10 @@
 """``PageStore``: the one facade the engine calls for every page operation.
 
 Owns: the pool (physical pages), the trie (committed pages), the live context states
-(working pages), the snapshot registry and, with a snapshot directory, the disk tier
-(``runtime.kv.tier``); nothing outside this package touches them.
+(working pages, ``runtime.kv.states``), the snapshots (``runtime.kv.snapshot_store`` over
+the registry) and, with a snapshot directory, the disk tier (``runtime.kv.tier``); nothing
+outside this package touches them. This module validates and answers; the page steps live
+in the context states, a snapshot's life in the snapshot store.
 
 Contract, for every public method: validate everything first, raising a ``PieError``
 subclass with state untouched; only then mutate. Expected back-pressure returns a value
@@ -13,48 +15,33 @@ resident durable snapshots (least recently used first): their pages become cache
 then evictable), their bytes stay on disk, and opening them brings them back. Evicted
 cached pages are written to the disk tier first, so prefix matching can load them back.
 
-Public API (see docs/design.md, "runtime/kv")::
-
-    store = PageStore(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device)
-    cid = store.create_context(); store.fork(cid); store.release(cid)
-    store.reserve_working_pages(cid, n) -> bool
-    store.write_tokens(cid, tokens, positions, extra=0) -> [(page_id, slot), ...]
-    store.commit_full_pages(cid) -> int; store.commit_working_pages(cid, k)
-    store.release_working_pages(cid, n); store.truncate_working_page_tokens(cid, n)
-    store.attach_prefix(cid, tokens, positions, extra=0) -> int
-    store.page_table(cid); store.state(cid); store.tokens(cid); store.next_position(cid)
-    store.save_snapshot(cid, name, ns, meta=, last_logits=); store.snapshot(name, ns)
-    store.begin_save(...) -> job; job.write(); store.end_save(job)   # I/O off the loop
-    store.plan_restore(name, ns) -> job; job.read(); store.restore_snapshot(name, ns, job)
-    store.open_snapshot(name, ns); store.take_snapshot(name, ns)
-    store.delete_snapshot(name, ns); store.list_snapshots(ns)
+The public API is listed in docs/design.md ("runtime/kv"); the snapshot methods below
+forward to ``SnapshotStore``, whose docstrings say how each step goes.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from pie_ctx.proto.checks import count
-from pie_ctx.proto.errors import ContextClosed, InvalidArgument, OutOfPages, SnapshotCorrupt
+from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import ContextState
-from runtime.kv.context import PageState, chain_nodes
-from runtime.kv.disk import PageFiles, foreign_manifests
-from runtime.kv.durable import RestoreJob, SaveJob, parent_hash, plan_restore, plan_save
+from runtime.kv.context import PageState
+from runtime.kv.disk import PageFiles
+from runtime.kv.durable import RestoreJob, SaveJob, parent_hash
 from runtime.kv.hashing import adapter_extras
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool
-from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry, snapshot_key
+from runtime.kv.snapshot_store import SnapshotStore
+from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
+from runtime.kv.states import ContextStates
 from runtime.kv.tier import DiskTier
 from runtime.kv.trie import Node, PageTrie
 from runtime.kv.types import ContextId, PageId, StoreStats
 from runtime.kv.validation import Extra, page_inputs
-
-log = logging.getLogger("pie_ctx.snapshots")
 
 __all__ = ["PageStore"]
 
@@ -112,30 +99,12 @@ class PageStore:
         self.tier = None if files is None else DiskTier(files, self.pool, max_disk_cache_pages)
         self.trie = PageTrie(self.pool, on_evict=None if files is None else self._spill_page)
         self.snapshots = SnapshotRegistry()
-        if self.tier is not None:
-            for head in self.tier.boot():
-                self.snapshots.put((head.namespace, head.name), Snapshot(None, head.meta, None, head))
-            self.snapshots.foreign = foreign_manifests(self.tier.files.root,
-                                                       self.tier.files.fingerprint)
-            if self.snapshots.foreign:
-                log.warning("%d snapshots in %s were saved by another model or page size; "
-                            "this engine cannot open them", len(self.snapshots.foreign),
-                            self.tier.files.root)
-        self._contexts: dict[ContextId, PageState] = {}
-        self._working_of: dict[Any, int] = {}  # owner -> working pages of its states
-        self._next_id = 1
-        self._num_commits = 0
-        self._num_dedup_hits = 0
-        self._num_prefix_hits = 0
+        self._states = ContextStates(self.pool, self.trie, page_size)
+        self._snaps = SnapshotStore(self.pool, self.trie, self.tier, self._states, self.snapshots)
+        self._snaps.list_on_disk()
+        self._states.make_room = self._snaps.spill
 
     # -- capacity ----------------------------------------------------------------------
-
-    @property
-    def _disk(self) -> DiskTier:
-        """The disk tier, in code that runs only with one."""
-        if self.tier is None:
-            raise RuntimeError("no snapshot directory: this path needs the disk tier")
-        return self.tier
 
     @property
     def num_pages_total(self) -> int:
@@ -144,70 +113,22 @@ class PageStore:
 
     def num_pages_available(self) -> int:
         """Pages an allocation could get right now: free + cached (evictable)."""
-        return self.pool.num_free + self.trie.num_cached
-
-    def _allocate(self, n: int) -> list[PageId] | None:
-        """Allocate ``n`` pages, evicting cached pages only if that makes it succeed (and
-        first spilling resident durable snapshots if the cache is not enough)."""
-        if n - self.pool.num_free > self.trie.num_cached and not self._spill_snapshots(n):
-            return None
-        short = n - self.pool.num_free
-        if short > 0:
-            self.trie.evict(short)
-        return self.pool.allocate(n)
-
-    def _spill_snapshots(self, n: int) -> bool:
-        """Drop resident durable snapshots from the pool, least recently used first, until
-        ``n`` pages are free or cached; True when they are. Their files stay on disk."""
-        resident = self.snapshots.resident
-        while resident and self.pool.num_free + self.trie.num_cached < n:
-            _, snap = resident.popitem(last=False)
-            self._release_state(snap.pages)
-            snap.state = None
-            snap.last_logits = None  # on disk too; read back on open
-            self._disk.counters.snapshots_spilled += 1
-        return self.pool.num_free + self.trie.num_cached >= n
+        return self._states.num_available()
 
     def _spill_page(self, node: Node) -> None:
-        """The trie evicts ``node``: keep its page on disk (the disk tier decides)."""
-        self._disk.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
+        """The trie evicts ``node`` (wired only with a disk tier): keep its page on disk
+        (the disk tier decides)."""
+        self._snaps.disk.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
                         node.tokens, node.positions, node.extras, node.page_id)
 
     def owner_pages(self, owner: Any) -> int:
         """Pages ``owner``'s contexts hold: their working pages plus every distinct committed
         page on their chains (a page shared with another owner counts for both)."""
-        return self._working_of.get(owner, 0) + self.trie.pages_of.get(owner, 0)
+        return self._states.owner_pages(owner)
 
     def owners(self) -> list[Any]:
         """Every owner holding at least one page."""
-        return list({*self._working_of, *self.trie.pages_of})
-
-    def _count_working(self, state: PageState, n: int) -> None:
-        """``n`` working pages joined (or, negative, left) ``state``: keep its owner's count."""
-        if state.owner is None or n == 0:
-            return
-        left = self._working_of.get(state.owner, 0) + n
-        if left:
-            self._working_of[state.owner] = left
-        else:
-            del self._working_of[state.owner]
-
-    def _ctx(self, cid: ContextId) -> PageState:
-        try:
-            state = self._contexts.get(cid)
-        except TypeError:  # unhashable: certainly not an id we issued
-            raise InvalidArgument(f"context id must be an int, got {cid!r}") from None
-        if state is None:
-            raise ContextClosed(
-                f"context {cid!r} is unknown or released; create, fork or open a new one"
-            )
-        return state
-
-    def _register(self, state: PageState) -> ContextId:
-        cid = ContextId(self._next_id)
-        self._next_id += 1
-        self._contexts[cid] = state
-        return cid
+        return self._states.owners()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -224,7 +145,7 @@ class PageStore:
         Returns:
             Its id; ids are never reused within a store.
         """
-        return self._register(PageState(owner=owner, adapter=adapter))
+        return self._states.register(PageState(owner=owner, adapter=adapter))
 
     def adapter_of(self, cid: ContextId) -> int:
         """The adapter key of a context (0: none).
@@ -232,45 +153,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        return self._ctx(cid).adapter
-
-    def _fork_state(self, state: PageState, owner: Any) -> PageState:
-        """Copy of ``state`` owned by ``owner``, sharing its chain (one reference), with
-        fresh working pages.
-
-        Raises:
-            OutOfPages: the working copies cannot be allocated even after eviction.
-        """
-        n = len(state.working)
-        new_pages = self._allocate(n)
-        if new_pages is None:
-            raise OutOfPages(
-                f"fork needs {n} free pages to copy the working pages but only "
-                f"{self.num_pages_available()} are available; commit or release working "
-                "pages first, or release other contexts"
-            )
-        child = state.share_bookkeeping()
-        child.working = new_pages
-        child.owner = owner
-        self._count_working(child, n)
-        if child.tip is not None:
-            self.trie.add_holder(child.tip, owner)
-        num_used = -(-len(state.tokens) // self.page_size)
-        self.pool.copy_pages(new_pages[:num_used], state.working[:num_used])
-        return child
-
-    def _release_state(self, state: PageState) -> None:
-        if state.tip is not None:
-            self.trie.drop_holder(state.tip, state.owner)
-            state.tip = None
-        self._count_working(state, -len(state.working))
-        self.pool.free(state.working)
-        state.working = []
-        state.tokens.clear()
-        state.positions.clear()
-        state.extras.clear()
-        state.committed_ids = []
-        state.ids_shared = False
+        return self._states.get(cid).adapter
 
     def fork(self, cid: ContextId) -> ContextId:
         """New context sharing ``cid``'s committed pages, with a copy of its working pages.
@@ -288,8 +171,8 @@ class PageStore:
             ContextClosed: ``cid`` is unknown or released.
             OutOfPages: the working copies cannot be allocated even after eviction.
         """
-        state = self._ctx(cid)
-        return self._register(self._fork_state(state, state.owner))
+        state = self._states.get(cid)
+        return self._states.register(self._states.fork(state, state.owner))
 
     def release(self, cid: ContextId) -> None:
         """Drop every reference and free every working page of ``cid``; the id dies.
@@ -297,9 +180,8 @@ class PageStore:
         Raises:
             ContextClosed: ``cid`` is unknown or already released.
         """
-        state = self._ctx(cid)
-        del self._contexts[cid]
-        self._release_state(state)
+        self._states.get(cid)
+        self._states.release(self._states.unregister(cid))
 
     # -- working pages -----------------------------------------------------------------
 
@@ -317,13 +199,13 @@ class PageStore:
         Raises:
             ContextClosed: unknown context. InvalidArgument: ``n`` is not an int >= 0.
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         n = count(n, "reserve_working_pages: n")
-        pages = self._allocate(n)
+        pages = self._states.allocate(n)
         if pages is None:
             return False
         state.working.extend(pages)
-        self._count_working(state, n)
+        self._states.count_working(state, n)
         return True
 
     def release_working_pages(self, cid: ContextId, n: int) -> None:
@@ -335,7 +217,7 @@ class PageStore:
             ContextClosed: unknown context.
             InvalidArgument: ``n`` is negative or exceeds the working page count.
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         n = count(n, "release_working_pages: n")
         if n > len(state.working):
             raise InvalidArgument(
@@ -350,7 +232,7 @@ class PageStore:
             del state.tokens[capacity:], state.positions[capacity:], state.extras[capacity:]
         released = state.working[keep:]
         del state.working[keep:]
-        self._count_working(state, -n)
+        self._states.count_working(state, -n)
         self.pool.free(released)
 
     def truncate_working_page_tokens(self, cid: ContextId, n: int) -> None:
@@ -360,7 +242,7 @@ class PageStore:
             ContextClosed: unknown context.
             InvalidArgument: ``n`` exceeds the working tokens (committed pages are immutable).
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         n = count(n, "truncate_working_page_tokens: n")
         if n > len(state.tokens):
             raise InvalidArgument(
@@ -388,7 +270,7 @@ class PageStore:
             ContextClosed: unknown context.
             InvalidArgument: malformed inputs, or not enough reserved room (reserve first).
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
         extras = adapter_extras(extras, state.adapter)
         start = len(state.tokens)
@@ -415,7 +297,7 @@ class PageStore:
             InvalidArgument: ``k`` exceeds the working pages or one of them is not full
                 (nothing is committed then).
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         k = count(k, "commit_working_pages: k")
         if k > len(state.working):
             raise InvalidArgument(
@@ -426,24 +308,7 @@ class PageStore:
                 f"commit_working_pages: page {len(state.tokens) // self.page_size} of the first "
                 f"{k} is not full ({len(state.tokens)} working tokens, page_size {self.page_size})"
             )
-        self._commit(state, k)
-
-    def _commit(self, state: PageState, k: int) -> None:
-        if k == 0:
-            return
-        ps = self.page_size
-        tip, new_ids, duplicates = self.trie.advance_pages(
-            state.tip, state.working[:k], state.tokens, state.positions, state.extras, ps,
-            state.owner,
-        )
-        self._count_working(state, -k)  # committed now: counted through the trie
-        state.tip = tip
-        state.extend_committed_ids(new_ids)
-        del state.working[:k], state.tokens[: k * ps], state.positions[: k * ps]
-        del state.extras[: k * ps]
-        self.pool.free(duplicates)
-        self._num_commits += k
-        self._num_dedup_hits += len(duplicates)
+        self._states.commit(state, k)
 
     def commit_full_pages(self, cid: ContextId) -> int:
         """Commit every full working page.
@@ -454,9 +319,9 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         k = len(state.tokens) // self.page_size
-        self._commit(state, k)
+        self._states.commit(state, k)
         return k
 
     # -- prefix reuse ------------------------------------------------------------------
@@ -468,12 +333,22 @@ class PageStore:
 
         Read-only: touches neither counts nor LRU order. Errors as ``attach_prefix``.
         """
-        state = self._ctx(cid)
+        state, toks, poss, extras = self._prefix_inputs(
+            cid, tokens, positions, extra, "match_prefix: the context has working tokens; "
+            "commit them first")
+        return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
+
+    def _prefix_inputs(self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int],
+                       extra: Extra, refusal: str) -> tuple[PageState, list[int], list[int],
+                                                            list[int]]:
+        """The checked inputs of a prefix match, with the context's adapter folded into
+        the extras; ``InvalidArgument(refusal)`` when the context has working tokens."""
+        state = self._states.get(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
         extras = adapter_extras(extras, state.adapter)
         if state.tokens:
-            raise InvalidArgument("match_prefix: the context has working tokens; commit them first")
-        return len(self.trie.match_pages(state.tip, toks, poss, extras, self.page_size))
+            raise InvalidArgument(refusal)
+        return state, toks, poss, extras
 
     def attach_prefix(
         self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
@@ -494,56 +369,18 @@ class PageStore:
             ContextClosed: unknown context.
             InvalidArgument: malformed inputs, or the context has working tokens.
         """
-        state = self._ctx(cid)
-        toks, poss, extras = page_inputs(tokens, positions, extra)
-        extras = adapter_extras(extras, state.adapter)
-        if state.tokens:
-            raise InvalidArgument(
-                "attach_prefix: the context has working tokens; commit or truncate them first"
-            )
+        state, toks, poss, extras = self._prefix_inputs(
+            cid, tokens, positions, extra, "attach_prefix: the context has working tokens; "
+            "commit or truncate them first")
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         if hits:
-            self.trie.add_holder(hits[-1], state.owner)
-            if state.tip is not None:
-                self.trie.drop_holder(state.tip, state.owner)
-            state.tip = hits[-1]
+            self._states.set_tip(state, hits[-1])
             state.extend_committed_ids([node.page_id for node in hits])
         num = len(hits)
         if self.tier is not None:
-            num += self._attach_from_disk(state, toks, poss, extras, num)
-        self._num_prefix_hits += num
+            num += self._states.attach_from_disk(self.tier, state, toks, poss, extras, num)
+        self._states.num_prefix_hits += num
         return num
-
-    def _attach_from_disk(self, state: PageState, toks: list[int], poss: list[int],
-                          extras: list[int], start: int) -> int:
-        """Continue ``state``'s chain with full pages from ``start`` on that the disk tier
-        holds: each is read, verified, copied into a new page and committed. Stops at the
-        first page not on disk (or when the pool has no room). Returns the pages attached."""
-        ps, tier = self.page_size, self._disk
-        num = 0
-        for i in range(start, len(toks) // ps):
-            lo, hi = i * ps, (i + 1) * ps
-            record = tier.find(parent_hash(state.tip, self.trie.root_hash),
-                               toks[lo:hi], poss[lo:hi], extras[lo:hi])
-            if record is None:
-                break
-            pages = self._allocate(1)  # state's chain is held: never evicted for this
-            if pages is None:
-                break
-            tier.install(pages[0], record.payload)
-            self._commit_page(state, pages[0], record.tokens, record.positions, record.extras)
-            num += 1
-        return num
-
-    def _commit_page(self, state: PageState, page_id: PageId, tokens: tuple[int, ...],
-                     positions: tuple[int, ...], extras: tuple[int, ...]) -> None:
-        """Append one full page (its KV already in ``page_id``) to ``state``'s chain."""
-        tip, deduped = self.trie.advance(state.tip, page_id, tokens, positions, extras,
-                                         state.owner)
-        if deduped:
-            self.pool.free([page_id])
-        state.tip = tip
-        state.extend_committed_ids([tip.page_id])
 
     # -- queries -----------------------------------------------------------------------
 
@@ -553,7 +390,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        state = self._ctx(cid)
+        state = self._states.get(cid)
         return state.committed_page_ids() + state.working
 
     def state(self, cid: ContextId) -> ContextState:
@@ -564,7 +401,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        s = self._ctx(cid)
+        s = self._states.get(cid)
         num_committed = s.num_committed_pages
         return ContextState(
             seq_len=num_committed * self.page_size + len(s.tokens),
@@ -572,7 +409,7 @@ class PageStore:
             num_committed_pages=num_committed,
             num_working_pages=len(s.working),
             num_working_tokens=len(s.tokens),
-            next_position=self._next_position(s),
+            next_position=s.next_position(),
         )
 
     def tokens(self, cid: ContextId) -> list[int]:
@@ -581,12 +418,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        state = self._ctx(cid)
-        out: list[int] = []
-        for node in chain_nodes(state.tip):
-            out.extend(node.tokens)
-        out.extend(state.tokens)
-        return out
+        return self._states.get(cid).all_tokens()
 
     def working_tokens(self, cid: ContextId) -> list[int]:
         """Token ids written into working pages (a copy).
@@ -594,7 +426,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        return self._ctx(cid).tokens.copy()
+        return self._states.get(cid).tokens.copy()
 
     def next_position(self, cid: ContextId) -> int:
         """Position after the last written token (equals ``seq_len`` with default positions).
@@ -602,15 +434,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        return self._next_position(self._ctx(cid))
-
-    @staticmethod
-    def _next_position(state: PageState) -> int:
-        if state.positions:
-            return state.positions[-1] + 1
-        if state.tip is not None:
-            return state.tip.positions[-1] + 1
-        return 0
+        return self._states.get(cid).next_position()
 
     # -- snapshots ---------------------------------------------------------------------
 
@@ -646,36 +470,13 @@ class PageStore:
 
         Raises: as ``save_snapshot`` (but not ``StorageError``).
         """
-        state = self._ctx(cid)
-        key = self.snapshots.check_free(name, namespace)
-        snap = Snapshot(self._fork_state(state, None), meta, last_logits)
-        if self.tier is None:
-            self.snapshots.put(key, snap)
-            return None
-        job = plan_save(key, snap, self.tier, self.trie.root_hash, self.tier.files.fingerprint.key)
-        self.tier.add_refs(job.known)  # no delete may remove them while the job writes
-        self.tier.begin_writes(job.new_hashes)  # nor the files it writes before end_save
-        self.snapshots.reserve(key, job)
-        return job
+        return self._snaps.begin_save(self._states.get(cid), name, namespace, meta=meta,
+                                      last_logits=last_logits)
 
     def end_save(self, job: SaveJob) -> None:
-        """Finish a save: list the snapshot, or undo everything if its write failed.
-
-        Raises:
-            StorageError: the write failed; no trace of the snapshot is left.
-        """
-        tier = self._disk
-        self.snapshots.unreserve(job.key)
-        if job.error is not None:
-            tier.end_writes(job.new_hashes)  # deletes what it wrote that nothing else uses
-            tier.drop_refs(job.known)
-            self._release_state(job.snap.pages)
-            raise job.error
-        tier.adopt_written(job.written)
-        tier.end_writes(job.new_hashes)
-        tier.add_refs(job.written)
-        job.snap.head = job.head
-        self.snapshots.put(job.key, job.snap)
+        """Finish a save: list the snapshot, or undo everything (``StorageError``: the
+        write failed; no trace of the snapshot is left)."""
+        self._snaps.end_save(job)
 
     def snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> Snapshot:
         """The snapshot saved under ``name`` (read-only: its meta and last logits; a spilled
@@ -689,15 +490,8 @@ class PageStore:
 
     def plan_restore(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> RestoreJob | None:
         """The reads that bring a spilled snapshot back (None: it is resident). Run
-        ``job.read()`` anywhere, then ``restore_snapshot(name, namespace, job)``.
-
-        Raises: as ``snapshot``.
-        """
-        snap = self.snapshots.get(name, namespace)
-        if snap.state is not None:
-            return None
-        return plan_restore(snapshot_key(name, namespace), snap.head, self._disk,
-                            self.trie.by_hash)
+        ``job.read()`` anywhere, then ``restore_snapshot(name, namespace, job)``."""
+        return self._snaps.plan_restore(name, namespace)
 
     def restore_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
                          job: RestoreJob | None = None) -> tuple[int, int]:
@@ -716,75 +510,7 @@ class PageStore:
             SnapshotCorrupt: a file is missing or damaged (named); nothing changed.
             OutOfPages: the pool cannot hold it even after spilling every other snapshot.
         """
-        key = snapshot_key(name, namespace)
-        snap = self.snapshots.get(name, namespace)
-        if snap.state is not None:
-            self.snapshots.touch(key, snap)
-            return snap.state.num_committed_pages + len(snap.state.working), 0
-        if job is None or job.head is not snap.head:
-            job = plan_restore(key, snap.head, self._disk, self.trie.by_hash)
-            job.read()
-        if job.error is not None:
-            if job.damaged is not None:
-                self._disk.drop_damaged(job.damaged)
-            raise job.error
-        state, from_memory = self._install(job)
-        snap.state = state
-        snap.last_logits = np.frombuffer(job.logits, dtype="<f4") if job.logits else None
-        self.snapshots.touch(key, snap)
-        return from_memory, state.num_committed_pages + len(state.working) - from_memory
-
-    def _install(self, job: RestoreJob) -> tuple[PageState, int]:
-        """Rebuild a spilled snapshot's state from ``job``; returns it and the number of
-        pages found in the pool. On any error every page taken goes back."""
-        head, ps, tier = job.head, self.page_size, self._disk
-        state = PageState(adapter=head.adapter)
-        from_memory = 0
-        try:
-            for i, h in enumerate(head.pages):
-                lo, hi = i * ps, (i + 1) * ps
-                toks = tuple(head.tokens[lo:hi])
-                poss, extras = tuple(head.positions[lo:hi]), tuple(head.extras[lo:hi])
-                node = self.trie.lookup(state.tip, toks, poss, extras)
-                if node is not None:
-                    self.trie.add_holder(node)
-                    if state.tip is not None:
-                        self.trie.drop_holder(state.tip)
-                    state.tip = node
-                    from_memory += 1
-                    continue
-                try:
-                    record = job.read_page(h)
-                except SnapshotCorrupt:
-                    tier.drop_damaged(h)  # no save may reuse it
-                    raise
-                if (record.parent, record.tokens, record.positions, record.extras) != (
-                        parent_hash(state.tip, self.trie.root_hash), toks, poss, extras):
-                    raise SnapshotCorrupt(f"page file {tier.files.page_path(h)} does not hold "
-                                          f"page {i} of snapshot {job.key[1]!r}")
-                page = self._allocate_or_raise(1, f"reopen snapshot {job.key[1]!r}")
-                tier.install(page[0], record.payload)
-                self._commit_page(state, page[0], toks, poss, extras)
-            state.committed_ids = None  # recomputed from the tip on first use
-            tail = self._allocate_or_raise(head.tail_pages, f"reopen snapshot {job.key[1]!r}")
-            state.working = tail
-            for j, page_id in enumerate(tail):
-                tier.install(page_id, job.tail[j * tier.page_bytes:(j + 1) * tier.page_bytes])
-            state.tokens = list(head.tail_tokens)
-            state.positions = list(head.tail_positions)
-            state.extras = list(head.tail_extras)
-        except BaseException:
-            self._release_state(state)
-            raise
-        return state, from_memory
-
-    def _allocate_or_raise(self, n: int, what: str) -> list[PageId]:
-        pages = self._allocate(n)
-        if pages is None:
-            raise OutOfPages(f"{what}: it needs {n} more pages but only "
-                             f"{self.num_pages_available()} can be freed; release contexts "
-                             "or delete snapshots")
-        return pages
+        return self._snaps.restore(name, namespace, job)
 
     def open_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
                       owner: Any = None) -> ContextId:
@@ -795,14 +521,7 @@ class PageStore:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
             OutOfPages: working copies do not fit. SnapshotCorrupt: as ``restore_snapshot``.
         """
-        key = snapshot_key(name, namespace)
-        self.restore_snapshot(name, namespace)
-        snap = self.snapshots.get(name, namespace)
-        self.snapshots.resident.pop(key, None)  # never spilled while it is forked from
-        try:
-            return self._register(self._fork_state(snap.pages, owner))
-        finally:
-            self.snapshots.touch(key, snap)
+        return self._states.register(self._snaps.open(name, namespace, owner))
 
     def take_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE,
                       owner: Any = None) -> ContextId:
@@ -814,15 +533,7 @@ class PageStore:
             SnapshotCorrupt, OutOfPages: as ``restore_snapshot``.
             StorageError: its manifest could not be deleted (nothing changed).
         """
-        self.restore_snapshot(name, namespace)
-        state = self._forget(name, namespace).pages
-        if owner is not None:  # snapshots count against nobody: the new owner takes them on
-            if state.tip is not None:
-                self.trie.add_holder(state.tip, owner)
-                self.trie.drop_holder(state.tip)
-            state.owner = owner
-            self._count_working(state, len(state.working))
-        return self._register(state)
+        return self._states.register(self._snaps.take(name, namespace, owner))
 
     def delete_snapshot(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Delete the snapshot, dropping its references and working pages, and its files
@@ -832,20 +543,7 @@ class PageStore:
             SnapshotNotFound: no such name. InvalidArgument: bad name.
             StorageError: its manifest could not be deleted (nothing changed).
         """
-        snap = self._forget(name, namespace)
-        if snap.state is not None:
-            self._release_state(snap.state)
-
-    def _forget(self, name: str, namespace: str) -> Snapshot:
-        """Unlist a snapshot: its manifest first (durably), then its entry and file
-        references. Its page state, if any, is the caller's."""
-        snap = self.snapshots.get(name, namespace)
-        if snap.head is not None:
-            self._disk.files.remove(self._disk.files.manifest_path(namespace, name))
-        self.snapshots.pop(name, namespace)
-        if snap.head is not None:
-            self._disk.drop_refs(snap.head.pages)
-        return snap
+        self._snaps.delete(name, namespace)
 
     def list_snapshots(self, namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         """Sorted snapshot names saved in ``namespace``."""
@@ -867,25 +565,15 @@ class PageStore:
             num_pages_working=self.pool.num_pages - num_free - trie.num_nodes,
             num_pages_committed=trie.num_pinned,
             num_pages_cached=trie.num_cached,
-            num_contexts=len(self._contexts),
+            num_contexts=len(self._states),
             num_snapshots=len(self.snapshots),
-            num_commits=self._num_commits,
-            num_dedup_hits=self._num_dedup_hits,
-            num_prefix_hits=self._num_prefix_hits,
+            num_commits=self._states.num_commits,
+            num_dedup_hits=self._states.num_dedup_hits,
+            num_prefix_hits=self._states.num_prefix_hits,
             num_evictions=trie.num_evictions,
             num_snapshots_resident=sum(1 for _, snap in self.snapshots if snap.state is not None),
-            **self._disk_stats(),
+            **({} if self.tier is None else self.tier.stats_fields()),
         )
-
-    def _disk_stats(self) -> dict[str, int]:
-        tier = self.tier
-        if tier is None:
-            return {}
-        c = tier.counters
-        return {"num_disk_pages": tier.num_pages, "num_disk_bytes": tier.num_bytes,
-                "disk_pages_written": c.pages_written, "disk_bytes_written": c.bytes_written,
-                "disk_pages_loaded": c.pages_loaded, "disk_bytes_loaded": c.bytes_loaded,
-                "num_snapshots_spilled": c.snapshots_spilled}
 
     @property
     def num_pages_loaded(self) -> int:
@@ -899,12 +587,12 @@ class PageStore:
 
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]:
         """Every live context's page state (read-only use: the invariant checker, tests)."""
-        return iter(list(self._contexts.items()))
+        return self._states.items()
 
     @property
     def next_context_id(self) -> int:
         """The id the next context will get (ids are never reused)."""
-        return self._next_id
+        return self._states.next_id
 
     def check_invariants(self) -> None:
         """Recompute every count from scratch and compare (``runtime.kv.invariants``).

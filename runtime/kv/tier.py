@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
-from runtime.kv.disk import ManifestHead, PageFiles, PageRecord, page_parts
+from runtime.kv.disk import PageFiles
+from runtime.kv.file_format import ManifestHead, PageRecord, page_parts
 from runtime.kv.hashing import fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
@@ -345,6 +346,14 @@ class DiskTier:
     @property
     def num_bytes(self) -> int:
         return sum(p.nbytes for p in self.index.values())
+
+    def stats_fields(self) -> dict[str, int]:
+        """The disk tier's part of ``StoreStats``: files on disk and bytes moved."""
+        c = self.counters
+        return {"num_disk_pages": self.num_pages, "num_disk_bytes": self.num_bytes,
+                "disk_pages_written": c.pages_written, "disk_bytes_written": c.bytes_written,
+                "disk_pages_loaded": c.pages_loaded, "disk_bytes_loaded": c.bytes_loaded,
+                "num_snapshots_spilled": c.snapshots_spilled}
 
     def check(self, refs: dict[PageHash, int]) -> None:
         """Compare the index with the files on disk and ``refs`` (hash -> manifests that

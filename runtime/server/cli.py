@@ -4,7 +4,7 @@
 or ``python -m runtime.server``'s); it sets ``func`` to a handler taking the parsed
 ``argparse.Namespace`` and returning an exit code. Importing this module has no side
 effects and imports neither torch nor the engine (the handler loads them when it runs).
-The client-side ``pie-ctx stats`` lives with the SDK's CLI (``pie_ctx.cli``).
+The client-side ``pie-ctx stats`` lives with the program's CLI (``runtime.cli``).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def _say(text: str) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``pie-ctx serve`` until SIGINT/SIGTERM; return the exit code (0 on a signal)."""
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
     from runtime.hosted.folder import InferletFolder
     from runtime.hosted.host import host_inferlets
     from runtime.server.run import run_server, settle_token

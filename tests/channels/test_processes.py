@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from pie_ctx.cli import fetch_stats
+from runtime.cli import fetch_stats
 from runtime.engine.channels import MESSAGE_OVERHEAD
 from tests.sdk.harness import tiny_model_folder
 from tests.server.helpers import REPO, ServeProcess, serve_env
@@ -79,7 +79,7 @@ class Inferlet:
         file = tmp / f"inferlet_{abs(hash(source))}.py"
         file.write_text(textwrap.dedent(source))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pie_ctx.cli", "run", str(file), "--connect", address,
+            [sys.executable, "-m", "pie_ctx", "run", str(file), "--connect", address,
              "--", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=serve_env(tmp), cwd=REPO)
         self.lines: queue.Queue[str] = queue.Queue()

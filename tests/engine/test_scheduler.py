@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 from pie_ctx.proto.messages import SamplerSpec
 from runtime.engine.jobs import Job, JobKind, JobStatus
-from runtime.engine.scheduler import RowResult, Scheduler
+from runtime.engine.rows import RowResult
+from runtime.engine.scheduler import Scheduler
 from runtime.kv.store import PageStore
 
 PS = 4
@@ -36,7 +37,7 @@ def step(sched, token=5):
     plan = sched.plan()
     if plan is None:
         return None, []
-    shape = [(entry[0].key, entry[2]) for entry in plan.entries]
+    shape = [(entry.job.key, entry.length) for entry in plan.entries]
     done = sched.complete(plan, [RowResult(sampled=token, sampled_logprob=0.0) for _ in plan.rows])
     return shape, done
 
@@ -118,7 +119,7 @@ def test_cancel_waiting_active_and_in_flight():
     sched.submit(b)
     free = store.stats().num_pages_free
     plan = sched.plan()  # both admitted; a gets the whole 4-token budget
-    assert [e[0].key for e in plan.entries] == [1]
+    assert [e.job.key for e in plan.entries] == [1]
     assert sched.cancel(a) is False  # in flight: dropped when the step completes
     assert sched.cancel(b) is True  # active, not in flight: dropped now
     done = sched.complete(plan, [])
@@ -137,11 +138,11 @@ def test_decode_growth_preempts_the_most_recent_job():
     for _ in range(60):
         step(sched)
     assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
-    assert a.status is JobStatus.DONE and len(a.generated) == 12  # the oldest always progresses
+    assert a.status is JobStatus.DONE and len(a.progress.generated) == 12  # the oldest always progresses
     store.release(a.record.cid)
     for _ in range(60):
         step(sched)
-    assert b.status is JobStatus.DONE and len(b.generated) == 12
+    assert b.status is JobStatus.DONE and len(b.progress.generated) == 12
     store.check_invariants()
 
 

@@ -1,4 +1,4 @@
-"""The store's own invariants (``runtime.hosted.store``): namespaces, bounds, concurrent
+"""The store's own invariants (``runtime.engine.inferlet_store``): namespaces, bounds, concurrent
 sets of one key, and what a crash can leave on disk."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from pie_ctx.errors import InvalidArgument, StoreFull, ValueTooLarge
-from runtime.hosted.store import InferletStore, StoreLimits
+from runtime.engine.inferlet_store import InferletStore, StoreLimits
 
 
 @pytest.mark.parametrize("on_disk", [True, False])

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pie_ctx import Context, Runtime, Sampler
-from runtime.engine.boot import boot_engine
+from runtime.boot import boot_engine
 from runtime.server.http import state as live_state
 from runtime.server.testing import serve_http_in_background
 from tests.sdk.harness import tiny_engine

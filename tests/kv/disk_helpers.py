@@ -13,7 +13,8 @@ import torch
 
 from runtime.kv import ContextId, PageStore
 from runtime.kv.context import chain_nodes
-from runtime.kv.disk import FileOps, Fingerprint, PageFiles
+from runtime.kv.disk import FileOps, PageFiles
+from runtime.kv.file_format import Fingerprint
 
 from .helpers import reserve_for
 

@@ -56,7 +56,7 @@ def test_invariant_checker_catches_a_page_shared_across_adapters() -> None:
     store = make_store(num_pages=32)
     a = _prefill(store, A)
     b = store.fork(a)
-    store._ctx(b).adapter = B  # a bug that would let adapter B read A's pages
+    store._states.get(b).adapter = B  # a bug that would let adapter B read A's pages
     with pytest.raises(RuntimeError, match="shared by adapters"):
         store.check_invariants()
 

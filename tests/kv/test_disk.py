@@ -23,7 +23,8 @@ from pie_ctx.errors import (
 )
 from runtime.kv import PageStore
 from runtime.kv.context import chain_nodes
-from runtime.kv.disk import Fingerprint, PageFiles, PageRecord
+from runtime.kv.disk import PageFiles
+from runtime.kv.file_format import Fingerprint, PageRecord
 from runtime.kv.types import PageHash
 
 from .disk_helpers import FailingOps, check_kv, close, disk_store, fingerprint, write

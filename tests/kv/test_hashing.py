@@ -56,7 +56,7 @@ def test_kv_formats_seed_their_chains_apart() -> None:
         store.reserve_working_pages(cid, 1)
         store.write_tokens(cid, [1, 2, 3, 4], [0, 1, 2, 3])
         store.commit_full_pages(cid)
-        hashes[kv_dtype] = store._ctx(cid).tip.page_hash
+        hashes[kv_dtype] = store._states.get(cid).tip.page_hash
         store.check_invariants()
     assert hashes["fp32"] == hash_page(None, [1, 2, 3, 4], [0, 1, 2, 3])
     assert hashes["int8"] == hash_page(chain_root("int8"), [1, 2, 3, 4], [0, 1, 2, 3])

@@ -231,7 +231,7 @@ def test_fork_shares_committed_and_copies_working() -> None:
     assert store.state(b) == store.state(a)
     assert store.tokens(b) == store.tokens(a)
     # Only the tip gained a reference.
-    state_a = store._contexts[a]
+    state_a = store._states.by_id[a]
     assert state_a.tip is not None and state_a.tip.holders == 2
     assert state_a.tip.parent is not None and state_a.tip.parent.holders == 0
     # Forks evolve independently.

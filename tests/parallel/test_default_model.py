@@ -8,7 +8,7 @@ import pytest
 
 from pie_ctx import Context, Runtime, Sampler
 from pie_ctx.errors import InvalidArgument
-from runtime.engine.boot import boot_engine
+from runtime.boot import boot_engine
 
 pytestmark = pytest.mark.real_model
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from pie_ctx import Context, Runtime, Sampler
 from pie_ctx.errors import ModelError
-from runtime.engine.boot import boot_engine
+from runtime.boot import boot_engine
 from tests.parallel.tiny import tp_model_folder
 
 GREEDY = Sampler.greedy()

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.boot import boot_engine
 from runtime.distributed.pool import ShardedPagePool
 from runtime.distributed.runner import ShardedRunner
-from runtime.engine.boot import boot_engine
 from runtime.model.batch import SeqInput
 from runtime.model.runner import ModelRunner
 from tests.parallel.tiny import tp_model_folder

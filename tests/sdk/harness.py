@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pie_ctx import Runtime
-from runtime.engine.boot import boot_engine
+from runtime.boot import boot_engine
 
 _FOLDERS: dict[bool, Path] = {}  # scaled -> folder
 

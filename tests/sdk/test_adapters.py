@@ -194,7 +194,7 @@ async def test_load_and_unload_errors_and_races(tiny_folder_path, adapters,
 
 
 def test_serve_and_run_take_repeatable_adapter_options() -> None:
-    from pie_ctx.cli import _parser
+    from runtime.cli import _parser
     from runtime.server.cli import engine_options
 
     for command in ("run", "serve"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pie_ctx.cli import inferlet_args, load_inferlet
+from pie_ctx.loading import inferlet_args, load_inferlet
 from tests.sdk.harness import sdk_runtime
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pie_ctx import Context, Sampler
-from pie_ctx.cli import main as cli_main
 from pie_ctx.errors import InvalidArgument
-from runtime.engine.boot import boot_engine, pool_pages_for
+from runtime.boot import boot_engine, pool_pages_for
+from runtime.cli import main as cli_main
 from runtime.model.loader import load_model
 from tests.sdk.harness import sdk_runtime
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pie_ctx.cli import inferlet_args, load_inferlet
-from pie_ctx.cli import main as cli_main
 from pie_ctx.errors import InvalidArgument
+from pie_ctx.loading import inferlet_args, load_inferlet
+from runtime.cli import main as cli_main
 
 WRONG_SHAPES = {
     "def main(rt, args):\n    pass\n": "`def main(rt, args)`",

@@ -9,7 +9,7 @@ import sys
 import anyio
 
 from pie_ctx import Context, Runtime, Sampler
-from pie_ctx.cli import main as cli_main
+from runtime.cli import main as cli_main
 from tests.sdk.harness import sdk_runtime, tiny_engine
 
 
@@ -70,7 +70,7 @@ def test_same_inferlet_under_trio(tiny_folder):
 
 
 def test_sdk_imports_no_torch():
-    code = ("import sys, pie_ctx, pie_ctx.cli, pie_ctx.socket_transport, pie_ctx.proto.tokenizer;"
+    code = ("import sys, pie_ctx, pie_ctx.loading, runtime.cli, pie_ctx.socket_transport, pie_ctx.proto.tokenizer;"
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from pie_ctx.cli import inferlet_args
+from pie_ctx.loading import inferlet_args
 from tests.sdk.harness import tiny_runtime
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -108,7 +108,7 @@ def read_state(engine: Any, metrics: Any = None) -> dict[str, Any]:
             "rollback_working_pages": [],
         }
         if job is not None:
-            entry["job"] = {"kind": job.kind.value, "generated_tokens": len(job.generated),
+            entry["job"] = {"kind": job.kind.value, "generated_tokens": len(job.progress.generated),
                             "prompt_tokens_left": job.prompt_remaining}
             entry["rollback_working_pages"] = list(base.working) if base is not None else []
         holders.append((entry, shown))

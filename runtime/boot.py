@@ -1,7 +1,7 @@
 """Build an engine from a model reference: load the model, size the pool, wire the runner.
 
 Owns nothing after it returns; the engine owns what it builds. The arrow points one way:
-boot imports the engine, the engine never imports boot (``Engine.boot`` forwards here).
+boot imports the engine and ``runtime.distributed``; neither imports boot (docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument, ModelError
 from runtime.distributed.boot import build_rank0
 from runtime.engine.engine import Engine
-from runtime.kv.disk import Fingerprint, PageFiles
+from runtime.kv.disk import PageFiles
+from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig

@@ -11,10 +11,10 @@ An inferlet is a Python file defining ``async def main(rt, args)``: ``rt`` is th
 the inferlet's own ``add_arguments(parser)`` if it defines one, else collected as the list
 ``args.argv``. What ``main`` returns, unless None, is printed.
 
-This module is the program's entry point, so it sits above both packages: besides the SDK
-it imports ``runtime.server.cli`` (to offer ``serve``), in ``models`` the loader, and for
-``run --inferlets`` the engine and its inferlet host.
-Every other SDK module stays clear of ``runtime``.
+This module is the program's entry point, the top of the package order (docs/design.md):
+besides the SDK it imports ``runtime.server.cli`` (to offer ``serve``), in ``models`` the
+loader, for ``run --inferlets`` the engine's boot and the inferlet host, and for a
+torchrun rank other than 0 the tensor-parallel worker. ``python -m pie_ctx`` runs it.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ async def _hosting_runtime(args: argparse.Namespace) -> AsyncIterator[Any]:
     """``pie-ctx run --inferlets DIR``: an engine in this process that can launch DIR's
     inferlets (``rt.spawn``), and a runtime on it."""
     from pie_ctx.runtime import Runtime
-    from runtime.engine.boot import boot_engine
+    from runtime.boot import boot_engine
     from runtime.hosted.folder import InferletFolder
     from runtime.hosted.host import host_inferlets
     from runtime.server.cli import engine_options

@@ -12,7 +12,7 @@ from typing import Any
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import InferletNotFound
-from runtime.hosted.store import InferletStore
+from runtime.engine.inferlet_store import InferletStore
 
 __all__ = ["HostedRequests"]
 
