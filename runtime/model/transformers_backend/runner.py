@@ -15,7 +15,6 @@ written: a position outside a learned position table, LoRA adapters (native only
 from __future__ import annotations
 
 import sys
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
