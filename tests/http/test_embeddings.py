@@ -37,7 +37,7 @@ async def test_embeddings_are_pooled_normalized_hidden_states(tiny_folder) -> No
         assert all(v.shape == (rt.info.hidden_size,) for v in vecs)
         assert all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in vecs)
         assert np.array_equal(vecs[0], vecs[2])                # the same text, the same vector
-        for text, vec in zip(texts, vecs):
+        for text, vec in zip(texts, vecs, strict=True):
             want = await _oracle(rt, rt.tokenizer.encode(text), "mean")
             assert np.abs(vec - want).max() < 1e-5
         tokens = sum(len(rt.tokenizer.encode(t)) for t in texts)

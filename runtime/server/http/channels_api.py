@@ -32,12 +32,10 @@ timeout) or ``too_many_channels``; a missing or wrong API key is 401 (the app's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import base64
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 
