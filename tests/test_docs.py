@@ -9,6 +9,8 @@ import re
 import shlex
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,6 +264,7 @@ async def test_the_docs_inferlets_run(docs_folder, tmp_path_factory, monkeypatch
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.real_model  # models.md's scripts load the default model
 def test_the_docs_scripts_run(docs_folder, tmp_path_factory):
     """Scripts run as written against a tiny-model ``pie-ctx serve --http`` (its URL in place
     of http://127.0.0.1:8000; its socket is the default one)."""
@@ -283,15 +286,20 @@ def test_the_docs_scripts_run(docs_folder, tmp_path_factory):
             del os.environ["XDG_RUNTIME_DIR"]
         else:
             os.environ["XDG_RUNTIME_DIR"] = old
-    failed = []
+    def run(b: _Block) -> str | None:
+        file = docs_folder / b.name
+        file.write_text(b.code.replace(_SERVER_URL, srv.url))
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, str(file)], cwd=docs_folder, env=env,
+                              capture_output=True, text=True, timeout=300)
+        print(f"{b.page}:{b.line}: {time.monotonic() - t0:.1f} s")
+        if done.returncode != 0:
+            return f"{b.page}:{b.line}: exit {done.returncode}\n{done.stderr[-2000:]}"
+        return None
+
     try:
-        for b in scripts:
-            file = docs_folder / b.name
-            file.write_text(b.code.replace(_SERVER_URL, srv.url))
-            done = subprocess.run([sys.executable, str(file)], cwd=docs_folder, env=env,
-                                  capture_output=True, text=True, timeout=180)
-            if done.returncode != 0:
-                failed.append(f"{b.page}:{b.line}: exit {done.returncode}\n{done.stderr[-2000:]}")
+        with ThreadPoolExecutor(max_workers=4) as pool:  # each mostly starts Python
+            failed = [f for f in pool.map(run, scripts) if f]
     finally:
         srv.stop()
     assert not failed, "\n".join(failed)

@@ -40,7 +40,6 @@ from typing import Any
 import anyio
 
 from pie_ctx import Runtime
-from pie_ctx.channels import Subscription
 from pie_ctx.proto.errors import (
     InvalidArgument,
     MessageTooLarge,
@@ -192,7 +191,7 @@ class ChannelRoutes:
         sub = await self.get_runtime().subscribe(request.path_params["name"])
         return EventSourceResponse(self._events(sub), ping=15)
 
-    async def _events(self, sub: Subscription) -> AsyncIterator[dict[str, str]]:
+    async def _events(self, sub: Any) -> AsyncIterator[dict[str, str]]:
         topic = sub.topic
         try:
             yield {"data": json.dumps({"object": "pie.topic.subscribed", "topic": topic})}
