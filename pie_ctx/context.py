@@ -119,7 +119,7 @@ class Context(Counters):
         ``pages_reused`` is ``num_committed_pages + num_working_pages`` right after the
         open: ``pages_from_disk`` of them were read from the snapshot directory,
         ``pages_from_memory`` were still in the pool, and none is computed. The engine's
-        counters (``rt.stats()``) add this report to their sums."""
+        counters (``await rt.stats()``) add this report to their sums."""
         return self._core.open_report
 
     @property

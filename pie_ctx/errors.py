@@ -27,6 +27,7 @@ MessageTooLarge = _contract.MessageTooLarge
 TooManyChannels = _contract.TooManyChannels
 SubscriptionLagged = _contract.SubscriptionLagged
 InferletNotFound = _contract.InferletNotFound
+InferletUsage = _contract.InferletUsage
 InferletFailed = _contract.InferletFailed
 InferletCancelled = _contract.InferletCancelled
 ValueTooLarge = _contract.ValueTooLarge

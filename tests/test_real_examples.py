@@ -48,3 +48,17 @@ async def test_structured_output_and_speculation_on_the_default_model(dtype, cap
     # bfloat16: a verify pass of several rows may round differently from single-row steps
     # (the projection kernels are timed per row count; docs/decoding.md), so greedy output
     # can part from plain decoding at a near-tie; it is not asserted equal here.
+
+
+async def test_the_tool_agent_answers_on_the_default_model(dtype, capsys):
+    """The call is made and run, and the answer is not empty (it was, when the agent forced
+    a call every round and the model kept writing calls under tool_choice="none")."""
+    if dtype != "float32":
+        pytest.skip("one dtype is enough: the example's guards are what is tested")
+    async with Runtime.local(None, num_pages=2048, dtype=dtype) as rt:
+        agent = load_inferlet(EXAMPLES / "tool_agent.py")
+        await agent.main(rt, inferlet_args(agent, [], prog="tool_agent.py"))
+        assert (await rt.stats()).num_contexts == 0
+    call, answer = capsys.readouterr().out.strip().splitlines()
+    assert call == "add(a=17, b=25) = 42"
+    assert "42" in answer

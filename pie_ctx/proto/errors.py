@@ -31,6 +31,7 @@ __all__ = [
     "TooManyChannels",
     "SubscriptionLagged",
     "InferletNotFound",
+    "InferletUsage",
     "InferletFailed",
     "InferletCancelled",
     "ValueTooLarge",
@@ -136,6 +137,11 @@ class InferletNotFound(InvalidArgument):
     message lists what is there."""
 
 
+class InferletUsage(InvalidArgument):
+    """The words given to a launched inferlet do not fit its ``add_arguments`` (or asked for
+    ``--help``); the message is its usage or help text. Nothing ran."""
+
+
 class InferletFailed(PieError):
     """A launched inferlet raised an exception that is not a ``PieError``; the message
     names its type and text (the server logs the traceback). Its contexts were released."""
@@ -178,6 +184,7 @@ _BY_NAME: dict[str, type[PieError]] = {
         TooManyChannels,
         SubscriptionLagged,
         InferletNotFound,
+        InferletUsage,
         InferletFailed,
         InferletCancelled,
         ValueTooLarge,

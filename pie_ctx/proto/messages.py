@@ -86,7 +86,7 @@ class PassReport(msgspec.Struct, kw_only=True):
     (``Context.open_report``) counts every page of the snapshot, the partly filled tail
     page included: a snapshot of 66 full pages and a tail reopens as 67 pages reused,
     though the snapshot directory holds 66 page files for it (the tail's bytes are in the
-    snapshot's manifest). The engine's counters (``rt.stats()``) are the sums of these
+    snapshot's manifest). The engine's counters (``await rt.stats()``) are the sums of these
     reports, passes and opens alike.
     """
 

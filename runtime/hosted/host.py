@@ -41,6 +41,7 @@ from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import (
     InferletCancelled,
     InferletFailed,
+    InferletUsage,
     InvalidArgument,
     PieError,
 )
@@ -102,13 +103,13 @@ class _Parser(argparse.ArgumentParser):
     on the server's terminal or turned into the server's exit."""
 
     def error(self, message: str) -> Any:
-        raise InvalidArgument(f"{self.prog}: {message}\n{self.format_usage()}")
+        raise InferletUsage(f"{self.prog}: {message}\n{self.format_usage()}")
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:
-        raise InvalidArgument(message or self.format_help())
+        raise InferletUsage(message or self.format_help())
 
     def print_help(self, file: Any = None) -> None:
-        raise InvalidArgument(self.format_help())
+        raise InferletUsage(self.format_help())
 
 
 class InferletHost:

@@ -93,6 +93,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if len(adapters) != len(args.adapter or []):
         raise SystemExit("pie-ctx: error: --adapter names must differ")
     if adapters:
+        from runtime.model.adapters.peft import check_folder
+
+        for path in adapters.values():  # a bad folder fails now, not after the model loads
+            check_folder(path)
         options["adapters"] = adapters
     return options
 
@@ -216,6 +220,8 @@ def serve_main(args: argparse.Namespace) -> int:
         _say(f"serving {engine.model_name} ({engine.info().backend} backend) on {bound} "
              f"({engine.store.num_pages_total} pages of {engine.store.page_size} tokens"
              f"{f', at most {share} per client' if share else ''})")
+        for a in engine.info().adapters:
+            _say(f"adapter {a.name}: rank {a.rank} on {', '.join(a.targets)} from {a.path}")
         folder = engine.info().snapshot_dir
         num = engine.store.stats().num_snapshots
         _say(f"snapshots: {num} in {folder}" if folder else

@@ -119,6 +119,12 @@ def test_launch_over_http_with_the_api_key(tmp_path) -> None:
             assert r.status_code == 404 and r.json()["error"]["code"] == "inferlet_not_found"
             r = http.post("/v1/pie/inferlets/echo", headers=auth, json={"args": "a"})
             assert r.status_code == 400 and "list of str" in r.json()["error"]["message"]
+            r = http.post("/v1/pie/inferlets/generate", headers=auth,
+                          json={"args": ["Hi", "--tokens", "many"]})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "invalid_inferlet_arguments"
+            assert "usage:" in error["message"] and "--tokens" in error["message"]
     finally:
         server.stop()
 

@@ -118,6 +118,20 @@ def _check_config(cfg: dict, folder: Path, model_name: str) -> None:
                          f"{model_name!r}; load it on an engine running that model")
 
 
+def check_folder(path: str | Path) -> None:
+    """The checks that need no model: the folder, its config and its weights file exist and
+    the config is a LoRA pie-ctx runs (``--adapter`` runs them before the model loads).
+
+    Raises:
+        ModelError: what :func:`load_peft` would refuse for the same reason.
+    """
+    folder = Path(path)
+    _check_config(_read_config(folder), folder, "")
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise ModelError(f"{folder / 'adapter_model.safetensors'} is missing (a .bin adapter? "
+                         "save it with safe_serialization=True)")
+
+
 def load_peft(name: str, path: str | Path, config: ModelConfig,
               model_name: str = "") -> LoraAdapter:
     """Read and check a PEFT LoRA folder against the engine's model.

@@ -14,6 +14,7 @@ written: a position outside a learned position table, LoRA adapters (native only
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def load_transformers_model(ref: str | Path | None = None, *, dtype: Any = None,
     config_dict = read_config(folder)
     register()
     bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
+    if not progress or not sys.stderr.isatty():  # a long load's bar is for a terminal only
         hf_logging.disable_progress_bar()
     try:
         module = AutoModelForCausalLM.from_pretrained(folder, dtype=dt,

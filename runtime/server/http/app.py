@@ -105,7 +105,9 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     """
     from starlette.applications import Starlette
 
+    from runtime.server.http.adapters_api import AdapterRoutes
     from runtime.server.http.channels_api import ChannelRoutes
+    from runtime.server.http.embeddings_api import EmbeddingRoutes
     from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
@@ -113,7 +115,8 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
 
     metrics = Metrics(engine)
     holder: dict[str, Runtime] = {}
-    service = OpenAIService(lambda: holder["rt"], engine.model_name, metrics)
+    service = OpenAIService(lambda: holder["rt"], engine.model_name, metrics,
+                            adapters=lambda: engine.info().adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -127,7 +130,9 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     channels = ChannelRoutes(lambda: holder["rt"])
     inferlets = InferletRoutes(lambda: holder["rt"])
     routes = [*service.routes, *channels.routes, *inferlets.routes, *metrics.routes,
-              *state_routes(engine, metrics)]
+              *state_routes(engine, metrics), *AdapterRoutes(lambda: holder["rt"]).routes,
+              *EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
+                               lambda: engine.info().adapters).routes]
     app: Any = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = metrics
     asgi: Any = _KeyCheck(app, api_key) if api_key else app

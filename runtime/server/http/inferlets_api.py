@@ -14,7 +14,8 @@ everything it sent with ``rt.session.send``, ``result`` the ``str`` of what ``ma
 (null for None). With ``"stream": true``, server-sent events: ``{"object":
 "pie.inferlet.output", "text"}`` per session text, then ``{"object": "pie.inferlet.result",
 "name", "result"}`` or an error body, then ``[DONE]``. Errors use OpenAI's body: 400 (a bad
-body, bad arguments for the inferlet), 404 ``inferlet_not_found`` (no folder, no such file,
+body; ``invalid_inferlet_arguments`` when its own options refuse ``args``, with its usage
+text as the message), 404 ``inferlet_not_found`` (no folder, no such file,
 or a name that leads out of the folder), 500 ``inferlet_failed`` (it raised), 409
 ``inferlet_cancelled``.
 """
@@ -32,6 +33,7 @@ from pie_ctx.proto.errors import (
     InferletCancelled,
     InferletFailed,
     InferletNotFound,
+    InferletUsage,
     InvalidArgument,
     PieError,
 )
@@ -46,6 +48,8 @@ def _refusal(err: PieError) -> tuple[int, str, str | None]:
     """(status, type, code) of an error."""
     if isinstance(err, InferletNotFound):
         return 404, "invalid_request_error", "inferlet_not_found"
+    if isinstance(err, InferletUsage):
+        return 400, "invalid_request_error", "invalid_inferlet_arguments"
     if isinstance(err, InvalidArgument):
         return 400, "invalid_request_error", None
     if isinstance(err, InferletCancelled):

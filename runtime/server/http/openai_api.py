@@ -292,10 +292,13 @@ class OpenAIService:
     """The API's routes over one runtime (``get_runtime()`` is called per request)."""
 
     def __init__(self, get_runtime: Callable[[], Runtime], model_name: str,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None,
+                 adapters: Callable[[], list[Any]] | None = None) -> None:
         from starlette.routing import Route
 
         self.get_runtime, self.model_name, self.observer = get_runtime, model_name, observer
+        # the engine's adapters now (any runtime may load one), else this runtime's view
+        self.adapters = adapters or (lambda: self.get_runtime().info.adapters)
         self.created = int(time.time())
         self.routes = [
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
@@ -323,7 +326,7 @@ class OpenAIService:
         if adapter is None:
             return {"id": self.model_name, "object": "model", "created": self.created,
                     "owned_by": "pie-ctx", "root": self.model_name, "parent": None}
-        info = next(a for a in self.get_runtime().info.adapters if a.name == adapter)
+        info = next(a for a in self.adapters() if a.name == adapter)
         return {"id": adapter, "object": "model", "created": self.created,
                 "owned_by": "pie-ctx", "root": info.path, "parent": self.model_name}
 
@@ -331,7 +334,7 @@ class OpenAIService:
         from starlette.responses import JSONResponse
 
         cards = [self._model_card()] + [self._model_card(a.name)
-                                        for a in self.get_runtime().info.adapters]
+                                        for a in self.adapters()]
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Any) -> Any:
@@ -346,7 +349,7 @@ class OpenAIService:
             raise ApiError(400, "'model' must be a string", param="model")
         if model == self.model_name:
             return None
-        adapters = [a.name for a in self.get_runtime().info.adapters]
+        adapters = [a.name for a in self.adapters()]
         if model in adapters:
             return model
         raise ApiError(404, f"The model '{model}' does not exist; this server serves "
