@@ -26,6 +26,7 @@ when the engine has no room, 500 otherwise. A malformed body is a 400, never a c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,7 @@ from typing import Any, Protocol
 import anyio
 
 from pie_ctx import Context, Delta, Runtime, gather
-from pie_ctx.constrain import JsonSchema
+from pie_ctx.constrain import Choice, Grammar, JsonSchema, Regex
 from pie_ctx.proto.errors import (
     ContextTooLong,
     InvalidArgument,
@@ -45,26 +46,28 @@ from pie_ctx.proto.errors import (
 )
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
+from runtime.server.http.access_log import note_tokens
 from runtime.server.http.openai_chat import (
     build_context,
     openai_call,
+    rendering_of,
     tool_choice_of,
     tools_of,
     turns_of,
 )
 from runtime.server.http.openai_schema import (
+    MAX_BODY_BYTES,
     ApiError,
     ChatRequest,
     CompletionRequest,
     ResponseFormat,
-    decode,
+    decode_body,
     error_body,
     error_response,
 )
 
-__all__ = ["ApiError", "Observer", "OpenAIService", "error_response"]
+__all__ = ["ApiError", "MAX_BODY_BYTES", "Observer", "OpenAIService", "error_response"]
 
-MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_TOKENS = 512
 _FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "length": "length",
            "tool_calls": "tool_calls"}
@@ -83,7 +86,7 @@ class Observer(Protocol):
         """A finished request's prompt, cached-prompt and completion token counts."""
 
 
-def _as_api_error(err: BaseException) -> ApiError:
+def as_api_error(err: BaseException) -> ApiError:
     """The API error an exception from the SDK (or anywhere) becomes."""
     if isinstance(err, ApiError):
         return err
@@ -125,11 +128,14 @@ class _Decoding:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    skip_special_tokens: bool = True
 
     def sampler(self, choice: int) -> SamplerSpec:
+        """Choice ``choice``'s sampler: its seed is derived from the request's alone (the
+        seed plus the choice's index, modulo 2**63), so a request is reproducible."""
         if self.temperature == 0:
             return SamplerSpec()
-        seed = None if self.seed is None else self.seed + choice
+        seed = None if self.seed is None else (self.seed + choice) % (1 << 63)
         return SamplerSpec(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                            min_p=self.min_p, seed=seed)
 
@@ -170,32 +176,78 @@ def _decoding(req: ChatRequest | CompletionRequest) -> _Decoding:
         min_p=float(req.min_p or 0.0), seed=req.seed, stop=stop, logprobs=logprobs,
         top_logprobs=top, constrain=None, logit_bias=bias or None, min_tokens=min_tokens,
         ignore_eos=bool(req.ignore_eos))
+    d.constrain = _constraint(req)
+    d.skip_special_tokens = req.skip_special_tokens is not False
     if chat:
-        d.constrain = _response_format(req.response_format)
         d.tools = tools_of(req)
         d.tool_choice = tool_choice_of(req, d.tools)
         d.parallel_tool_calls = req.parallel_tool_calls is not False
-        if d.tools and d.constrain is not None:
-            raise ApiError(400, "'response_format' cannot be combined with 'tools' here: the "
-                                "tool format's grammar is the generation's constraint",
-                           param="response_format")
+        if d.tools and d.constrain is not None and not isinstance(d.constrain, JsonSchema):
+            raise ApiError(400, "with 'tools', only a JSON constraint (response_format, "
+                                "guided_json, structured_outputs.json) can shape the answer",
+                           param="tools")
+    if not d.skip_special_tokens and (d.tools or d.constrain is not None):
+        raise ApiError(400, "'skip_special_tokens': false is served only for plain text "
+                            "(no tools, no constraint)", param="skip_special_tokens")
     return d
 
 
-def _response_format(fmt: ResponseFormat | None) -> Any:
-    """``response_format`` -> a ``pie_ctx.constrain`` constraint (or None for text)."""
-    if fmt is None or fmt.type == "text":
+def _constraint(req: ChatRequest | CompletionRequest) -> Any:
+    """The one constraint a request asks for: ``response_format`` or one of vLLM's
+    ``guided_*``/``structured_outputs`` (a ``pie_ctx.constrain`` value), or None."""
+    given: list[tuple[str, Callable[[], Any]]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        given.append(("response_format", lambda: _response_format(fmt)))
+    if req.guided_json is not None:
+        given.append(("guided_json", lambda: JsonSchema(req.guided_json)))
+    if req.guided_regex is not None:
+        given.append(("guided_regex", lambda: Regex(req.guided_regex)))
+    if req.guided_choice is not None:
+        given.append(("guided_choice", lambda: Choice(req.guided_choice)))
+    if req.guided_grammar is not None:
+        given.append(("guided_grammar", lambda: Grammar(req.guided_grammar, syntax="ebnf")))
+    so = req.structured_outputs
+    if so is not None:
+        if so.whitespace_pattern is not None:
+            raise ApiError(400, "'structured_outputs.whitespace_pattern' is not supported: "
+                                "JSON is written on one line", param="structured_outputs",
+                           code="unsupported_parameter")
+        parts = [(k, v) for k, v in (("json", so.json), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar),
+                                     ("json_object", so.json_object or None))
+                 if v is not None]
+        if len(parts) != 1:
+            raise ApiError(400, "'structured_outputs' takes exactly one of json, regex, "
+                                "choice, grammar, json_object", param="structured_outputs")
+        kind, value = parts[0]
+        make = {"json": lambda: JsonSchema(value), "regex": lambda: Regex(value),
+                "choice": lambda: Choice(value),
+                "grammar": lambda: Grammar(value, syntax="ebnf"),
+                "json_object": lambda: JsonSchema({"type": "object"})}[kind]
+        given.append((f"structured_outputs.{kind}", make))
+    if not given:
         return None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise ApiError(400, f"one constraint per request: {names} were all given",
+                       param=given[1][0].split(".")[0])
+    name, make = given[0]
+    try:
+        return make()
+    except InvalidArgument as err:
+        raise ApiError(400, f"{name}: {err}", param=name.split(".")[0]) from None
+
+
+def _response_format(fmt: ResponseFormat) -> Any:
+    """``response_format`` (not ``text``) -> a ``pie_ctx.constrain.JsonSchema``."""
     if fmt.type == "json_object":
         return JsonSchema({"type": "object"})
     schema = fmt.json_schema.schema if fmt.json_schema is not None else None
     if schema is None:
         raise ApiError(400, "response_format json_schema needs 'json_schema': "
                             "{'schema': {...}}", param="response_format")
-    try:
-        return JsonSchema(schema)
-    except InvalidArgument as err:
-        raise ApiError(400, f"response_format: {err}", param="response_format") from None
+    return JsonSchema(schema)
 
 
 # ------------------------------------------------------------------------------ choices
@@ -246,8 +298,13 @@ class _Request:
                            constrain=d.constrain, logit_bias=d.logit_bias,
                            top_logprobs=d.top_logprobs, cue=False, min_tokens=d.min_tokens,
                            ignore_eos=d.ignore_eos, **d.tool_options())
+        # skip_special_tokens false: the text decoded again from the tokens, specials in.
+        decoder = None if d.skip_special_tokens else \
+            self.rt.tokenizer.incremental_decoder(skip_special_tokens=False)
         last = None
         async for delta in gen:
+            if decoder is not None:
+                delta = dataclasses.replace(delta, content=decoder.feed(delta.tokens))
             now = time.perf_counter()
             if self.observer is not None:
                 if not self._first_seen:
@@ -263,6 +320,11 @@ class _Request:
             choice.top.extend(delta.top_logprobs)
             await on_delta(choice, delta, start)
             choice.calls.extend(delta.tool_calls)
+        tail = decoder.flush() if decoder is not None else ""
+        if tail:
+            choice.text.append(tail)
+            await on_delta(choice, Delta(tokens=[], text="", logprobs=[], content=tail),
+                           len(choice.tokens))
         choice.finish_reason = _FINISH.get(gen.finish_reason or "", "stop")
         return choice
 
@@ -274,9 +336,10 @@ class _Request:
                     await ctx.release()
                 except PieError:
                     pass
+        completion = sum(len(c.tokens) for c in choices)
+        note_tokens(self.prompt_tokens, completion)
         if self.observer is not None and choices:
-            self.observer.tokens(self.prompt_tokens, self.cached_tokens,
-                                 sum(len(c.tokens) for c in choices))
+            self.observer.tokens(self.prompt_tokens, self.cached_tokens, completion)
 
     def usage(self, choices: list[_Choice]) -> dict[str, Any]:
         completion = sum(len(c.tokens) for c in choices)
@@ -298,20 +361,20 @@ class OpenAIService:
         self.get_runtime, self.model_name, self.observer = get_runtime, model_name, observer
         self.created = int(time.time())
         self.routes = [
-            Route("/v1/models", self._guard(self.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
-            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
-            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/models", self.guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self.guard(self.model), methods=["GET"]),
+            Route("/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
+            Route("/v1/completions", self.guard(self.completions), methods=["POST"]),
         ]
 
-    def _guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Any failure before the response starts becomes OpenAI's error body."""
 
         async def guarded(request: Any) -> Any:
             try:
                 return await handler(request)
             except Exception as err:  # noqa: BLE001 - every error gets a body, none a crash
-                e = _as_api_error(err)
+                e = as_api_error(err)
                 return error_response(e.status, e.message, e.type, e.param, e.code)
 
         return guarded
@@ -337,9 +400,9 @@ class OpenAIService:
     async def model(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        return JSONResponse(self._model_card(self._check_model(request.path_params["model"])))
+        return JSONResponse(self._model_card(self.check_model(request.path_params["model"])))
 
-    def _check_model(self, model: Any) -> str | None:
+    def check_model(self, model: Any) -> str | None:
         """The LoRA adapter ``model`` names (as vLLM's ``--lora-modules``), None for the
         base model."""
         if not isinstance(model, str):
@@ -354,31 +417,24 @@ class OpenAIService:
                             + (f" and the adapters {adapters}" if adapters else ""),
                        param="model", code="model_not_found")
 
-    @staticmethod
-    async def _body(request: Any) -> bytes:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        return raw
-
     # ------------------------------------------------------------------ completions
 
     async def chat(self, request: Any) -> Any:
-        req = decode(await self._body(request), ChatRequest)
-        adapter = self._check_model(req.model)
+        req = await decode_body(request, ChatRequest)
+        adapter = self.check_model(req.model)
         turns = turns_of(req.messages)
         decoding = _decoding(req)
+        rendering = rendering_of(req)
 
         async def build(rt: Runtime) -> Context:
-            return await build_context(rt, turns, decoding.tools, req.snapshot, adapter)
+            return await build_context(rt, turns, decoding.tools, req.snapshot, adapter,
+                                       rendering)
 
         return await self._respond(req, decoding, build, chat=True)
 
     async def completions(self, request: Any) -> Any:
-        req = decode(await self._body(request), CompletionRequest)
-        adapter = self._check_model(req.model)
+        req = await decode_body(request, CompletionRequest)
+        adapter = self.check_model(req.model)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -483,7 +539,7 @@ class OpenAIService:
                         if include_usage:
                             await send.send({**head, "choices": [], "usage": req.usage(done)})
                     except Exception as err:  # noqa: BLE001 - after the headers: an error event
-                        await send.send(error_body(_as_api_error(err)))
+                        await send.send(error_body(as_api_error(err)))
 
         rt.start_soon(produce)
         try:
