@@ -294,8 +294,12 @@ class _HermesStream(OutputStream):
     def finish(self) -> str:
         rest = self.raw[self._pos:]
         self._pos = len(self.raw)
-        if rest.lstrip().startswith(_OPEN):  # a call cut by max_tokens: no markup shown
+        head = rest.lstrip()
+        if head.startswith(_OPEN):  # a call cut by max_tokens: no markup shown
             return ""
+        cut = _partial_suffix(rest, _OPEN)
+        if cut >= 2:  # "<tool_c" cut by max_tokens: the start of a call, not text
+            rest = rest[: len(rest) - cut].rstrip()
         return rest.rstrip() if self.calls_done else rest
 
 
