@@ -29,9 +29,12 @@ _TOKENS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "pie_ctx_http_tokens", default=None)
 
 
+_ENABLED = [True]  # not LOGGER.disabled: uvicorn's logging.config re-enables loggers
+
+
 def set_enabled(on: bool) -> None:
     """Turn the access log on or off for this process."""
-    LOGGER.disabled = not on
+    _ENABLED[0] = bool(on)
 
 
 def note_tokens(prompt: int, completion: int) -> None:
@@ -57,7 +60,7 @@ def access_log(app: Any) -> Any:
     _ensure_handler()
 
     async def logged(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or LOGGER.disabled:
+        if scope["type"] != "http" or not _ENABLED[0]:
             await app(scope, receive, send)
             return
         status = [499]

@@ -32,7 +32,8 @@ from typing import Any
 import anyio
 
 from pie_ctx import Context, Runtime
-from pie_ctx.proto.errors import PieError
+from pie_ctx.constrain import JsonSchema
+from pie_ctx.proto.errors import InvalidArgument, PieError
 from pie_ctx.proto.messages import SamplerSpec
 from runtime.server.http.access_log import note_tokens
 from runtime.server.http.anthropic_schema import (
@@ -185,8 +186,14 @@ class _Turn:
         """Generate; ``on_delta(delta)`` hears each delta (streaming)."""
         tools = {} if self.choice is None else {"tool_choice": self.choice,
                                                 "parallel_tool_calls": self.parallel}
+        fmt = self.req.output_config.format if self.req.output_config else None
+        try:
+            constrain = None if fmt is None else JsonSchema(fmt.schema)
+        except InvalidArgument as err:
+            raise ApiError(400, f"output_config.format: {err}") from None
         gen = self.ctx.generate(self._sampler(), max_tokens=self.req.max_tokens,
-                                stop=self.req.stop_sequences or None, cue=False, **tools)
+                                stop=self.req.stop_sequences or None, cue=False,
+                                constrain=constrain, **tools)
         observer = self.service.observer
         async for delta in gen:
             if observer is not None and not self.num_tokens:

@@ -13,8 +13,11 @@ share one conversation builder (``openai_chat.build_context``):
 * ``tool_choice`` ``auto``/``any``/``tool``/``none`` is ``"auto"``/``"required"``/the
   tool's name/``"none"``; ``disable_parallel_tool_use`` turns parallel calls off.
 
-A field this server does not serve is refused by name (``thinking`` unless disabled,
-``mcp_servers``, ``container``, image and document blocks); an unknown field is refused.
+``output_config.format`` (a JSON Schema) constrains the answer, beside tools too. A field
+this server does not serve is refused by name (``thinking`` unless disabled,
+``mcp_servers``, ``container``, image and document blocks); fields that change nothing
+here are accepted and ignored (``metadata``, ``service_tier``, ``cache_control``,
+``output_config.effort``, ``speed``, ``inference_geo``...); an unknown field is refused.
 """
 
 from __future__ import annotations
@@ -101,6 +104,16 @@ class Thinking(msgspec.Struct, kw_only=True):
     budget_tokens: int | None = None
 
 
+class JsonOutputFormat(_Body, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(_Body, kw_only=True):
+    format: JsonOutputFormat | None = None  # the answer's JSON Schema
+    effort: str | None = None  # ignored: this model does not reason
+
+
 class CountTokensRequest(_Body, kw_only=True):
     model: str
     messages: Annotated[list[InputMessage], msgspec.Meta(min_length=1)]
@@ -108,6 +121,8 @@ class CountTokensRequest(_Body, kw_only=True):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: Any = None  # ignored: the prefix cache is automatic
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -120,6 +135,11 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     metadata: dict[str, Any] | None = None  # ignored
     service_tier: str | None = None  # ignored
+    inference_geo: str | None = None  # ignored
+    speed: str | None = None  # ignored
+    diagnostics: Any = None  # ignored
+    user_profile_id: str | None = None  # ignored
+    workspace_id: str | None = None  # ignored
     mcp_servers: Any = None  # refused unless null
     container: Any = None  # refused unless null
 
@@ -152,6 +172,8 @@ ACCEPTS: dict[str, str] = {
     "tool_choice": '{"type": "auto", "any", "tool" or "none", "name": "..." (for "tool")}',
     "tool_choice.type": '"auto", "any", "tool" or "none"',
     "thinking": '{"type": "disabled"} (this model does not think)',
+    "output_config": '{"format": {"type": "json_schema", "schema": {JSON Schema}}}',
+    "output_config.format": '{"type": "json_schema", "schema": {JSON Schema}}',
 }
 
 
