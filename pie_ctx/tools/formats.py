@@ -87,12 +87,13 @@ def max_calls(tools: Sequence[Tool], parallel: bool) -> int:
     return max(2, len(tools)) if parallel else 1
 
 
-def closed_schema(schema: Any) -> Any:
+def closed_schema(schema: Any, close: bool = True) -> Any:
     """``schema`` with every object that declares ``properties`` and says nothing of
     ``additionalProperties`` closed (``"additionalProperties": false``): the keys a call
-    may write are the declared ones, unless the schema allows more."""
+    may write are the declared ones, unless the schema allows more. The parts of an
+    ``allOf`` are left open themselves (each would refuse the others' keys)."""
     if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
+        return [closed_schema(s, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
@@ -101,13 +102,15 @@ def closed_schema(schema: Any) -> Any:
                    "dependentSchemas") and isinstance(value, dict):
             out[key] = {k: closed_schema(v) for k, v in value.items()}
         elif key in ("items", "additionalItems", "additionalProperties", "anyOf", "oneOf",
-                     "allOf", "prefixItems", "not", "if", "then", "else", "contains",
+                     "prefixItems", "not", "if", "then", "else", "contains",
                      "unevaluatedProperties", "propertyNames"):
             out[key] = closed_schema(value)
+        elif key == "allOf":
+            out[key] = closed_schema(value, close=False)
         else:
             out[key] = value
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
-            and "unevaluatedProperties" not in out:
+    if close and isinstance(out.get("properties"), dict) and "allOf" not in out \
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -18,7 +18,13 @@ from pie_ctx import Context, Sampler
 from pie_ctx.constrain import JsonSchema
 from pie_ctx.errors import InvalidArgument
 from pie_ctx.tools import Tool, tool_format
-from pie_ctx.tools.formats import GenericFormat, HermesFormat, ToolOffer, max_calls
+from pie_ctx.tools.formats import (
+    GenericFormat,
+    HermesFormat,
+    ToolOffer,
+    closed_schema,
+    max_calls,
+)
 from tests.sdk.harness import sdk_runtime
 from tests.tools.test_tools_sdk import tools_folder  # noqa: F401 - the fixture
 
@@ -78,6 +84,13 @@ def test_constraints_close_undeclared_keys_and_bound_the_calls():
     assert "tool_calls" not in json.dumps(single) and max_calls(TOOLS, False) == 1
     none = json.loads(GenericFormat().constraint(TOOLS, "none", True, ANSWER).source)
     assert none["properties"] == {"response": ANSWER}  # "none": the answer branch only
+    mixed = closed_schema({"type": "object", "properties": {"a": {}},
+                           "allOf": [{"properties": {"b": {"type": "object",
+                                                         "properties": {}}}}]})
+    assert "additionalProperties" not in mixed  # allOf's parts add keys: left open
+    assert "additionalProperties" not in mixed["allOf"][0]
+    assert mixed["allOf"][0]["properties"]["b"]["additionalProperties"] is False
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # free-form stays
     lark = HermesFormat().constraint([OPEN], "required", True).source
     assert lark.count("<tool_call>") == 2 and "*" not in lark.split("\n")[1].split("%json")[0]
     assert '"additionalProperties": false' in lark
