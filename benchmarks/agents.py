@@ -119,7 +119,8 @@ class PieServer:
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
         cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
                "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
-               "--num-pages", str(NUM_PAGES), "--client-share", "1", "--inferlets", str(HERE)]
+               "--num-pages", str(NUM_PAGES), "--client-share", "1", "--inferlets", str(HERE),
+               "--no-access-log"]  # stderr is read only until the server is ready
         if model:
             cmd += ["--model", model]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)

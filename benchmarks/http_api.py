@@ -138,7 +138,7 @@ async def run_inprocess(system: str, chats: list[list[str]], args: argparse.Name
 def start_server(tmp: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "runtime.server", "serve", "--socket",
                              os.path.join(tmp, "e.sock"), "--http", "127.0.0.1:0",
-                             "--memory-snapshots"],
+                             "--memory-snapshots", "--no-access-log"],  # stderr not read
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # type: ignore[union-attr]
         m = READY.search(line)

@@ -17,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -314,7 +315,8 @@ class Context(Counters):
             constrain: a constraint from ``pie_ctx.constrain`` (``Regex``, ``JsonSchema``,
                 ``AnyJson``, ``Grammar``, ``Choice``), applied in the engine, or a
                 ``Constraint`` object of yours (asked before every token: one round trip
-                per token).
+                per token). With tools, only a ``JsonSchema``: the answer's (the calls
+                follow their tools' schemas).
             logit_bias: ``{token id: bias}`` added to the logits before sampling.
             allowed_tokens: only these token ids may be sampled.
             top_logprobs: per generated token, also report the ``k`` most likely tokens
@@ -333,10 +335,12 @@ class Context(Counters):
                 tool). With tools, the output is read back into ``Generator.tool_calls``
                 and ``finish_reason == "tool_calls"`` (docs/agents.md).
             tool_choice: ``"auto"`` (default: text or calls, and a call the model starts
-                is constrained to its tool's schema), ``"none"`` (no call),
+                is constrained to its tool's schema), ``"none"`` (no call, ever: what
+                looks like one stays text),
                 ``"required"`` (at least one call) or a tool's name (a call of that tool).
                 Every call is generated under a constraint: valid JSON for its schema.
-            parallel_tool_calls: allow several calls in one answer.
+            parallel_tool_calls: allow several calls in one answer (at most one per tool
+                offered, and at least 2; ``pie_ctx.tools.formats.max_calls``).
             jump_forward: under a constraint, append the tokens it forces (JSON keys, tool
                 names, punctuation) in one pass instead of one step each; the output is
                 exactly what plain constrained decoding gives (greedy: the same tokens;
@@ -362,11 +366,18 @@ class Context(Counters):
                 raise InvalidArgument(f"{name} must be a bool, got {flag!r}")
         checks.count(min_tokens, "min_tokens")
         constraint = constraint_spec(constrain)
-        offer = self._tool_offer(tools, tool_choice, parallel_tool_calls)
+        answer = None
+        if constraint is not None and (tools is not None or tool_choice is not None
+                                       or core.chat.tools):
+            # With tools, a JSON Schema constrains the answer (the branch that is no call).
+            if not (isinstance(constraint, P.ConstraintSpec)
+                    and constraint.kind == "json_schema"):
+                raise InvalidArgument("with tools, constrain= takes only JsonSchema (it "
+                                      "constrains the answer; the tool format's grammar "
+                                      "constrains the calls)")
+            answer = json.loads(constraint.source)
+        offer = self._tool_offer(tools, tool_choice, parallel_tool_calls, answer)
         if offer is not None:
-            if constraint is not None:
-                raise InvalidArgument("constrain= cannot be combined with tools: the tool "
-                                      "format's grammar is the generation's constraint")
             constraint = offer.constraint
         rounds = None
         prompt_lookup = 0
@@ -400,7 +411,8 @@ class Context(Counters):
         return Generator(core, req, rounds, cue=cue, tools=offer)
 
     def _tool_offer(self, tools: Sequence[Tool] | None, choice: str | None,
-                    parallel: bool) -> ToolOffer | None:
+                    parallel: bool, answer: dict[str, Any] | None = None
+                    ) -> ToolOffer | None:
         """What a generation offers the model: the tools, the choice, the constraint."""
         core = self._core
         declared = {t["function"]["name"]: t for t in core.chat.tools}
@@ -421,7 +433,8 @@ class Context(Counters):
                         f"{', '.join(declared)}")
         fmt = core.chat.tool_format(core.rt.tokenizer)
         choice = check_choice("auto" if choice is None else choice, offered)
-        return ToolOffer(fmt, offered, choice, fmt.constraint(offered, choice, parallel))
+        return ToolOffer(fmt, offered, choice,
+                         fmt.constraint(offered, choice, parallel, answer))
 
     async def select(self, options: Sequence[str | Sequence[int]], *,
                      method: str = "token_length_normalized") -> tuple[int, list[float]]:

@@ -70,7 +70,7 @@ class Generator(Cancellable):
                  cue: bool = True, tools: ToolOffer | None = None) -> None:
         self._core = core
         self._tools = tools
-        self._reader = None if tools is None else tools.format.stream()
+        self._reader = None if tools is None else tools.reader()
         self._req = req  # the settings; ``ctx`` and ``tokens`` are filled in when it starts
         self._rounds = rounds
         self._cue = cue

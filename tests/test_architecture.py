@@ -156,6 +156,10 @@ def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
 ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain",
                                                              "pie_ctx.tools"},
                           "runtime.server.http.openai_chat": {"pie_ctx.tools"},
+                          "runtime.server.http.openai_decoding": {"pie_ctx.constrain",
+                                                                  "pie_ctx.tools"},
+                          "runtime.server.http.anthropic_api": {"pie_ctx.constrain"},
+                          "runtime.server.http.anthropic_schema": {"pie_ctx.tools"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
                           "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"},
                           # one in-process transport: the bridge is a LocalTransport whose

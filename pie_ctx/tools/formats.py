@@ -11,7 +11,22 @@ Owns: the two formats pie-ctx speaks (docs/agents.md explains the choice):
   ``{"tool_call": {"name": ..., "arguments": {...}}}`` (``{"tool_calls": [...]}`` when
   parallel calls are allowed) or ``{"response": "..."}``. llama.cpp's server answered
   templates without a tool format the same way. Under ``tool_choice="none"`` the answer
-  is free text, as in the other format.
+  is constrained to ``{"response": ...}`` alone: the prompt asked for one JSON object, so
+  free text would invite a call written as text.
+
+The rules every offer follows (docs/agents.md, "The rules of a call"):
+
+* ``"none"`` never yields a call: the reader of such a generation reads no calls, and the
+  generic constraint admits only the answer branch;
+* a call's arguments have no key its schema does not declare, unless the schema allows
+  it: every object schema with ``properties`` and no ``additionalProperties`` is closed
+  (llama.cpp's grammar converter and vLLM's strict mode do the same), an object without
+  ``properties`` stays free-form;
+* one answer holds at most :func:`max_calls` calls (one without parallel calls), and an
+  output cut by ``max_tokens`` keeps the calls completed before the cut and shows no call
+  markup;
+* an answer schema (``response_format``) constrains the answer branch: the generic
+  format's ``{"response": <schema>}``, the hermes format's text.
 
 A call is always generated under a constraint built here (a Lark grammar or a JSON
 Schema that the engine compiles): it is valid JSON for its tool's schema. The JSON is
@@ -35,7 +50,7 @@ from pie_ctx.proto.messages import ConstraintSpec
 from pie_ctx.tools.tool import Tool, ToolCall, new_call_id
 
 __all__ = ["ToolFormat", "HermesFormat", "GenericFormat", "tool_format", "format_named",
-           "CHOICES", "Parsed", "ToolOffer", "check_choice"]
+           "CHOICES", "Parsed", "ToolOffer", "check_choice", "max_calls", "closed_schema"]
 
 CHOICES = ("auto", "none", "required")
 # The JSON style of every generated call (llguidance's options; json.dumps's separators).
@@ -61,6 +76,44 @@ class ToolOffer:
     choice: str
     constraint: ConstraintSpec | None
 
+    def reader(self) -> OutputStream:
+        """A reader of this generation's output (one that reads no call under ``"none"``)."""
+        return self.format.stream(calls=self.choice != "none")
+
+
+def max_calls(tools: Sequence[Tool], parallel: bool) -> int:
+    """The most calls one answer may hold: 1 without parallel calls; else one per tool
+    offered, and at least 2 (one tool may be called twice at once: two cities)."""
+    return max(2, len(tools)) if parallel else 1
+
+
+def closed_schema(schema: Any, close: bool = True) -> Any:
+    """``schema`` with every object that declares ``properties`` and says nothing of
+    ``additionalProperties`` closed (``"additionalProperties": false``): the keys a call
+    may write are the declared ones, unless the schema allows more. The parts of an
+    ``allOf`` are left open themselves (each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed_schema(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas") and isinstance(value, dict):
+            out[key] = {k: closed_schema(v) for k, v in value.items()}
+        elif key in ("items", "additionalItems", "additionalProperties", "anyOf", "oneOf",
+                     "prefixItems", "not", "if", "then", "else", "contains",
+                     "unevaluatedProperties", "propertyNames"):
+            out[key] = closed_schema(value)
+        elif key == "allOf":
+            out[key] = closed_schema(value, close=False)
+        else:
+            out[key] = value
+    if close and isinstance(out.get("properties"), dict) and "allOf" not in out \
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
 
 def check_choice(choice: Any, tools: Sequence[Tool]) -> str:
     """``tool_choice`` checked against the tools: ``"auto"``, ``"none"``, ``"required"`` or
@@ -82,7 +135,8 @@ def check_choice(choice: Any, tools: Sequence[Tool]) -> str:
 def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     """One call of any of ``tools``: ``{"name": <const>, "arguments": <its schema>}``."""
     options = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name},
+                               "arguments": closed_schema(t.parameters)},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for t in tools]
     return options[0] if len(options) == 1 else {"anyOf": options}
@@ -110,9 +164,10 @@ class ToolFormat:
         """Variables every rendering of the conversation passes to the chat template."""
         raise NotImplementedError
 
-    def constraint(self, tools: Sequence[Tool], choice: str,
-                   parallel: bool) -> ConstraintSpec | None:
-        """The constraint of one generation under ``tool_choice=choice``."""
+    def constraint(self, tools: Sequence[Tool], choice: str, parallel: bool,
+                   answer: dict[str, Any] | None = None) -> ConstraintSpec | None:
+        """The constraint of one generation under ``tool_choice=choice``; ``answer``: a
+        JSON Schema the answer (the branch that is not a call) must follow, if any."""
         raise NotImplementedError
 
     def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
@@ -127,8 +182,8 @@ class ToolFormat:
         calls = stream.calls_done
         return Parsed(content + stream.finish(), list(calls))
 
-    def stream(self) -> OutputStream:
-        """An incremental reader of one output."""
+    def stream(self, calls: bool = True) -> OutputStream:
+        """An incremental reader of one output (``calls=False``: all of it is content)."""
         raise NotImplementedError
 
     def assistant_message(self, raw: str, parsed: Parsed) -> dict[str, Any]:
@@ -171,23 +226,29 @@ class HermesFormat(ToolFormat):
     def template_vars(self, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"tools": list(tools)} if tools else {}
 
-    def constraint(self, tools: Sequence[Tool], choice: str,
-                   parallel: bool) -> ConstraintSpec | None:
+    def constraint(self, tools: Sequence[Tool], choice: str, parallel: bool,
+                   answer: dict[str, Any] | None = None) -> ConstraintSpec | None:
         if choice == "none" or not tools:
-            return None
+            return None if answer is None else ConstraintSpec(kind="json_schema",
+                                                              source=json.dumps(answer))
         chosen = [t for t in tools if t.name == choice] or list(tools)
         body = f'"\\n" %json {_json(_call_schema(chosen))} "\\n{_CLOSE}"'
-        more = f' ("\\n{_OPEN}" {body})*' if parallel else ""
-        if choice == "auto":
+        more = ""
+        for _ in range(max_calls(chosen, parallel) - 1):  # at most max_calls blocks
+            more = f' ("\\n{_OPEN}" {body}{more})?'
+        calls = f"{_lark_string(_OPEN)} {body}{more}"
+        if choice == "auto" and answer is not None:
+            lark = f"%llguidance {{}}\nstart: %json {_json(answer)} | {calls}\n"
+        elif choice == "auto":
             # Free text; a call starts at the first "<tool_call>" and is constrained.
             lark = (f"%llguidance {{}}\nstart: TEXT | head {body}{more}\n"
                     f"head[lazy]: TEXT {_lark_string(_OPEN)}\nTEXT: /(.|\\n)*/\n")
         else:
-            lark = f"%llguidance {{}}\nstart: {_lark_string(_OPEN)} {body}{more}\n"
+            lark = f"%llguidance {{}}\nstart: {calls}\n"
         return ConstraintSpec(kind="lark", source=lark)
 
-    def stream(self) -> OutputStream:
-        return _HermesStream()
+    def stream(self, calls: bool = True) -> OutputStream:
+        return _HermesStream() if calls else _TextStream()
 
     def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
         blocks = "\n".join(f"{_OPEN}\n{_call_json(c)}\n{_CLOSE}" for c in calls)
@@ -236,7 +297,24 @@ class _HermesStream(OutputStream):
     def finish(self) -> str:
         rest = self.raw[self._pos:]
         self._pos = len(self.raw)
+        head = rest.lstrip()
+        if head.startswith(_OPEN):  # a call cut by max_tokens: no markup shown
+            return ""
+        cut = _partial_suffix(rest, _OPEN)
+        if cut >= 2:  # "<tool_c" cut by max_tokens: the start of a call, not text
+            rest = rest[: len(rest) - cut].rstrip()
         return rest.rstrip() if self.calls_done else rest
+
+
+class _TextStream(OutputStream):
+    """Everything is content (``tool_choice="none"``: what looks like a call is text)."""
+
+    def feed(self, text: str) -> str:
+        self.raw += text
+        return text
+
+    def finish(self) -> str:
+        return ""
 
 
 def _call_json(call: ToolCall) -> str:
@@ -296,30 +374,35 @@ class GenericFormat(ToolFormat):
     def template_vars(self, tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {}
 
-    def constraint(self, tools: Sequence[Tool], choice: str,
-                   parallel: bool) -> ConstraintSpec | None:
-        response = {"type": "object", "properties": {"response": {"type": "string"}},
+    def constraint(self, tools: Sequence[Tool], choice: str, parallel: bool,
+                   answer: dict[str, Any] | None = None) -> ConstraintSpec | None:
+        # The answer branch, with the answer's schema in it (llama.cpp's generic format
+        # does the same with response_format). Under "none" it is the only branch: the
+        # prompt asked for one JSON object, and free text would invite a call as text.
+        response = {"type": "object",
+                    "properties": {"response": {"type": "string"} if answer is None
+                                   else answer},
                     "required": ["response"], "additionalProperties": False}
-        if choice == "none":  # no call: free text, as for a template's own format
-            return None
         options: list[dict[str, Any]] = []
-        if tools:
+        if tools and choice != "none":
             chosen = [t for t in tools if t.name == choice] or list(tools)
             call = _call_schema(chosen)
             options.append({"type": "object", "properties": {"tool_call": call},
                             "required": ["tool_call"], "additionalProperties": False})
-            if parallel:
+            most = max_calls(chosen, parallel)
+            if most > 1:
                 options.append({"type": "object",
                                 "properties": {"tool_calls": {"type": "array", "items": call,
-                                                              "minItems": 1}},
+                                                              "minItems": 1,
+                                                              "maxItems": most}},
                                 "required": ["tool_calls"], "additionalProperties": False})
-        if choice == "auto" or not tools:
+        if choice in ("auto", "none") or not tools:
             options.append(response)
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return ConstraintSpec(kind="json_schema", source=json.dumps(schema))
 
-    def stream(self) -> OutputStream:
-        return _GenericStream()
+    def stream(self, calls: bool = True) -> OutputStream:
+        return _GenericStream(calls)
 
     def model_text(self, content: str, calls: Sequence[ToolCall]) -> str:
         # One JSON object: a call leaves no room for text beside it.
@@ -337,45 +420,95 @@ class GenericFormat(ToolFormat):
         return {"role": "tool", "content": content}
 
 
-_RESPONSE = '{"response": "'
+_RESPONSE = '{"response": '
+_CALL = '{"tool_call": '
+_CALLS = '{"tool_calls": ['
 
 
 class _GenericStream(OutputStream):
-    def __init__(self) -> None:
+    """Reads one JSON object as it is written (the engine writes it on one line, with
+    json.dumps's separators): the response's text is shown as it comes, each call is
+    collected the moment its JSON is complete, and an object cut by ``max_tokens`` shows
+    nothing of its markup (the calls completed before the cut are kept)."""
+
+    def __init__(self, calls: bool = True) -> None:
         super().__init__()
-        self._shown = 0  # characters of the response string already returned
+        self._calls = calls  # False (tool_choice="none"): nothing is read as a call
+        self._shown = 0  # characters of the response's text already returned
+        self._read = 0  # elements of a tool_calls array already read
         self._done = False
+        self._text = False  # the output is not a JSON object: all of it is text
 
     def feed(self, text: str) -> str:
         self.raw += text
         if self._done:
             return ""
         head = self.raw.lstrip()
-        if head and not head.startswith("{"):  # free text (tool_choice="none")
-            new = self.raw[self._shown:]
-            self._shown = len(self.raw)
-            return new
+        calls_off = not self._calls and not _RESPONSE.startswith(head[:len(_RESPONSE)])
+        if self._text or calls_off or (head and not head.startswith("{")):
+            self._text = True  # under "none", an object that is no answer is text too
+            return self._show(self.raw)
         try:
             data = json.loads(self.raw)
         except ValueError:
             data = None
         if isinstance(data, dict):  # the object is complete
             self._done = True
-            self.calls_done.extend(_generic_calls(data))
-            response = data.get("response")
-            return response[self._shown:] if isinstance(response, str) else ""
-        if not self.raw.startswith(_RESPONSE):
+            if self._calls:
+                found = _generic_calls(data)
+                self.calls_done.extend(found[len(self.calls_done):])
+            if "response" in data:
+                return self._show(self._response_text(complete=True))
             return ""
-        value = _partial_json_string(self.raw[len(_RESPONSE):])
-        new = value[self._shown:]
-        self._shown = len(value)
+        if head.startswith(_RESPONSE):
+            return self._show(self._response_text(complete=False))
+        if self._calls and head.startswith(_CALLS):
+            self._read_elements(head[len(_CALLS):])
+        elif self._calls and head.startswith(_CALL) and not self.calls_done:
+            self._read_elements(head[len(_CALL):], one=True)
+        return ""
+
+    def _show(self, text: str) -> str:
+        new = text[self._shown:]
+        self._shown = max(self._shown, len(text))
         return new
 
+    def _response_text(self, complete: bool) -> str:
+        """The response's text so far: a string's decoded characters, any other value's
+        JSON (its last character held back until the object ends)."""
+        body = self.raw.lstrip()[len(_RESPONSE):]
+        if body.startswith('"'):
+            return _partial_json_string(body[1:])
+        body = body.rstrip()
+        return body[:-1].rstrip() if body else ""
+
+    def _read_elements(self, body: str, one: bool = False) -> None:
+        """Collect the calls of an array (or the one call) whose JSON is complete."""
+        decoder = json.JSONDecoder()
+        pos, index = 0, 0
+        while pos < len(body):
+            try:
+                value, end = decoder.raw_decode(body, pos)
+            except ValueError:
+                return
+            if index >= self._read:
+                self._read = index + 1
+                self.calls_done.extend(_generic_calls({"tool_calls": [value]}))
+            if one:
+                return
+            index += 1
+            pos = end
+            while pos < len(body) and body[pos] in ", ":
+                pos += 1
+            if pos < len(body) and body[pos] == "]":
+                return
+
     def finish(self) -> str:
-        head = self.raw.lstrip()
-        if self._done or self.raw.startswith(_RESPONSE) or not head.startswith("{"):
-            return self.raw[self._shown:] if not head.startswith("{") else ""
-        return self.raw  # an object that did not end (max_tokens): show it as it is
+        if self._text:
+            return self._show(self.raw)
+        # An object that did not end (max_tokens): its complete calls are kept, its
+        # response's text was shown as it came, and no markup is shown.
+        return ""
 
 
 def _generic_calls(data: dict[str, Any]) -> list[ToolCall]:

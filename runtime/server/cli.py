@@ -119,6 +119,9 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--api-key-file", default=None,
                        help="file holding the HTTP API key; generated 0600 if missing. "
                             "Required (generated) off loopback; on loopback only if given")
+    serve.add_argument("--no-access-log", action="store_true",
+                       help="do not write one line per HTTP request (method, path, status, "
+                            "ms, tokens) to stderr")
     serve.add_argument("--client-share", type=float, default=DEFAULT_CLIENT_SHARE,
                        help="fraction of the KV pool one client's contexts may hold "
                             f"(default {DEFAULT_CLIENT_SHARE}; 1 = no limit)")
@@ -206,6 +209,10 @@ def serve_main(args: argparse.Namespace) -> int:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
         http, api_key, key_file = _http_options(args)
+        if args.no_access_log:
+            from runtime.server.http.access_log import set_enabled
+
+            set_enabled(False)
         folder = None if args.inferlets is None else InferletFolder(args.inferlets)
         engine = boot_engine(args.model, **engine_options(args), **_snapshot_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)

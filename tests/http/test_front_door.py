@@ -116,17 +116,29 @@ def test_serve_http_options(tmp_path, monkeypatch) -> None:
 
 
 def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
-    """The OpenAI front door (openai_api.py and its two helpers: the request schema and the
-    chat mapping) imports the SDK (pie_ctx) and web libraries, never the engine: the only
-    runtime modules it names are its own."""
+    """The front door's APIs (OpenAI's, Anthropic's, vLLM's serving endpoints, and their
+    helpers: the request schemas, the chat mapping, the decoding settings, the access log)
+    import the SDK (pie_ctx) and web libraries, never the engine: the only runtime modules
+    they name are their own."""
     import ast
     from pathlib import Path
 
-    from runtime.server.http import openai_api, openai_chat, openai_schema
+    from runtime.server.http import (
+        access_log,
+        anthropic_api,
+        anthropic_schema,
+        openai_api,
+        openai_chat,
+        openai_decoding,
+        openai_schema,
+        serving_api,
+    )
 
-    own = {m.__name__ for m in (openai_api, openai_chat, openai_schema)}
+    modules = (openai_api, openai_chat, openai_schema, openai_decoding, access_log,
+               anthropic_api, anthropic_schema, serving_api)
+    own = {m.__name__ for m in modules}
     every: set[str] = set()
-    for module in (openai_api, openai_chat, openai_schema):
+    for module in modules:
         tree = ast.parse(Path(module.__file__).read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

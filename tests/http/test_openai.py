@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -45,9 +46,16 @@ class LiveServer:
             m = READY.search(line)
             if m:
                 self.url = m.group(1)
+                # Keep reading stderr (the access log), so a full pipe never blocks it.
+                self.log: list[str] = lines
+                threading.Thread(target=self._drain, daemon=True).start()
                 return
         self.stop()
         raise RuntimeError("server did not start:\n" + "".join(lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.log.append(line)
 
     def client(self, key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)

@@ -171,8 +171,7 @@ def test_unsupported_fields_are_refused_by_name(served: Served) -> None:
                       ({"tools": TOOLS, "tool_choice": {"type": "function",
                                                         "function": {"name": "nope"}}},
                        "tool_choice"),
-                      ({"tools": TOOLS, "response_format": {"type": "json_object"}},
-                       "response_format"),
+                      ({"tools": TOOLS, "extra_body": {"guided_regex": "a+"}}, "tools"),
                       ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
                        "tools"),
                       ({"messages": [{"role": "user", "content": [
@@ -202,3 +201,87 @@ def test_min_tokens_and_ignore_eos_fix_the_length(served: Served) -> None:
         c = served.client.completions.create(model=served.model, prompt="abc", max_tokens=7,
                                              temperature=0.7, seed=1, extra_body=extra)
         assert c.usage.completion_tokens == 7
+
+
+# ------------------------------------------------------------ the rules of a call (issue 34)
+
+OPEN_NOTE = {"type": "function", "function": {  # no additionalProperties: closed anyway
+    "name": "note", "description": "Write a note.", "strict": True,
+    "parameters": {"type": "object", "required": ["text"],
+                   "properties": {"text": {"type": "string", "maxLength": 6}}}}}
+ANSWER = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+
+
+def test_none_never_calls_and_its_text_is_no_markup(served: Served) -> None:
+    for seed in range(3):
+        r = served.chat(messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=40,
+                        temperature=1.0, seed=seed)
+        (choice,) = r.choices
+        assert choice.message.tool_calls is None and choice.finish_reason in ("stop",
+                                                                              "length")
+        if served.format == "generic":  # the answer branch's text, not its JSON
+            assert not choice.message.content.startswith('{"response"')
+
+
+def test_calls_hold_declared_keys_and_are_bounded(served: Served) -> None:
+    tools = [OPEN_NOTE, LOOKUP]
+    r = served.chat(messages=ASK, tools=tools, tool_choice="required", n=4, temperature=1.0,
+                    seed=5, max_tokens=400)
+    for choice in r.choices:
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and 1 <= len(calls) <= len(tools)
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            schema = {"note": OPEN_NOTE, "lookup": LOOKUP}[call.function.name]
+            jsonschema.validate(args, schema["function"]["parameters"])
+            assert set(args) <= set(schema["function"]["parameters"]["properties"])
+    single = served.chat(messages=ASK, tools=tools, tool_choice="required", n=2,
+                         temperature=1.0, seed=6, parallel_tool_calls=False, max_tokens=400)
+    assert all(len(c.message.tool_calls) == 1 for c in single.choices)
+
+
+def test_a_cut_call_shows_no_markup(served: Served) -> None:
+    for max_tokens in (5, 12, 20):
+        r = served.chat(messages=ASK, tools=TOOLS, tool_choice="required",
+                        max_tokens=max_tokens)
+        (choice,) = r.choices
+        assert choice.finish_reason == "length"
+        assert not choice.message.content  # no '{"tool_call' nor '<tool_call>' as text
+        for call in choice.message.tool_calls or ():
+            _check(call)
+        chunks = served.chat(messages=ASK, tools=TOOLS, tool_choice="required",
+                             max_tokens=max_tokens, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_response_format_with_tools_shapes_the_answer(served: Served) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    r = served.chat(messages=ASK, tools=TOOLS, tool_choice="none", response_format=fmt,
+                    max_tokens=60)
+    jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+    r = served.chat(messages=ASK, tools=TOOLS, response_format=fmt, n=3, temperature=1.0,
+                    seed=2, max_tokens=300)
+    for choice in r.choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                _check(call)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    streamed = served.chat(messages=ASK, tools=TOOLS, tool_choice="none", response_format=fmt,
+                           max_tokens=60, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    jsonschema.validate(json.loads(text), ANSWER)
+
+
+def test_the_same_seed_gives_the_same_output(served: Served) -> None:
+    """Nothing in the HTTP layer varies: per-choice seeds derive from the request's."""
+    kw = {"messages": ASK, "tools": TOOLS, "n": 2, "temperature": 1.0, "seed": -7,
+          "max_tokens": 60}
+    served.chat(**kw)  # warm the prefix cache: the next two requests see the same cache
+
+    def out(r):
+        return [(c.message.content, [(t.function.name, t.function.arguments)
+                                     for t in c.message.tool_calls or ()]) for c in r.choices]
+
+    assert out(served.chat(**kw)) == out(served.chat(**kw))

@@ -5,8 +5,12 @@ Owner: ``run_server`` (``pie-ctx serve --http``) and the tests. The app holds on
 lifespan and closed (every context it opened released) when the server stops.
 
 Security: on a loopback address no key is needed; on any other address an API key is
-mandatory (``Authorization: Bearer KEY`` on every request but the live view's static page,
-which holds no data and sends the key from its URL fragment on its own requests).
+mandatory (``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's clients
+send it, on every request but the live view's static page, which holds no data and sends
+the key from its URL fragment on its own requests, and ``/health`` and ``/version``).
+
+Every unknown path (404) and method (405) is answered with OpenAI's error body (Anthropic's
+on ``/v1/messages``), and every request writes one access-log line (``access_log``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/", "/favicon.ico"})  # served without a key: static, no data
+# Served without a key: static, or no data.
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/health", "/version"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +89,44 @@ class _KeyCheck:
         for name, value in scope.get("headers", ()):
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 given = value[7:].strip()
+            elif name == b"x-api-key" and not given:  # Anthropic's clients
+                given = value.strip()
         if hmac.compare_digest(given, self._key):
             await self.app(scope, receive, send)
             return
-        from runtime.server.http.openai_api import error_response
-
-        message = ("missing API key: send 'Authorization: Bearer KEY'" if not given
-                   else "invalid API key")
-        response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
+        message = ("missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                   if not given else "invalid API key")
+        response = _error(scope["path"], 401, message, code="invalid_api_key")
         await response(scope, receive, send)
+
+
+def _error(path: str, status: int, message: str, code: str | None = None) -> Any:
+    """The error response of ``path``'s API: Anthropic's shape on its routes, else
+    OpenAI's."""
+    from runtime.server.http.anthropic_api import anthropic_error, is_anthropic_path
+    from runtime.server.http.openai_api import error_response
+
+    if is_anthropic_path(path):
+        return anthropic_error(status, message)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return error_response(status, message, kind, code=code)
+
+
+async def _not_found(request: Any, exc: Any) -> Any:
+    """404 and 405 as the API's error body (clients show its message)."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        response = _error(path, 405, f"Method {method} is not allowed on {path}"
+                          + (f"; allowed: {allowed}" if allowed else ""),
+                          code="method_not_allowed")
+        if allowed:
+            response.headers["Allow"] = allowed
+        return response
+    if exc.status_code == 404:
+        return _error(path, 404, f"Invalid URL ({method} {path}): no such endpoint on this "
+                                 f"server (see docs/http.md)", code="unknown_url")
+    return _error(path, exc.status_code, str(exc.detail))
 
 
 def create_app(engine: Any, *, api_key: str | None = None) -> Any:
@@ -105,12 +139,15 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     """
     from starlette.applications import Starlette
 
+    from runtime.server.http.access_log import access_log
     from runtime.server.http.adapters_api import AdapterRoutes
+    from runtime.server.http.anthropic_api import MessagesService
     from runtime.server.http.channels_api import ChannelRoutes
     from runtime.server.http.embeddings_api import EmbeddingRoutes
     from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
+    from runtime.server.http.serving_api import ServingRoutes
     from runtime.server.http.state import state_routes
 
     metrics = Metrics(engine)
@@ -129,14 +166,20 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
 
     channels = ChannelRoutes(lambda: holder["rt"])
     inferlets = InferletRoutes(lambda: holder["rt"])
-    routes = [*service.routes, *channels.routes, *inferlets.routes, *metrics.routes,
-              *state_routes(engine, metrics), *AdapterRoutes(lambda: holder["rt"]).routes,
-              *EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
-                               lambda: engine.info().adapters).routes]
-    app: Any = Starlette(routes=routes, lifespan=lifespan)
+    serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model,
+                            service.guard)
+    messages = MessagesService(lambda: holder["rt"], service.check_model, metrics)
+    embeddings = EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
+                                 lambda: engine.info().adapters)
+    routes = [*service.routes, *messages.routes, *serving.routes, *embeddings.routes,
+              *AdapterRoutes(lambda: holder["rt"]).routes, *channels.routes,
+              *inferlets.routes, *metrics.routes, *state_routes(engine, metrics)]
+    app: Any = Starlette(routes=routes, lifespan=lifespan,
+                         exception_handlers={404: _not_found, 405: _not_found})
     app.state.metrics = metrics
     asgi: Any = _KeyCheck(app, api_key) if api_key else app
-    return _WithLifespan(metrics.middleware(asgi), app)  # refused requests count too
+    # Refused requests are counted and logged too.
+    return _WithLifespan(access_log(metrics.middleware(asgi)), app)
 
 
 class _WithLifespan:

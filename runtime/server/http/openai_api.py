@@ -16,16 +16,19 @@ tool choices and tool messages map onto the SDK's tool API (``openai_chat``); ca
 as ``message.tool_calls`` or as ``delta.tool_calls`` chunks.
 
 Extensions to OpenAI's bodies (docs/http.md): ``top_k``, ``min_p``, ``min_tokens``,
-``ignore_eos`` (vLLM's names) and ``snapshot`` (start from a saved snapshot:
-``Context.open``, then the messages or the prompt).
+``ignore_eos`` and vLLM's other fields (constraints, template options,
+``skip_special_tokens``: ``openai_decoding``, ``openai_chat.rendering_of``), and
+``snapshot`` (start from a saved snapshot: ``Context.open``, then the messages or the
+prompt).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-request, 404 for an unknown model or snapshot, 413 for a body over ``MAX_BODY_BYTES``, 503
+request, 404 for an unknown model or snapshot (the app answers unknown paths likewise), 413 for a body over ``MAX_BODY_BYTES``, 503
 when the engine has no room, 500 otherwise. A malformed body is a 400, never a crash.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +38,6 @@ from typing import Any, Protocol
 import anyio
 
 from pie_ctx import Context, Delta, Runtime, gather
-from pie_ctx.constrain import JsonSchema
 from pie_ctx.proto.errors import (
     ContextTooLong,
     InvalidArgument,
@@ -43,29 +45,27 @@ from pie_ctx.proto.errors import (
     PieError,
     SnapshotNotFound,
 )
-from pie_ctx.proto.messages import SamplerSpec
-from pie_ctx.tools import Tool, ToolCall
+from pie_ctx.tools import ToolCall
+from runtime.server.http.access_log import note_tokens
 from runtime.server.http.openai_chat import (
     build_context,
     openai_call,
-    tool_choice_of,
-    tools_of,
+    rendering_of,
     turns_of,
 )
+from runtime.server.http.openai_decoding import Decoding, decoding_of
 from runtime.server.http.openai_schema import (
+    MAX_BODY_BYTES,
     ApiError,
     ChatRequest,
     CompletionRequest,
-    ResponseFormat,
-    decode,
+    decode_body,
     error_body,
     error_response,
 )
 
-__all__ = ["ApiError", "Observer", "OpenAIService", "error_response"]
+__all__ = ["ApiError", "MAX_BODY_BYTES", "Observer", "OpenAIService", "error_response"]
 
-MAX_BODY_BYTES = 4 << 20
-DEFAULT_MAX_TOKENS = 512
 _FINISH = {"stop_token": "stop", "stop_string": "stop", "constraint": "stop", "length": "length",
            "tool_calls": "tool_calls"}
 
@@ -83,7 +83,7 @@ class Observer(Protocol):
         """A finished request's prompt, cached-prompt and completion token counts."""
 
 
-def _as_api_error(err: BaseException) -> ApiError:
+def as_api_error(err: BaseException) -> ApiError:
     """The API error an exception from the SDK (or anywhere) becomes."""
     if isinstance(err, ApiError):
         return err
@@ -99,103 +99,6 @@ def _as_api_error(err: BaseException) -> ApiError:
     if isinstance(err, PieError):
         return ApiError(500, f"{type(err).__name__}: {err}", type="server_error")
     return ApiError(500, f"internal error: {type(err).__name__}", type="server_error")
-
-
-# ---------------------------------------------------------------------------- parameters
-
-
-@dataclass(slots=True)
-class _Decoding:
-    """What every choice of one request generates with."""
-
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
-    stop: list[str]
-    logprobs: bool
-    top_logprobs: int
-    constrain: Any
-    logit_bias: dict[int, float] | None
-    min_tokens: int
-    ignore_eos: bool
-    tools: list[Tool] = field(default_factory=list)
-    tool_choice: str | None = None
-    parallel_tool_calls: bool = True
-
-    def sampler(self, choice: int) -> SamplerSpec:
-        if self.temperature == 0:
-            return SamplerSpec()
-        seed = None if self.seed is None else self.seed + choice
-        return SamplerSpec(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                           min_p=self.min_p, seed=seed)
-
-    def tool_options(self) -> dict[str, Any]:
-        """``generate()``'s tool arguments (the declared tools are offered)."""
-        if not self.tools:
-            return {}
-        return {"tool_choice": self.tool_choice,
-                "parallel_tool_calls": self.parallel_tool_calls}
-
-
-def _decoding(req: ChatRequest | CompletionRequest) -> _Decoding:
-    """The decoding settings of a request the schema accepted (what it cannot check: one
-    field against another)."""
-    chat = isinstance(req, ChatRequest)
-    max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens \
-        or DEFAULT_MAX_TOKENS
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if chat:
-        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
-        if top and not logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    else:
-        logprobs, top = req.logprobs is not None, req.logprobs or 0
-    try:
-        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    except ValueError:
-        raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in "
-                            "[-100, 100]", param="logit_bias") from None
-    min_tokens = req.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise ApiError(400, f"'min_tokens' ({min_tokens}) is over the most tokens to "
-                            f"generate ({max_tokens})", param="min_tokens")
-    d = _Decoding(
-        n=req.n or 1, max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=float(req.top_p or 1.0), top_k=max(0, req.top_k or 0),
-        min_p=float(req.min_p or 0.0), seed=req.seed, stop=stop, logprobs=logprobs,
-        top_logprobs=top, constrain=None, logit_bias=bias or None, min_tokens=min_tokens,
-        ignore_eos=bool(req.ignore_eos))
-    if chat:
-        d.constrain = _response_format(req.response_format)
-        d.tools = tools_of(req)
-        d.tool_choice = tool_choice_of(req, d.tools)
-        d.parallel_tool_calls = req.parallel_tool_calls is not False
-        if d.tools and d.constrain is not None:
-            raise ApiError(400, "'response_format' cannot be combined with 'tools' here: the "
-                                "tool format's grammar is the generation's constraint",
-                           param="response_format")
-    return d
-
-
-def _response_format(fmt: ResponseFormat | None) -> Any:
-    """``response_format`` -> a ``pie_ctx.constrain`` constraint (or None for text)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return JsonSchema({"type": "object"})
-    schema = fmt.json_schema.schema if fmt.json_schema is not None else None
-    if schema is None:
-        raise ApiError(400, "response_format json_schema needs 'json_schema': "
-                            "{'schema': {...}}", param="response_format")
-    try:
-        return JsonSchema(schema)
-    except InvalidArgument as err:
-        raise ApiError(400, f"response_format: {err}", param="response_format") from None
 
 
 # ------------------------------------------------------------------------------ choices
@@ -217,7 +120,7 @@ class _Choice:
 class _Request:
     """One API request's contexts: a prefilled base and its forks, released at the end."""
 
-    def __init__(self, rt: Runtime, decoding: _Decoding, observer: Observer | None) -> None:
+    def __init__(self, rt: Runtime, decoding: Decoding, observer: Observer | None) -> None:
         self.rt, self.d, self.observer = rt, decoding, observer
         self.arrived = time.perf_counter()
         self.contexts: list[Context] = []
@@ -246,8 +149,13 @@ class _Request:
                            constrain=d.constrain, logit_bias=d.logit_bias,
                            top_logprobs=d.top_logprobs, cue=False, min_tokens=d.min_tokens,
                            ignore_eos=d.ignore_eos, **d.tool_options())
+        # skip_special_tokens false: the text decoded again from the tokens, specials in.
+        decoder = None if d.skip_special_tokens else \
+            self.rt.tokenizer.incremental_decoder(skip_special_tokens=False)
         last = None
         async for delta in gen:
+            if decoder is not None:
+                delta = dataclasses.replace(delta, content=decoder.feed(delta.tokens))
             now = time.perf_counter()
             if self.observer is not None:
                 if not self._first_seen:
@@ -263,6 +171,11 @@ class _Request:
             choice.top.extend(delta.top_logprobs)
             await on_delta(choice, delta, start)
             choice.calls.extend(delta.tool_calls)
+        tail = decoder.flush() if decoder is not None else ""
+        if tail:
+            choice.text.append(tail)
+            await on_delta(choice, Delta(tokens=[], text="", logprobs=[], content=tail),
+                           len(choice.tokens))
         choice.finish_reason = _FINISH.get(gen.finish_reason or "", "stop")
         return choice
 
@@ -274,9 +187,10 @@ class _Request:
                     await ctx.release()
                 except PieError:
                     pass
+        completion = sum(len(c.tokens) for c in choices)
+        note_tokens(self.prompt_tokens, completion)
         if self.observer is not None and choices:
-            self.observer.tokens(self.prompt_tokens, self.cached_tokens,
-                                 sum(len(c.tokens) for c in choices))
+            self.observer.tokens(self.prompt_tokens, self.cached_tokens, completion)
 
     def usage(self, choices: list[_Choice]) -> dict[str, Any]:
         completion = sum(len(c.tokens) for c in choices)
@@ -301,20 +215,20 @@ class OpenAIService:
         self.adapters = adapters or (lambda: self.get_runtime().info.adapters)
         self.created = int(time.time())
         self.routes = [
-            Route("/v1/models", self._guard(self.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
-            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
-            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/models", self.guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self.guard(self.model), methods=["GET"]),
+            Route("/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
+            Route("/v1/completions", self.guard(self.completions), methods=["POST"]),
         ]
 
-    def _guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Any failure before the response starts becomes OpenAI's error body."""
 
         async def guarded(request: Any) -> Any:
             try:
                 return await handler(request)
             except Exception as err:  # noqa: BLE001 - every error gets a body, none a crash
-                e = _as_api_error(err)
+                e = as_api_error(err)
                 return error_response(e.status, e.message, e.type, e.param, e.code)
 
         return guarded
@@ -340,9 +254,9 @@ class OpenAIService:
     async def model(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
-        return JSONResponse(self._model_card(self._check_model(request.path_params["model"])))
+        return JSONResponse(self._model_card(self.check_model(request.path_params["model"])))
 
-    def _check_model(self, model: Any) -> str | None:
+    def check_model(self, model: Any) -> str | None:
         """The LoRA adapter ``model`` names (as vLLM's ``--lora-modules``), None for the
         base model."""
         if not isinstance(model, str):
@@ -357,31 +271,24 @@ class OpenAIService:
                             + (f" and the adapters {adapters}" if adapters else ""),
                        param="model", code="model_not_found")
 
-    @staticmethod
-    async def _body(request: Any) -> bytes:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        return raw
-
     # ------------------------------------------------------------------ completions
 
     async def chat(self, request: Any) -> Any:
-        req = decode(await self._body(request), ChatRequest)
-        adapter = self._check_model(req.model)
+        req = await decode_body(request, ChatRequest)
+        adapter = self.check_model(req.model)
         turns = turns_of(req.messages)
-        decoding = _decoding(req)
+        decoding = decoding_of(req)
+        rendering = rendering_of(req)
 
         async def build(rt: Runtime) -> Context:
-            return await build_context(rt, turns, decoding.tools, req.snapshot, adapter)
+            return await build_context(rt, turns, decoding.tools, req.snapshot, adapter,
+                                       rendering)
 
         return await self._respond(req, decoding, build, chat=True)
 
     async def completions(self, request: Any) -> Any:
-        req = decode(await self._body(request), CompletionRequest)
-        adapter = self._check_model(req.model)
+        req = await decode_body(request, CompletionRequest)
+        adapter = self.check_model(req.model)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -391,7 +298,7 @@ class OpenAIService:
         if not ok:
             raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
                                 "(one prompt per request)", param="prompt")
-        decoding = _decoding(req)
+        decoding = decoding_of(req)
 
         async def build(rt: Runtime) -> Context:
             ctx = (await Context.open(rt, req.snapshot) if req.snapshot
@@ -400,7 +307,7 @@ class OpenAIService:
 
         return await self._respond(req, decoding, build, chat=False)
 
-    async def _respond(self, body: ChatRequest | CompletionRequest, d: _Decoding,
+    async def _respond(self, body: ChatRequest | CompletionRequest, d: Decoding,
                        build: Callable[[Runtime], Any], *, chat: bool) -> Any:
         stream = bool(body.stream)
         include_usage = body.stream_options is not None and \
@@ -486,7 +393,7 @@ class OpenAIService:
                         if include_usage:
                             await send.send({**head, "choices": [], "usage": req.usage(done)})
                     except Exception as err:  # noqa: BLE001 - after the headers: an error event
-                        await send.send(error_body(_as_api_error(err)))
+                        await send.send(error_body(as_api_error(err)))
 
         rt.start_soon(produce)
         try:

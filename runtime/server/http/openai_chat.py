@@ -37,7 +37,8 @@ from runtime.server.http.openai_schema import (
     UserMessage,
 )
 
-__all__ = ["Turn", "turns_of", "tools_of", "tool_choice_of", "build_context", "openai_call"]
+__all__ = ["Turn", "Rendering", "turns_of", "tools_of", "tool_choice_of", "rendering_of",
+           "build_context", "openai_call"]
 
 _CHOICES = ("auto", "none", "required")
 
@@ -153,6 +154,52 @@ def tool_choice_of(req: ChatRequest, tools: Sequence[Tool]) -> str | None:
     return name
 
 
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """vLLM's template options (``chat_template_kwargs``, ``continue_final_message``,
+    ``add_generation_prompt``): the conversation is rendered whole by the chat template
+    with these variables, and appended as it is."""
+
+    variables: dict[str, Any]
+    generation_prompt: bool = True
+    continue_final: bool = False
+
+
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                       "documents", "continue_final_message"})
+
+
+def rendering_of(req: ChatRequest) -> Rendering | None:
+    """The request's template options; None when it gives none (the SDK's chat fillers
+    then build the conversation turn by turn).
+
+    Raises:
+        ApiError: options that contradict each other or the tools.
+    """
+    variables = req.chat_template_kwargs or {}
+    cont = bool(req.continue_final_message)
+    prompt = req.add_generation_prompt
+    if not variables and not cont and prompt is None:
+        return None
+    if cont and prompt:
+        raise ApiError(400, "'continue_final_message' continues the last (assistant) "
+                            "message: it cannot be combined with 'add_generation_prompt': "
+                            "true", param="continue_final_message")
+    if req.tools:
+        name = ("chat_template_kwargs" if variables else "continue_final_message" if cont
+                else "add_generation_prompt")
+        raise ApiError(400, f"'{name}' cannot be combined with 'tools' here: tools are "
+                            f"declared through the SDK's conversation", param=name)
+    reserved = sorted(_RESERVED & set(variables))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the request's own "
+                            f"fields say them", param="chat_template_kwargs")
+    if cont and not isinstance(req.messages[-1], AssistantMessage):
+        raise ApiError(400, "'continue_final_message' needs the last message to be the "
+                            "assistant's", param="continue_final_message")
+    return Rendering(dict(variables), (True if prompt is None else prompt) and not cont, cont)
+
+
 def openai_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     """OpenAI's ``tool_calls`` entry; with ``index``, as a streamed delta carries it."""
     entry = call.to_openai()
@@ -163,9 +210,11 @@ def openai_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
-                        snapshot: str | None, adapter: str | None = None) -> Context:
+                        snapshot: str | None, adapter: str | None = None,
+                        rendering: Rendering | None = None) -> Context:
     """A context holding the conversation, its assistant turn opened, on LoRA ``adapter``
-    (None: the base model; a snapshot keeps the adapter it was saved under).
+    (None: the base model; a snapshot keeps the adapter it was saved under). With a
+    ``rendering``, the template renders the whole conversation with its variables.
 
     Raises:
         ApiError: tool messages that answer no call, tools a snapshot cannot take.
@@ -173,7 +222,10 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
     """
     ctx = await Context.open(rt, snapshot) if snapshot else Context(rt, adapter=adapter)
     try:
-        _fill(ctx, turns, tools)
+        if rendering is not None:
+            ctx.append(_rendered(rt, turns, rendering))
+        else:
+            _fill(ctx, turns, tools)
     except BaseException:
         await ctx.release()
         raise
@@ -211,3 +263,28 @@ def _declare(ctx: Context, turns: list[Turn], tools: list[Tool]) -> list[Turn]:
     except InvalidArgument as err:
         raise ApiError(400, str(err), param="tools") from None
     return turns
+
+
+def _rendered(rt: Runtime, turns: list[Turn], rendering: Rendering) -> str:
+    """The conversation as the template renders it with ``rendering``'s variables; with
+    ``continue_final``, cut right after the last message's text (as vLLM does)."""
+    messages: list[dict[str, Any]] = []
+    for t in turns:
+        message: dict[str, Any] = {"role": t.role, "content": t.text}
+        if t.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in t.calls]
+        if t.role == "tool":
+            message["tool_call_id"] = t.call_id
+        messages.append(message)
+    text = rt.tokenizer.render_chat(messages, add_generation_prompt=rendering.generation_prompt,
+                                    **rendering.variables)
+    if rendering.continue_final:
+        last = turns[-1].text
+        at = text.rfind(last) if last else -1
+        if at < 0:
+            raise ApiError(400, "continue_final_message: the template does not write the last "
+                                "message's text as it is", param="continue_final_message")
+        text = text[: at + len(last)]
+    return text

@@ -26,10 +26,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["ApiError", "error_response", "error_body", "decode", "ChatRequest",
+__all__ = ["ApiError", "error_response", "error_body", "decode", "decode_body", "read_body",
+           "MAX_BODY_BYTES", "ChatRequest",
            "CompletionRequest", "ContentPart", "Message", "AssistantMessage", "ToolMessage",
-           "ToolSpec", "NamedToolChoice", "ResponseFormat", "IGNORED", "REFUSED", "ACCEPTS",
-           "COMPLETION_ACCEPTS"]
+           "ToolSpec", "NamedToolChoice", "ResponseFormat", "StructuredOutputs", "IGNORED",
+           "REFUSED", "ACCEPTS", "COMPLETION_ACCEPTS"]
 
 MAX_N = 16
 MAX_STOP = 16
@@ -193,6 +194,20 @@ class StreamOptions(_Body, kw_only=True):
     include_obfuscation: bool | None = None  # ignored: nothing is obfuscated
 
 
+class StructuredOutputs(_Body, kw_only=True):
+    """vLLM's ``structured_outputs``: one constraint of the generation."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None  # ignored: there is one grammar library
+    disable_any_whitespace: bool | None = None  # ignored: JSON is always written on one line
+    disable_additional_properties: bool | None = None  # ignored
+    whitespace_pattern: str | None = None  # refused unless null
+
+
 class _Request(_Body, kw_only=True):
     """The fields both endpoints share, with pie-ctx's extensions. An optional field may be
     null: it then takes its default (OpenAI's)."""
@@ -216,6 +231,15 @@ class _Request(_Body, kw_only=True):
     min_tokens: MinTokens | None = None
     ignore_eos: bool | None = None
     snapshot: str | None = None  # start from this saved snapshot (Context.open)
+    # vLLM's extensions (docs/http.md, "vLLM's extension fields")
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    skip_special_tokens: bool | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None  # only 1
+    guided_decoding_backend: str | None = None  # ignored: llguidance is the one backend
 
 
 class ChatRequest(_Request, kw_only=True):
@@ -227,6 +251,10 @@ class ChatRequest(_Request, kw_only=True):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extensions: the conversation rendered by the template itself
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
     # ignored
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -254,7 +282,10 @@ class CompletionRequest(_Request, kw_only=True):
 
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
            "prompt_cache_key", "stream_options.include_obfuscation", "tools[].function.strict",
-           "messages[].name", "messages[].refusal", "messages[].annotations")
+           "messages[].name", "messages[].refusal", "messages[].annotations",
+           "guided_decoding_backend", "structured_outputs.disable_fallback",
+           "structured_outputs.disable_any_whitespace",
+           "structured_outputs.disable_additional_properties")
 
 # field -> (is it used in this request?, why it is refused, if more is to be said)
 REFUSED: dict[str, tuple[Any, str]] = {
@@ -276,6 +307,9 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "echo": (lambda v: bool(v), ""),
     "suffix": (lambda v: bool(v), ""),
     "best_of": (lambda v: v not in (None, 1), "only best_of 1 is supported (use n)"),
+    "repetition_penalty": (lambda v: v not in (None, 1), "only 1 is supported: the sampler "
+                                                         "sees a row of logits, not the "
+                                                         "tokens before it"),
 }
 
 
@@ -358,6 +392,23 @@ ACCEPTS: dict[str, str] = {
     "tool_choice": f"{_TOOL_CHOICE}, or null",
     "tool_choice.type": '"function"',
     "tool_choice.function": '{"name": "..."} naming one of the tools',
+    "guided_json": "a JSON Schema (an object, or its JSON text), or null",
+    "guided_regex": "a regular expression (a string), or null",
+    "guided_choice": "a non-empty list of strings, or null",
+    "guided_grammar": "a grammar in llama.cpp's GBNF (a string), or null",
+    "guided_decoding_backend": "a string (ignored)",
+    "structured_outputs": ('{"json": {JSON Schema}} or {"regex": "..."} or {"choice": '
+                           '[...]} or {"grammar": "..."} or {"json_object": true}, or null'),
+    "structured_outputs.json": "a JSON Schema (an object, or its JSON text), or null",
+    "structured_outputs.regex": "a regular expression (a string), or null",
+    "structured_outputs.choice": "a list of strings, or null",
+    "structured_outputs.grammar": "a grammar in llama.cpp's GBNF (a string), or null",
+    "structured_outputs.json_object": "true or false, or null",
+    "skip_special_tokens": "true or false, or null",
+    "repetition_penalty": "a number above 0, at most 10 (only 1 is served), or null",
+    "chat_template_kwargs": "an object of extra variables for the chat template, or null",
+    "continue_final_message": "true or false, or null",
+    "add_generation_prompt": "true or false, or null",
 }
 # The completions endpoint's own meanings of shared names.
 COMPLETION_ACCEPTS: dict[str, str] = {
@@ -369,8 +420,28 @@ COMPLETION_ACCEPTS: dict[str, str] = {
 }
 
 
-def decode(raw: bytes, kind: type[T]) -> T:
-    """``raw`` decoded as ``kind`` (a request Struct), with the refused fields checked.
+MAX_BODY_BYTES = 4 << 20
+
+
+async def read_body(request: Any) -> bytes:
+    """A request's body, refused past :data:`MAX_BODY_BYTES` (413) without reading more."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    return raw
+
+
+async def decode_body(request: Any, kind: type[T], accepts: dict[str, str] | None = None
+                      ) -> T:
+    """:func:`decode` of a request's body."""
+    return decode(await read_body(request), kind, accepts)
+
+
+def decode(raw: bytes, kind: type[T], accepts: dict[str, str] | None = None) -> T:
+    """``raw`` decoded as ``kind`` (a request Struct), with the refused fields checked;
+    ``accepts`` says what each field takes (default: the chat's or the completion's).
 
     Raises:
         ApiError: 400 naming the first field that is wrong, unknown or refused.
@@ -378,7 +449,7 @@ def decode(raw: bytes, kind: type[T]) -> T:
     try:
         request = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as err:
-        raise _invalid(str(err), kind) from None
+        raise _invalid(str(err), kind, accepts) from None
     except (msgspec.DecodeError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON") from None
     for name, (used, why) in REFUSED.items():
@@ -386,7 +457,7 @@ def decode(raw: bytes, kind: type[T]) -> T:
             raise ApiError(400, f"'{name}' is not supported by this server"
                                 + (f": {why}" if why else ""),
                            param=name, code="unsupported_parameter")
-    for i, m in enumerate(getattr(request, "messages", ())):
+    for i, m in enumerate(getattr(request, "messages", None) or ()):
         if isinstance(m, FunctionMessage):
             raise ApiError(400, f"messages[{i}]: the deprecated 'function' role is not "
                                 f"supported: use 'tool' messages", param="messages",
@@ -400,15 +471,18 @@ def decode(raw: bytes, kind: type[T]) -> T:
     return request
 
 
-def _invalid(text: str, kind: type) -> ApiError:
+def _invalid(text: str, kind: type, accepts: dict[str, str] | None = None) -> ApiError:
     """The 400 of a msgspec validation message (``... - at `$.path` ``): it names the
     field and says what the field accepts."""
-    accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
+    if accepts is None:
+        accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
     m = _AT.match(text)
     what, path = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     field = _FIELD.search(what)
     name = field.group(1) if field else None
     if not path and what.startswith("Expected `object`"):
+        if kind not in (ChatRequest, CompletionRequest):
+            return ApiError(400, "the request body must be a JSON object")
         return ApiError(400, "the request body must be a JSON object: {\"model\": ..., "
                              + ('"messages": [...]' if kind is ChatRequest else '"prompt": ...')
                              + ", ...}")

@@ -1,0 +1,285 @@
+"""Anthropic's Messages API request bodies as typed msgspec Structs, and their mapping onto
+the conversation the OpenAI API builds.
+
+Owner: the shape of a request to ``/v1/messages`` (and ``/v1/messages/count_tokens``), and
+its translation into ``openai_chat.Turn`` values, SDK tools and a tool choice, so both APIs
+share one conversation builder (``openai_chat.build_context``):
+
+* ``system`` (a string or text blocks) is the system turn;
+* a user message's ``tool_result`` blocks are tool turns (in their order), its text blocks
+  one user turn after them; an ``is_error`` result's text is prefixed with ``Error: ``;
+* an assistant message's text blocks and ``tool_use`` blocks are one assistant turn with
+  its calls (the client's ids kept);
+* ``tool_choice`` ``auto``/``any``/``tool``/``none`` is ``"auto"``/``"required"``/the
+  tool's name/``"none"``; ``disable_parallel_tool_use`` turns parallel calls off.
+
+``output_config.format`` (a JSON Schema) constrains the answer, beside tools too. A field
+this server does not serve is refused by name (``thinking`` unless disabled,
+``mcp_servers``, ``container``, image and document blocks); fields that change nothing
+here are accepted and ignored (``metadata``, ``service_tier``, ``cache_control``,
+``output_config.effort``, ``speed``, ``inference_geo``...); an unknown field is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from pie_ctx.proto.errors import InvalidArgument
+from pie_ctx.tools import Tool, ToolCall
+from runtime.server.http.openai_chat import Turn
+from runtime.server.http.openai_schema import MAX_STOP, MAX_TOKENS, ApiError
+
+__all__ = ["MessagesRequest", "CountTokensRequest", "ACCEPTS", "turns_of", "tools_of",
+           "tool_choice_of"]
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A part of a request: unknown fields are refused."""
+
+
+class TextBlock(_Body, kw_only=True, tag_field="type", tag="text"):
+    text: str
+    cache_control: Any = None  # ignored: the prefix cache is automatic
+    citations: Any = None  # ignored
+
+
+class ImageBlock(_Body, kw_only=True, tag_field="type", tag="image"):
+    source: Any = None
+    cache_control: Any = None
+
+
+class DocumentBlock(_Body, kw_only=True, tag_field="type", tag="document"):
+    source: Any = None
+    title: Any = None
+    context: Any = None
+    citations: Any = None
+    cache_control: Any = None
+
+
+class ThinkingBlock(_Body, kw_only=True, tag_field="type", tag="thinking"):
+    thinking: str = ""
+    signature: str | None = None
+
+
+class ToolUseBlock(_Body, kw_only=True, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Any = None
+
+
+class ToolResultBlock(_Body, kw_only=True, tag_field="type", tag="tool_result"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    is_error: bool | None = None
+    cache_control: Any = None
+
+
+Block = TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
+
+
+class InputMessage(_Body, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolSpec(_Body, kw_only=True):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: Any = None
+
+
+class ToolChoice(_Body, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(msgspec.Struct, kw_only=True):
+    type: str
+    budget_tokens: int | None = None
+
+
+class JsonOutputFormat(_Body, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(_Body, kw_only=True):
+    format: JsonOutputFormat | None = None  # the answer's JSON Schema
+    effort: str | None = None  # ignored: this model does not reason
+
+
+class CountTokensRequest(_Body, kw_only=True):
+    model: str
+    messages: Annotated[list[InputMessage], msgspec.Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: Any = None  # ignored: the prefix cache is automatic
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    stop_sequences: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]],
+                              msgspec.Meta(max_length=MAX_STOP)] | None = None
+    stream: bool | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    metadata: dict[str, Any] | None = None  # ignored
+    service_tier: str | None = None  # ignored
+    inference_geo: str | None = None  # ignored
+    speed: str | None = None  # ignored
+    diagnostics: Any = None  # ignored
+    user_profile_id: str | None = None  # ignored
+    workspace_id: str | None = None  # ignored
+    mcp_servers: Any = None  # refused unless null
+    container: Any = None  # refused unless null
+
+
+_BLOCKS = ('a string, or a list of content blocks ({"type": "text", "text": "..."}, '
+           '{"type": "tool_use", ...}, {"type": "tool_result", ...})')
+ACCEPTS: dict[str, str] = {
+    "model": "a string, the model's id (GET /v1/models lists it)",
+    "max_tokens": f"an integer from 1 to {MAX_TOKENS} (required)",
+    "messages": 'a non-empty list of messages, each {"role": "user" or "assistant", '
+                '"content": ...}',
+    "messages[]": '{"role": "user" or "assistant", "content": ...}',
+    "messages[].role": '"user" or "assistant"',
+    "messages[].content": _BLOCKS,
+    "messages[].content[]": 'a content block: "text", "tool_use" or "tool_result"',
+    "messages[].content[].input": "an object (the tool's arguments)",
+    "messages[].content[].content": "a string or a list of text blocks",
+    "system": 'a string or a list of text blocks {"type": "text", "text": "..."}',
+    "system[]": '{"type": "text", "text": "..."}',
+    "stop_sequences": f"a list of up to {MAX_STOP} non-empty strings",
+    "stream": "true or false",
+    "temperature": "a number from 0 to 1",
+    "top_p": "a number from 0 to 1",
+    "top_k": "an integer >= 0",
+    "metadata": "an object",
+    "tools": 'a list of tools, each {"name": "...", "description": "...", '
+             '"input_schema": {JSON Schema}}',
+    "tools[]": '{"name": "...", "description": "...", "input_schema": {JSON Schema}}',
+    "tools[].input_schema": "a JSON Schema of an object",
+    "tool_choice": '{"type": "auto", "any", "tool" or "none", "name": "..." (for "tool")}',
+    "tool_choice.type": '"auto", "any", "tool" or "none"',
+    "thinking": '{"type": "disabled"} (this model does not think)',
+    "output_config": '{"format": {"type": "json_schema", "schema": {JSON Schema}}}',
+    "output_config.format": '{"type": "json_schema", "schema": {JSON Schema}}',
+}
+
+
+def check_refused(req: CountTokensRequest) -> None:
+    """Fields that would change what the answer means, which this server does not serve.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    if req.thinking is not None and req.thinking.type != "disabled":
+        raise ApiError(400, "'thinking' is not supported: this model does not think",
+                       param="thinking")
+    for name in ("mcp_servers", "container"):
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+
+
+def _text(blocks: str | list[Any] | None, where: str) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for block in blocks:
+        if not isinstance(block, TextBlock):
+            raise ApiError(400, f"{where}: only text blocks are supported here (got a "
+                                f"{block.__struct_config__.tag!r} block)", param="messages")
+        texts.append(block.text)
+    return "".join(texts)
+
+
+def turns_of(req: CountTokensRequest) -> list[Turn]:
+    """The request's system prompt and messages as the shared builder's turns.
+
+    Raises:
+        ApiError: a block this server does not serve, or one in the wrong role.
+    """
+    turns: list[Turn] = []
+    system = _text(req.system, "system")
+    if system:
+        turns.append(Turn(0, "system", system))
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        blocks = [TextBlock(text=m.content)] if isinstance(m.content, str) else m.content
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for j, block in enumerate(blocks):
+            at = f"{where}.content[{j}]"
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolResultBlock) and m.role == "user":
+                text = _text(block.content, at)
+                if block.is_error and not text.startswith("Error"):
+                    text = f"Error: {text}"
+                turns.append(Turn(i, "tool", text, call_id=block.tool_use_id))
+            elif isinstance(block, ToolUseBlock) and m.role == "assistant":
+                calls.append(ToolCall(id=block.id, name=block.name, arguments=block.input))
+            elif isinstance(block, ThinkingBlock) and m.role == "assistant":
+                continue  # a past turn's thinking is not part of the prompt
+            else:
+                kind = block.__struct_config__.tag
+                raise ApiError(400, f"{at}: a {kind!r} block is not supported in a "
+                                    f"{m.role} message here", param="messages")
+        if len({c.id for c in calls}) != len(calls):
+            raise ApiError(400, f"{where}: two tool_use blocks share an id", param="messages")
+        if texts or calls or m.role == "assistant":
+            turns.append(Turn(i, m.role, "".join(texts), calls))
+    return turns
+
+
+def tools_of(req: CountTokensRequest) -> list[Tool]:
+    """The request's tools as SDK tools.
+
+    Raises:
+        ApiError: a bad name or schema, or two tools with one name.
+    """
+    tools = []
+    for i, spec in enumerate(req.tools or ()):
+        try:
+            tools.append(Tool(name=spec.name, description=spec.description or "",
+                              parameters=dict(spec.input_schema)))
+        except InvalidArgument as err:
+            raise ApiError(400, f"tools[{i}]: {err}", param="tools") from None
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"two tools share a name: {names}", param="tools")
+    return tools
+
+
+def tool_choice_of(req: CountTokensRequest, tools: list[Tool]) -> tuple[str | None, bool]:
+    """``(tool_choice, parallel)`` as the SDK takes them.
+
+    Raises:
+        ApiError: a choice without tools, or a ``tool`` choice naming no tool.
+    """
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if tools else None), True
+    if not tools:
+        if choice.type == "none":
+            return None, True
+        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        if choice.name not in {t.name for t in tools}:
+            raise ApiError(400, f"tool_choice names {choice.name!r}, which is not one of the "
+                                f"tools", param="tool_choice")
+        return choice.name, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
