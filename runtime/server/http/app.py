@@ -95,13 +95,16 @@ class _KeyCheck:
         await response(scope, receive, send)
 
 
-def create_app(engine: Any, *, api_key: str | None = None) -> Any:
+def create_app(engine: Any, *, api_key: str | None = None,
+               mcp: dict[str, str] | None = None) -> Any:
     """The Starlette app for ``engine`` (already running, or started by the caller before
     the app's lifespan begins).
 
     Args:
         engine: the engine every request runs on.
         api_key: required as ``Authorization: Bearer`` on every data endpoint if given.
+        mcp: the MCP servers ``/v1/responses`` may run tools on, name -> command or URL
+            (``serve --mcp``).
     """
     from starlette.applications import Starlette
 
@@ -109,6 +112,7 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
+    from runtime.server.http.responses_api import ResponsesService
     from runtime.server.http.state import state_routes
 
     metrics = Metrics(engine)
@@ -126,8 +130,9 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
 
     channels = ChannelRoutes(lambda: holder["rt"])
     inferlets = InferletRoutes(lambda: holder["rt"])
-    routes = [*service.routes, *channels.routes, *inferlets.routes, *metrics.routes,
-              *state_routes(engine, metrics)]
+    responses = ResponsesService(engine, lambda: holder["rt"], service, metrics, mcp)
+    routes = [*service.routes, *responses.routes, *channels.routes, *inferlets.routes,
+              *metrics.routes, *state_routes(engine, metrics)]
     app: Any = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = metrics
     asgi: Any = _KeyCheck(app, api_key) if api_key else app

@@ -369,8 +369,10 @@ COMPLETION_ACCEPTS: dict[str, str] = {
 }
 
 
-def decode(raw: bytes, kind: type[T]) -> T:
-    """``raw`` decoded as ``kind`` (a request Struct), with the refused fields checked.
+def decode(raw: bytes, kind: type[T], *, accepts: dict[str, str] | None = None) -> T:
+    """``raw`` decoded as ``kind`` (a request Struct), with the refused fields checked;
+    ``accepts``: what each field accepts, for the 400's message (default: the chat or
+    completions endpoint's, by ``kind``).
 
     Raises:
         ApiError: 400 naming the first field that is wrong, unknown or refused.
@@ -378,7 +380,7 @@ def decode(raw: bytes, kind: type[T]) -> T:
     try:
         request = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as err:
-        raise _invalid(str(err), kind) from None
+        raise _invalid(str(err), kind, accepts) from None
     except (msgspec.DecodeError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON") from None
     for name, (used, why) in REFUSED.items():
@@ -400,10 +402,11 @@ def decode(raw: bytes, kind: type[T]) -> T:
     return request
 
 
-def _invalid(text: str, kind: type) -> ApiError:
+def _invalid(text: str, kind: type, accepts: dict[str, str] | None = None) -> ApiError:
     """The 400 of a msgspec validation message (``... - at `$.path` ``): it names the
     field and says what the field accepts."""
-    accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
+    if accepts is None:
+        accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
     m = _AT.match(text)
     what, path = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     field = _FIELD.search(what)
