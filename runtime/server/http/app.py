@@ -126,6 +126,7 @@ def create_app(engine: Any, *, api_key: str | None = None,
             try:
                 yield
             finally:
+                responses.close()
                 del holder["rt"]
 
     channels = ChannelRoutes(lambda: holder["rt"])

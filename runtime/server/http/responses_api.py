@@ -42,7 +42,7 @@ from pie_ctx.tools import Tool, ToolCall
 from runtime.server.http.openai_api import Observer, OpenAIService, _as_api_error
 from runtime.server.http.openai_chat import Turn, _fill
 from runtime.server.http.openai_schema import ApiError, error_response
-from runtime.server.http.responses_mcp import McpServers
+from runtime.server.http.responses_mcp import McpServers, ServerTools
 from runtime.server.http.responses_run import (
     DEFAULT_MAX_OUTPUT,
     DEFAULT_MAX_TOOL_CALLS,
@@ -94,6 +94,11 @@ class ResponsesService:
             Route("/v1/responses/{rid}/input_items", self._guard(self.input_items),
                   methods=["GET"]),
         ]
+
+    def close(self) -> None:
+        """Close the per-key runtimes and the MCP connections (the app is stopping)."""
+        self.mcp.close()
+        self.namespaces.close()
 
     def _guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         async def guarded(request: Any) -> Any:
@@ -178,7 +183,8 @@ class ResponsesService:
                     choice=_choice(req, tools, mcp_names), parallel=req.parallel_tool_calls
                     is not False, constrain=_constraint(req), sampler=_sampler(req),
                     max_output=req.max_output_tokens or DEFAULT_MAX_OUTPUT,
-                    max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS)
+                    max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
+                    ignore_eos=bool(req.ignore_eos))
         if plan.constrain is not None and tools and plan.choice not in ("required",) and \
                 plan.choice not in {t.name for t in tools}:
             raise ApiError(400, "'text.format' together with tools is served only with "
@@ -329,15 +335,14 @@ class ResponsesService:
                     raise ApiError(400, f"{where}.allowed_tools.read_only is not served",
                                    param="tools", code="unsupported_parameter")
                 allowed = allowed.tool_names
-            for tool in server.tools:
-                if allowed is not None and tool.name not in allowed:
-                    continue
+            offered = [t for t in server.tools if allowed is None or t.name in allowed]
+            for tool in offered:
                 if tool.name in taken or tool.name in names:
                     raise ApiError(400, f"two tools are named {tool.name!r} (the MCP server "
                                         f"{spec.server_label!r} has one)", param="tools")
                 names[tool.name] = spec.server_label
                 tools.append(tool)
-            servers.append(server)
+            servers.append(ServerTools(server.label, offered, server.client, server.scope))
         return tools, names, servers
 
     # ------------------------------------------------------------------------ bodies

@@ -58,6 +58,7 @@ class ServerTools:
     label: str
     tools: list[Tool]
     client: Any
+    scope: anyio.CancelScope  # the task holding the connection
 
 
 class McpServers:
@@ -68,6 +69,12 @@ class McpServers:
         self._spawn = spawn
         self._open: dict[str, ServerTools] = {}
         self._locks = {name: anyio.Lock() for name in self.targets}
+        self._scopes: list[anyio.CancelScope] = []
+
+    def close(self) -> None:
+        """Close every connection (the app is stopping)."""
+        for scope in self._scopes:
+            scope.cancel()
 
     def _client(self, name: str) -> Any:
         from pie_ctx.tools.mcp import MCPClient
@@ -93,15 +100,18 @@ class McpServers:
             ready = anyio.Event()
             box: dict[str, Any] = {}
             client = self._client(name)
+            scope = anyio.CancelScope()
+            self._scopes = [s for s in self._scopes if not s.cancel_called] + [scope]
 
             async def hold() -> None:
                 try:
-                    async with client:
-                        box["tools"] = ServerTools(name, await client.tools(closed=True),
-                                                   client)
-                        self._open[name] = box["tools"]
-                        ready.set()
-                        await anyio.sleep_forever()
+                    with scope:
+                        async with client:
+                            box["tools"] = ServerTools(name, await client.tools(closed=True),
+                                                       client, scope)
+                            self._open[name] = box["tools"]
+                            ready.set()
+                            await anyio.sleep_forever()
                 except Exception as err:  # noqa: BLE001 - reported to the waiting request
                     box["error"] = err
                 finally:
@@ -130,5 +140,6 @@ class McpServers:
         except (ProtocolError, InvalidArgument) as err:
             if isinstance(err, ProtocolError) and self._open.get(name) is held:
                 self._open.pop(name, None)  # reconnect next time
+                held.scope.cancel()
             return f"{ERROR_PREFIX}{err}", True
         return text, text.startswith(ERROR_PREFIX)

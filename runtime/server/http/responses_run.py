@@ -55,6 +55,7 @@ class Plan:
     sampler: SamplerSpec
     max_output: int
     max_calls: int
+    ignore_eos: bool = False
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ class Run:
         gen = self.ctx.generate(plan.sampler, max_tokens=max(1, plan.max_output
                                                              - self.usage.output),
                                 constrain=plan.constrain, speculator="prompt_lookup",
-                                **options)
+                                ignore_eos=plan.ignore_eos, **options)
         message: dict[str, Any] | None = None
         running: list[tuple[ToolCall, dict[str, Any], int, dict[str, Any]]] = []
         client_calls: list[ToolCall] = []

@@ -109,6 +109,7 @@ class ResponsesRequest(_Body, kw_only=True):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     seed: Seed | None = None  # an extension (the chat API's), for reproducible sampling
+    ignore_eos: bool | None = None  # an extension (the chat API's): text ends at its budget
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     store: bool | None = None
@@ -169,6 +170,7 @@ RESPONSES_ACCEPTS: dict[str, str] = {
     "include": "a list of strings (ignored), or null",
     "stream_options": '{"include_obfuscation": true or false}, or null',
     "top_logprobs": "0 or null",
+    "ignore_eos": "true or false, or null",
 }
 
 

@@ -74,6 +74,7 @@ class Namespaces:
         self.engine, self._base = engine, spawn
         self._runtimes: dict[str, Runtime] = {}
         self._lock = anyio.Lock()
+        self.scopes: list[anyio.CancelScope] = []  # the holding tasks (close() cancels them)
 
     @staticmethod
     def of(headers: Any) -> str:
@@ -99,13 +100,17 @@ class Namespaces:
             ready = anyio.Event()
             held: dict[str, Runtime] = {}
 
+            scope = anyio.CancelScope()
+            self.scopes.append(scope)
+
             async def hold() -> None:
                 try:
-                    async with Runtime.over(LocalTransport(self.engine,
-                                                           namespace=namespace)) as opened:
-                        held["rt"] = opened
-                        ready.set()
-                        await anyio.sleep_forever()
+                    with scope:
+                        async with Runtime.over(LocalTransport(
+                                self.engine, namespace=namespace)) as opened:
+                            held["rt"] = opened
+                            ready.set()
+                            await anyio.sleep_forever()
                 finally:
                     self._runtimes.pop(namespace, None)
                     ready.set()
@@ -116,6 +121,11 @@ class Namespaces:
                 raise ApiError(503, "the server is stopping", type="server_error")
             self._runtimes[namespace] = held["rt"]
             return held["rt"]
+
+    def close(self) -> None:
+        """Close every namespace's runtime (the app is stopping)."""
+        for scope in self.scopes:
+            scope.cancel()
 
 
 # ---------------------------------------------------------------------------- records
