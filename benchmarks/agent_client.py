@@ -46,7 +46,8 @@ class Agent:
         self.generated = self.call_tokens = self.sent = self.computed = 0
         self.previous: str | None = None  # --api responses: the last response's id
         self.context = 0  # ... and how many tokens its stored context holds
-        self.rounds = 0  # requests sent (the per-round figure)
+        self.rounds = 0  # requests sent
+        self.followup_sent = 0  # prompt tokens sent by the requests after the first
 
     async def respond(self, step: int, max_tokens: int, items: list[dict[str, Any]], *,
                       fixed: bool = False, **extra: Any) -> Any:
@@ -61,6 +62,8 @@ class Agent:
         usage = r.usage
         self.generated += usage.output_tokens
         self.sent += usage.input_tokens - self.context  # what this request added
+        if self.previous is not None:
+            self.followup_sent += usage.input_tokens - self.context
         self.computed += usage.input_tokens - usage.input_tokens_details.cached_tokens
         self.context = usage.input_tokens + usage.output_tokens
         self.previous, self.rounds = r.id, self.rounds + 1
@@ -242,7 +245,7 @@ async def amain(args: argparse.Namespace) -> None:
         print(W.result_json(latency=latency, generated=agent.generated,
                             call_tokens=agent.call_tokens, call_steps=0,
                             prompt_sent=agent.sent, prompt_computed=agent.computed,
-                            requests=agent.rounds),
+                            requests=agent.rounds, followup_sent=agent.followup_sent),
               flush=True)
 
 

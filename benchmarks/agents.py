@@ -40,7 +40,7 @@ agents (``*_tput_vs_llamaserver``, ``react_p50_vs_llamaserver``, ``*_tput_vs_htt
 ``react_hosted_tput_vs_socket``: a3 against b and a2, ``react_responses_tput_vs_http``,
 ``react_responses_tput_vs_program``: d against b and a2, ``react_mcp_tput_vs_program``: e
 against a2, ``responses_prompt_tokens_sent_per_round``: prompt tokens a d client sends per
-request on ReAct) and the raw figures, and
+ReAct request after its first) and the raw figures, and
 ``socket_hop_us_per_token``: one greedy generation read token by token, best of 5, over the
 socket minus hosted, per token (the hop measured directly, on the first server).
 """
@@ -437,8 +437,11 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
         "react_responses_tput_vs_http": ratio("react", "d", "b"),
         "react_responses_tput_vs_program": ratio("react", "d", "a2"),
         "react_mcp_tput_vs_program": ratio("react", "e", "a2"),
-        "responses_prompt_tokens_sent_per_round": (d.total("prompt_sent") / d.total("requests"))
-        if d is not None and d.total("requests") else None,
+        # a round is a request after an agent's first (its tool's output, or the question
+        # for the answer): what a d client sends once the conversation is stored
+        "responses_prompt_tokens_sent_per_round":
+            d.total("followup_sent") / (d.total("requests") - d.agents)
+            if d is not None and d.total("requests") > d.agents else None,
         "socket_hop_us_per_token": hop,
         "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
         if a2 is not None and a2.total("call_tokens") else None,
