@@ -12,10 +12,6 @@ request), and a fuzz of hostile bodies (4xx, never 5xx).
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -24,67 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.http.test_openai import LiveServer
-from tests.sdk.harness import tiny_model_folder
+from tests.http.conftest import Served
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False,
                           "required": ["city"],
                           "properties": {"city": {"type": "string", "maxLength": 8}}}}
-
-MCP_SERVER = textwrap.dedent('''
-    """A stdio MCP server for test_responses.py: counts its calls."""
-    from typing import Annotated, Literal
-    from pydantic import Field
-    from mcp.server.mcpserver import MCPServer
-
-    app = MCPServer("count", log_level="WARNING")
-    calls = []
-
-    @app.tool()
-    def tally(code: Literal["ab", "cd"]) -> str:
-        """Count a code; returns how many calls so far."""
-        calls.append(code)
-        return f"tally {len(calls)}: {code}"
-
-    @app.tool()
-    def note(text: Annotated[str, Field(max_length=6)]) -> str:
-        """Note some text."""
-        return "noted"
-
-    if __name__ == "__main__":
-        app.run()
-''')
-
-
-class Served:
-    def __init__(self, folder: Path, tmp: Path) -> None:
-        self.folder, self.tmp = folder, tmp
-        self.server = self.start()
-
-    def start(self) -> LiveServer:
-        script = self.tmp / "count_server.py"
-        script.write_text(MCP_SERVER)
-        return LiveServer(str(self.folder), str(self.tmp), "--mcp",
-                          f"count={sys.executable} {script}")
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return self.server.client(key)
-
-    def create(self, key: str = "none", **kw):
-        kw.setdefault("temperature", 0)
-        kw.setdefault("max_output_tokens", 8)
-        return self.client(key).responses.create(model="tiny-llama", **kw)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    folder = tiny_model_folder(tmp_path_factory.mktemp("model"))
-    s = Served(folder, tmp_path_factory.mktemp("srv"))
-    yield s
-    s.server.stop()
-    assert s.server.proc.returncode == 0
-
 
 def test_plain_and_streamed_answers_agree(served: Served) -> None:
     r = served.create(input="Name a colour.", instructions="Answer briefly.")

@@ -184,6 +184,7 @@ class ResponsesService:
                     is not False, constrain=_constraint(req), sampler=_sampler(req),
                     max_output=req.max_output_tokens or DEFAULT_MAX_OUTPUT,
                     max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
+                    max_seq_len=records.rt.info.max_seq_len,
                     ignore_eos=bool(req.ignore_eos))
         if plan.constrain is not None and tools and plan.choice not in ("required",) and \
                 plan.choice not in {t.name for t in tools}:

@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 
 from pie_ctx import Context, Delta
+from pie_ctx.proto.errors import single_exception
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
 from runtime.server.http.responses_mcp import McpServers, ServerTools
@@ -55,6 +56,7 @@ class Plan:
     sampler: SamplerSpec
     max_output: int
     max_calls: int
+    max_seq_len: int  # the model's context: no generation runs past it
     ignore_eos: bool = False
 
 
@@ -158,33 +160,37 @@ class Run:
         if plan.tools:
             options = {"tool_choice": plan.choice if may_call else "none",
                        "parallel_tool_calls": plan.parallel}
-        gen = self.ctx.generate(plan.sampler, max_tokens=max(1, plan.max_output
-                                                             - self.usage.output),
+        budget = min(plan.max_output - self.usage.output,
+                     plan.max_seq_len - self.ctx.seq_len - len(self.ctx.pending_tokens))
+        gen = self.ctx.generate(plan.sampler, max_tokens=max(1, budget),
                                 constrain=plan.constrain, speculator="prompt_lookup",
                                 ignore_eos=plan.ignore_eos, **options)
         message: dict[str, Any] | None = None
         running: list[tuple[ToolCall, dict[str, Any], int, dict[str, Any]]] = []
         client_calls: list[ToolCall] = []
-        async with anyio.create_task_group() as tg:
-            async for delta in gen:
-                if self.first_token is None and delta.tokens:
-                    self.first_token = time.perf_counter()
-                self.usage.output += len(delta.tokens)
-                if delta.content:
-                    if message is None:
-                        message = await self._open_message()
-                    await self._text(message, delta)
-                for call in delta.tool_calls:
-                    if message is not None:
-                        await self._close_message(message)
-                        message = None
-                    if call.name in plan.mcp:
-                        running.append(await self._start_mcp(tg, call))
-                    else:
-                        client_calls.append(call)
-                        await self._function_call(call)
-            if message is not None:
-                await self._close_message(message)
+        try:
+            async with anyio.create_task_group() as tg:
+                async for delta in gen:
+                    if self.first_token is None and delta.tokens:
+                        self.first_token = time.perf_counter()
+                    self.usage.output += len(delta.tokens)
+                    if delta.content:
+                        if message is None:
+                            message = await self._open_message()
+                        await self._text(message, delta)
+                    for call in delta.tool_calls:
+                        if message is not None:
+                            await self._close_message(message)
+                            message = None
+                        if call.name in plan.mcp:
+                            running.append(await self._start_mcp(tg, call))
+                        else:
+                            client_calls.append(call)
+                            await self._function_call(call)
+                if message is not None:
+                    await self._close_message(message)
+        except BaseExceptionGroup as group:  # the generation's own error, unwrapped
+            raise single_exception(group) from None
         server_calls = []
         for call, item, index, box in running:  # every run has finished (the task group)
             text, failed = box["result"]
