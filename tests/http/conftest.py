@@ -48,8 +48,13 @@ class Served:
     def start(self) -> LiveServer:
         script = self.tmp / "count_server.py"
         script.write_text(MCP_SERVER)
-        return LiveServer(str(self.folder), str(self.tmp), "--mcp",
-                          f"count={sys.executable} {script}")
+        server = LiveServer(str(self.folder), str(self.tmp), "--mcp",
+                            f"count={sys.executable} {script}")
+        # The engine's first request warms it up (minutes on a loaded machine): pay it
+        # here, so no test's own timeout does.
+        server.client(timeout=900).responses.create(model="tiny-llama", input="Hi.",
+                                                    max_output_tokens=2, store=False)
+        return server
 
     def client(self, key: str = "none") -> openai.OpenAI:
         return self.server.client(key)

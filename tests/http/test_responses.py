@@ -216,5 +216,5 @@ def test_a_stored_response_survives_a_restart(served: Served) -> None:
     context = first.usage.input_tokens + first.usage.output_tokens
     assert follow.usage.input_tokens_details.cached_tokens >= context - 1
     new = follow.usage.input_tokens - follow.usage.input_tokens_details.cached_tokens
-    assert 0 < new < 20  # only "Which number?" and its turn markers
+    assert 0 < new < 40 < context  # only "Which number?" and its turn's markup
     assert served.client().responses.retrieve(first.id).output_text == first.output_text

@@ -67,6 +67,8 @@ from runtime.server.http.responses_store import (
 
 __all__ = ["ResponsesService", "turns_of_items"]
 
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy decoding
+
 
 class ResponsesService:
     """The Responses routes over the engine.
@@ -444,7 +446,7 @@ def _constraint(req: ResponsesRequest) -> Any:
 
 def _sampler(req: ResponsesRequest) -> SamplerSpec:
     temperature = 1.0 if req.temperature is None else float(req.temperature)
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:  # its limit; the engine's sampler fails on 1e-100
         return SamplerSpec()
     return SamplerSpec(temperature=temperature, top_p=float(req.top_p or 1.0), seed=req.seed)
 
