@@ -17,10 +17,14 @@ import itertools
 import sys
 from typing import Annotated, Literal
 
-import agent_workloads as W
-import anyio
-from mcp.server.mcpserver import MCPServer
-from pydantic import Field
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv):
+    print(__doc__)
+    sys.exit(0)
+
+import agent_workloads as W  # noqa: E402
+import anyio  # noqa: E402
+from mcp.server.mcpserver import MCPServer  # noqa: E402
+from pydantic import Field  # noqa: E402
 
 SHAPE = W.SMOKE if "--smoke" in sys.argv else W.Shape()
 _search, _page = (t["function"] for t in W.REACT_TOOLS)

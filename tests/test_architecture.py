@@ -110,6 +110,13 @@ def test_the_sdk_reaches_the_runtime_only_through_its_two_entry_points():
 ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain",
                                                              "pie_ctx.tools"},
                           "runtime.server.http.openai_chat": {"pie_ctx.tools"},
+                          "runtime.server.http.responses_api": {"pie_ctx.constrain",
+                                                                "pie_ctx.tools"},
+                          "runtime.server.http.responses_run": {"pie_ctx.tools"},
+                          "runtime.server.http.responses_mcp": {"pie_ctx.tools",
+                                                                "pie_ctx.tools.mcp"},
+                          # a runtime per API key, each in its own snapshot namespace
+                          "runtime.server.http.responses_store": {"pie_ctx.transport"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
                           "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"}}
 
