@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 
 from pie_ctx import Context, Runtime
-from pie_ctx.proto.errors import PieError, SnapshotNotFound, StoreFull
+from pie_ctx.proto.errors import OutOfPages, PieError, SnapshotNotFound, StoreFull
 from pie_ctx.transport import LocalTransport
 from runtime.server.http.openai_schema import ApiError
 
@@ -199,7 +199,13 @@ class Records:
         """Save ``ctx`` as the record's snapshot, then the record; reclaim what is past
         the namespace's bound or its lifetime first."""
         await self._reclaim()
-        await ctx.save(record.snapshot)
+        for attempt in range(8):
+            try:
+                await ctx.save(record.snapshot)
+                break
+            except OutOfPages:  # stored responses hold pool pages (a pool without a disk)
+                if attempt == 7 or not await self._drop_oldest(exclude=record.id):
+                    raise
         text = json.dumps({"response": record.response, "input_items": record.input_items,
                            "previous": record.previous, "header": record.header,
                            "created": record.created})
