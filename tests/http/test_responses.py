@@ -12,6 +12,9 @@ request), and a fuzz of hostile bodies (4xx, never 5xx).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -154,6 +157,17 @@ def test_mcp_tools_run_two_rounds_inside_one_request(served: Served) -> None:
     assert all(o.type != "mcp_list_tools" for o in follow.output)
 
 
+def test_an_mcp_server_over_streamable_http(served: Served) -> None:
+    r = served.create(input="Look up ab.", tools=[{"type": "mcp", "server_label": "web",
+                                                   "allowed_tools": ["lookup"]}],
+                      tool_choice="required", max_tool_calls=1, max_output_tokens=100)
+    listed, call = r.output[0], r.output[1]
+    assert listed.type == "mcp_list_tools" and [t.name for t in listed.tools] == ["lookup"]
+    assert call.type == "mcp_call" and call.name == "lookup" and call.server_label == "web"
+    code = json.loads(call.arguments)["code"]
+    assert json.loads(call.output) == {"code": code, "value": 14}
+
+
 def test_mcp_servers_are_only_the_configured_ones(served: Served) -> None:
     for tool in ({"type": "mcp", "server_label": "elsewhere"},
                  {"type": "mcp", "server_label": "count",
@@ -161,6 +175,14 @@ def test_mcp_servers_are_only_the_configured_ones(served: Served) -> None:
                  {"type": "mcp", "server_label": "count", "require_approval": "always"}):
         with pytest.raises(openai.BadRequestError):
             served.create(input="Hi.", tools=[tool])
+
+
+def test_serve_refuses_a_bad_mcp_option(tmp_path) -> None:
+    for args in (["--mcp", "no-equals-sign", "--http", "0"], ["--mcp", "x=python s.py"]):
+        out = subprocess.run([sys.executable, "-m", "runtime.server", "serve", *args],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "XDG_DATA_HOME": str(tmp_path)})
+        assert out.returncode == 2 and "--mcp" in out.stderr, out.stderr[-500:]
 
 
 def test_hostile_bodies_are_4xx_never_5xx(served: Served) -> None:
