@@ -188,14 +188,6 @@ class ResponsesService:
                     max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
                     max_seq_len=records.rt.info.max_seq_len,
                     ignore_eos=bool(req.ignore_eos))
-        if plan.constrain is not None and tools and plan.choice not in ("required",) and \
-                plan.choice not in {t.name for t in tools}:
-            raise ApiError(400, "'text.format' together with tools is served only with "
-                                "tool_choice 'required' or a named tool for now (the tool "
-                                "format's grammar is the generation's constraint)",
-                           param="text")
-        if plan.constrain is not None and tools:
-            plan.constrain = None  # a call is what this generation makes: its schema rules
         rid = new_response_id()
         ctx = await self._context(records, prev, continued, req, items, tools, adapter)
         response = self._body(rid, req, tools)

@@ -31,9 +31,10 @@ from typing import Any
 import anyio
 
 from pie_ctx import Context, Delta
-from pie_ctx.proto.errors import single_exception
+from pie_ctx.proto.errors import InvalidArgument, single_exception
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
+from runtime.server.http.openai_schema import ApiError
 from runtime.server.http.responses_mcp import McpServers, ServerTools
 from runtime.server.http.responses_schema import item_id
 
@@ -162,9 +163,7 @@ class Run:
                        "parallel_tool_calls": plan.parallel}
         budget = min(plan.max_output - self.usage.output,
                      plan.max_seq_len - self.ctx.seq_len - len(self.ctx.pending_tokens))
-        gen = self.ctx.generate(plan.sampler, max_tokens=max(1, budget),
-                                constrain=plan.constrain, speculator="prompt_lookup",
-                                ignore_eos=plan.ignore_eos, **options)
+        gen = self._generate(max(1, budget), options)
         message: dict[str, Any] | None = None
         running: list[tuple[ToolCall, dict[str, Any], int, dict[str, Any]]] = []
         client_calls: list[ToolCall] = []
@@ -202,6 +201,28 @@ class Run:
             await self._done(index)
             server_calls.append((call, text))
         return server_calls, client_calls, gen.finish_reason or "stop"
+
+    def _generate(self, max_tokens: int, options: dict[str, Any]) -> Any:
+        """The round's generator. ``text.format`` with tools: the SDK's tool format takes
+        the schema for its answer where it can; where it cannot (it refuses a constraint
+        beside tools), a round that must call is served without it (the call's schema
+        rules), and one that may answer is refused."""
+        plan = self.plan
+        kw = dict(sampler=plan.sampler, max_tokens=max_tokens, speculator="prompt_lookup",
+                  ignore_eos=plan.ignore_eos, **options)
+        try:
+            return self.ctx.generate(constrain=plan.constrain, **kw)
+        except InvalidArgument:
+            choice = options.get("tool_choice")
+            if plan.constrain is None or not options or choice in ("auto", "none", None):
+                if plan.constrain is not None and options:
+                    raise ApiError(400, "'text.format' together with tools is served here "
+                                        "only while a call is required (tool_choice "
+                                        "'required' or a named tool): this server's tool "
+                                        "format cannot yet constrain its answer",
+                                   param="text") from None
+                raise
+            return self.ctx.generate(**kw)
 
     # ------------------------------------------------------------------------- output
 
