@@ -1,7 +1,8 @@
-"""Agents of ``benchmarks/agents.py`` as OpenAI clients (systems b and c).
+"""Agents of ``benchmarks/agents.py`` as OpenAI clients (systems b, c, d and e).
 
     python benchmarks/agent_client.py --url http://127.0.0.1:PORT/v1 \\
-        --workload react|codeact|swarm --agent I [--smoke] [--tools-as schema]
+        --workload react|codeact|swarm --agent I [--smoke] [--tools-as schema] \\
+        [--api chat|responses|mcp]
 
 The program an agent framework is: it keeps each agent's message list and sends all of it
 with every request, runs the tools itself, and reads each answer whole. One process per
@@ -14,6 +15,15 @@ The same program talks to ``pie-ctx serve --http`` (b) and to llama.cpp's ``llam
 (it answers prose), so for it ``--tools-as grammar`` sends the call's grammar (GBNF, the
 language our engine's constraint allows) or ``--tools-as schema`` its JSON Schema as
 ``response_format`` (llama.cpp's converter then allows free whitespace: longer calls).
+
+``--api responses`` (d) is the same agents as clients of ``/v1/responses``: each request
+sends only the agent's new items (a tool's output, an incoming message) with
+``previous_response_id``, as the OpenAI Agents SDK does; the server continues the stored
+context. ``--api mcp`` (e) is ReAct with its tools on the server (``serve --mcp react=
+"python benchmarks/agent_mcp.py"``): one request per agent, ``max_tool_calls`` = the
+rounds, then the answer; ``ignore_eos`` and ``max_output_tokens`` = the rounds' call
+budget plus the answer's make its generated tokens the other systems' (the answer takes
+what the calls left).
 """
 
 from __future__ import annotations
@@ -34,6 +44,30 @@ class Agent:
         self.client, self.model, self.index, self.args = client, model, index, args
         self.messages: list[dict[str, Any]] = []
         self.generated = self.call_tokens = self.sent = self.computed = 0
+        self.previous: str | None = None  # --api responses: the last response's id
+        self.context = 0  # ... and how many tokens its stored context holds
+        self.rounds = 0  # requests sent
+        self.followup_sent = 0  # prompt tokens sent by the requests after the first
+
+    async def respond(self, step: int, max_tokens: int, items: list[dict[str, Any]], *,
+                      fixed: bool = False, **extra: Any) -> Any:
+        """One ``/v1/responses`` request continuing this agent's last response."""
+        body: dict[str, Any] = {"seed": W.seed(self.index, step)}
+        if fixed:
+            body["ignore_eos"] = True
+        r = await self.client.responses.create(
+            model=self.model, input=items, previous_response_id=self.previous,
+            max_output_tokens=max_tokens, temperature=W.TEMPERATURE, top_p=W.TOP_P,
+            extra_body=body, **extra)
+        usage = r.usage
+        self.generated += usage.output_tokens
+        self.sent += usage.input_tokens - self.context  # what this request added
+        if self.previous is not None:
+            self.followup_sent += usage.input_tokens - self.context
+        self.computed += usage.input_tokens - usage.input_tokens_details.cached_tokens
+        self.context = usage.input_tokens + usage.output_tokens
+        self.previous, self.rounds = r.id, self.rounds + 1
+        return r
 
     async def complete(self, step: int, max_tokens: int, *, fixed: bool = False,
                        grammar: str | None = None, **extra: Any) -> Any:
@@ -105,6 +139,41 @@ async def react(agent: Agent, shape: W.Shape) -> None:
     await agent.complete(99, shape.answer_tokens, fixed=True, **extra)
 
 
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in W.REACT_TOOLS]
+CALL_BUDGET = 48  # tokens of a ReAct call (agent_workloads: ~48)
+
+
+async def react_responses(agent: Agent, shape: W.Shape) -> None:
+    """ReAct over ``/v1/responses``: only new items, after ``previous_response_id``."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": W.react_question(agent.index)}]
+    for rnd in range(shape.rounds):
+        r = await agent.respond(rnd, 96, items, instructions=W.REACT_SYSTEM,
+                                tools=RESPONSES_TOOLS, tool_choice="required",
+                                parallel_tool_calls=False)
+        calls = [o for o in r.output if o.type == "function_call"]
+        observation = W.react_observation(agent.index, rnd)
+        items = ([{"type": "function_call_output", "call_id": calls[0].call_id,
+                   "output": observation}] if calls
+                 else [{"role": "user", "content": observation}])
+        agent.call_tokens += r.usage.output_tokens
+        await anyio.sleep(shape.tool_latency)  # the web API
+    items.append({"role": "user", "content": W.REACT_FINAL})
+    await agent.respond(99, shape.answer_tokens, items, fixed=True,
+                        instructions=W.REACT_SYSTEM, tools=RESPONSES_TOOLS,
+                        tool_choice="none")
+
+
+async def react_mcp(agent: Agent, shape: W.Shape) -> None:
+    """ReAct with its tools in the server: one request runs every round and the answer."""
+    await agent.respond(0, shape.rounds * CALL_BUDGET + shape.answer_tokens,
+                        [{"role": "user", "content": W.react_question(agent.index)}],
+                        fixed=True, instructions=W.REACT_SYSTEM,
+                        tools=[{"type": "mcp", "server_label": "react",
+                                "require_approval": "never"}],
+                        tool_choice="required", parallel_tool_calls=False,
+                        max_tool_calls=shape.rounds)
+
+
 async def codeact(agent: Agent, shape: W.Shape) -> None:
     agent.messages = [{"role": "system", "content": W.CODEACT_SYSTEM},
                       {"role": "user", "content": W.codeact_task(agent.index)}]
@@ -127,17 +196,24 @@ async def swarm(agents: list[Agent], shape: W.Shape) -> list[float]:
 
     async def run(me: Agent) -> None:
         i = me.index % ring  # its place in the ring; me.index names it everywhere else
+        responses = me.args.api == "responses"
         me.messages = [{"role": "system", "content": W.swarm_system(me.index, ring)},
                        {"role": "user", "content": W.swarm_opening(me.index)}]
+        items: list[dict[str, Any]] = [me.messages[1]]
         for k in range(W.messages_per_agent(shape)):
-            r = await me.complete(k, shape.message_tokens, fixed=True)
-            text = r.choices[0].message.content or ""
-            me.messages.append({"role": "assistant", "content": text})
+            if responses:  # only the new message, after the stored context
+                r = await me.respond(k, shape.message_tokens, items, fixed=True,
+                                     instructions=me.messages[0]["content"])
+                text = r.output_text
+            else:
+                r = await me.complete(k, shape.message_tokens, fixed=True)
+                text = r.choices[0].message.content or ""
+                me.messages.append({"role": "assistant", "content": text})
             await send[(i + 1) % ring].send(text)
             incoming = await receive[i].receive()
             sender = me.index - i + (i - 1) % ring
-            me.messages.append({"role": "user",
-                                "content": W.swarm_incoming(sender, incoming)})
+            items = [{"role": "user", "content": W.swarm_incoming(sender, incoming)}]
+            me.messages.extend(items)
         latencies[i] = time.perf_counter() - t0
 
     async with anyio.create_task_group() as tg:
@@ -161,12 +237,15 @@ async def amain(args: argparse.Namespace) -> None:
         if args.workload == "swarm":
             latencies = await swarm(agents, shape)
         else:
-            await (react if args.workload == "react" else codeact)(agents[0], shape)
+            work = {"chat": react, "responses": react_responses, "mcp": react_mcp}[args.api] \
+                if args.workload == "react" else codeact
+            await work(agents[0], shape)
             latencies = [time.perf_counter() - t0]
     for agent, latency in zip(agents, latencies, strict=True):
         print(W.result_json(latency=latency, generated=agent.generated,
                             call_tokens=agent.call_tokens, call_steps=0,
-                            prompt_sent=agent.sent, prompt_computed=agent.computed),
+                            prompt_sent=agent.sent, prompt_computed=agent.computed,
+                            requests=agent.rounds, followup_sent=agent.followup_sent),
               flush=True)
 
 
@@ -179,6 +258,10 @@ def main() -> None:
                     help="the agent's index (Swarm: the ring's)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--tools-as", choices=("tools", "schema", "grammar"), default="tools")
+    ap.add_argument("--api", choices=("chat", "responses", "mcp"), default="chat",
+                    help="chat: /v1/chat/completions, the whole history each round (b, c); "
+                         "responses: /v1/responses, only new items (d); mcp: ReAct's tools "
+                         "as server-side MCP tools, one request (e)")
     anyio.run(amain, ap.parse_args())
 
 

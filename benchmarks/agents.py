@@ -1,7 +1,7 @@
 """Programs vs prompts: three agent workloads as inferlets and as OpenAI clients, side by side.
 
     .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights int8,fp32]
-        [--workloads react,codeact,swarm] [--systems a1,a2,a3,b,c]
+        [--workloads react,codeact,swarm] [--systems a1,a2,a3,b,c,d,e]
         [--llama-server PATH] [--threads 2] [--smoke] [--model M]
 
 Workloads (fixed structure, benchmarks/agent_workloads.py): ReAct (an ~800-token system
@@ -22,7 +22,11 @@ Systems, each agent its own process, released together once all are ready:
   message list every round (benchmarks/agent_client.py);
 * c:  the same client program against llama.cpp's ``llama-server`` on the same GGUF and
   thread count, ``-np`` = the concurrency (skipped without ``--llama-server``; building
-  it: docs/agents.md).
+  it: docs/agents.md);
+* d:  ReAct and Swarm as clients of ``/v1/responses`` that send only their new items with
+  ``previous_response_id`` (the server continues each agent's stored context);
+* e:  ReAct with its tools as server-side MCP tools (``serve --mcp react=...``,
+  benchmarks/agent_mcp.py): one ``/v1/responses`` request per agent.
 
 Our server runs with ``--weights int8`` (what a CPU user picks beside a Q4_1 GGUF) and
 fp32. Each (workload, concurrency, system) run gets a fresh session prefix in its prompts
@@ -33,7 +37,10 @@ Reports per run: per-agent latency p50/p99, agents per minute, generated tokens/
 prompt tokens sent and computed; the last line is one JSON object with the ratios at 8
 agents (``*_tput_vs_llamaserver``, ``react_p50_vs_llamaserver``, ``*_tput_vs_http``,
 ``react_plain_tput_vs_http``, ``tool_call_steps_per_token``, ``react_hosted_tput_vs_http``,
-``react_hosted_tput_vs_socket``: a3 against b and a2) and the raw figures, and
+``react_hosted_tput_vs_socket``: a3 against b and a2, ``react_responses_tput_vs_http``,
+``react_responses_tput_vs_program``: d against b and a2, ``react_mcp_tput_vs_program``: e
+against a2, ``responses_prompt_tokens_sent_per_round``: prompt tokens a d client sends per
+ReAct request after its first) and the raw figures, and
 ``socket_hop_us_per_token``: one greedy generation read token by token, best of 5, over the
 socket minus hosted, per token (the hop measured directly, on the first server).
 """
@@ -93,7 +100,7 @@ class Run:
         return 60 * len(self.results) / self.wall
 
     def total(self, key: str) -> int:
-        return sum(r[key] for r in self.results)
+        return sum(r.get(key, 0) for r in self.results)
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,11 +122,13 @@ class Run:
 class PieServer:
     """``pie-ctx serve`` with a socket and the HTTP API, in a subprocess."""
 
-    def __init__(self, weights: str, model: str | None, tmp: str) -> None:
+    def __init__(self, weights: str, model: str | None, tmp: str, smoke: bool = False) -> None:
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
+        tools = f"{sys.executable} {HERE / 'agent_mcp.py'}" + (" --smoke" if smoke else "")
         cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
                "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
                "--num-pages", str(NUM_PAGES), "--client-share", "1", "--inferlets", str(HERE),
+               "--mcp", f"react={tools}",
                "--no-access-log"]  # stderr is read only until the server is ready
         if model:
             cmd += ["--model", model]
@@ -210,9 +219,10 @@ def _agent_commands(run: Run, target: str, session: str, smoke: bool, tools_as: 
                 for i in range(run.agents)]
     count = run.agents // ring if run.workload == "swarm" else run.agents
     first = first // ring if run.workload == "swarm" else first
+    api = {"d": "responses", "e": "mcp"}.get(run.system, "chat")
     return [[sys.executable, str(HERE / "agent_client.py"), "--url", target, "--workload",
-             run.workload, "--agent", str(first + i), "--tools-as", tools_as] + extra
-            for i in range(count)]
+             run.workload, "--agent", str(first + i), "--tools-as", tools_as, "--api", api]
+            + extra for i in range(count)]
 
 
 async def _spawn(cmd: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
@@ -321,6 +331,8 @@ async def measure(weights: str, workload: str, agents: int, system: str, target:
 
 
 WARM_AGENTS = 10_000  # warm-up agents are numbered from here (other questions, seeds)
+# d is ReAct and Swarm (the agents a framework writes); e is ReAct (its tools on the server)
+SKIPPED = {("codeact", "d"), ("codeact", "e"), ("swarm", "e")}
 
 
 # --------------------------------------------------------------------------------- main
@@ -349,7 +361,7 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
 
             args.model = str(tiny_model_folder(Path(tmp)))
         for weights in args.weights.split(","):
-            server = PieServer(weights, args.model, tmp)
+            server = PieServer(weights, args.model, tmp, args.smoke)
             try:
                 if hop is None:
                     hop = await socket_hop_us(server, args.smoke)
@@ -357,7 +369,8 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
                     for level in _levels(args.concurrency):
                         agents = max(ring, level - level % ring) if workload == "swarm" \
                             else level
-                        for system in [s for s in systems if s != "c"]:
+                        for system in [s for s in systems if s != "c"
+                                       and (workload, s) not in SKIPPED]:
                             target = f"unix:{server.socket}" \
                                 if system in ("a1", "a2", "a3") else server.url
                             runs.append(await measure(weights, workload, agents, system,
@@ -411,7 +424,7 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
             return None
         return x.agents_per_min / y.agents_per_min if what == "tput" else x.p50 / y.p50
 
-    a2 = find("react", "a2")
+    a2, d = find("react", "a2"), find("react", "d")
     out: dict[str, Any] = {
         "react_tput_vs_llamaserver": ratio("react", "a2", "c"),
         "codeact_tput_vs_llamaserver": ratio("codeact", "a2", "c"),
@@ -422,6 +435,14 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
         "react_plain_tput_vs_http": ratio("react", "a1", "b"),
         "react_hosted_tput_vs_http": ratio("react", "a3", "b"),
         "react_hosted_tput_vs_socket": ratio("react", "a3", "a2"),
+        "react_responses_tput_vs_http": ratio("react", "d", "b"),
+        "react_responses_tput_vs_program": ratio("react", "d", "a2"),
+        "react_mcp_tput_vs_program": ratio("react", "e", "a2"),
+        # a round is a request after an agent's first (its tool's output, or the question
+        # for the answer): what a d client sends once the conversation is stored
+        "responses_prompt_tokens_sent_per_round":
+            d.total("followup_sent") / (d.total("requests") - d.agents)
+            if d is not None and d.total("requests") > d.agents else None,
         "socket_hop_us_per_token": hop,
         "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
         if a2 is not None and a2.total("call_tokens") else None,
@@ -436,7 +457,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--weights", default="int8,fp32")
     ap.add_argument("--workloads", default="react,codeact,swarm")
-    ap.add_argument("--systems", default="a1,a2,a3,b,c")
+    ap.add_argument("--systems", default="a1,a2,a3,b,c,d,e")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
     ap.add_argument("--llama-tools", choices=("grammar", "schema", "tools"),
                     default="grammar",

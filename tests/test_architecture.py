@@ -160,6 +160,13 @@ ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain"
                                                                   "pie_ctx.tools"},
                           "runtime.server.http.anthropic_api": {"pie_ctx.constrain"},
                           "runtime.server.http.anthropic_schema": {"pie_ctx.tools"},
+                          "runtime.server.http.responses_api": {"pie_ctx.constrain",
+                                                                "pie_ctx.tools"},
+                          "runtime.server.http.responses_run": {"pie_ctx.tools"},
+                          "runtime.server.http.responses_mcp": {"pie_ctx.tools",
+                                                                "pie_ctx.tools.mcp"},
+                          # a runtime per API key, each in its own snapshot namespace
+                          "runtime.server.http.responses_store": {"pie_ctx.transport"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
                           "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"},
                           # one in-process transport: the bridge is a LocalTransport whose

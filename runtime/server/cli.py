@@ -83,6 +83,15 @@ def _adapter_option(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _mcp_option(value: str) -> tuple[str, str]:
+    from runtime.server.http.responses_mcp import parse_mcp_option
+
+    try:
+        return parse_mcp_option(value)
+    except PieError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
     options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
@@ -139,6 +148,12 @@ def register(subparsers: Any) -> None:
                        help="a folder of inferlet files (NAME.py) that clients may launch "
                             "inside the server by name (`pie-ctx launch NAME`, rt.spawn); "
                             "they run with the server's rights (docs/inferlets.md)")
+    serve.add_argument("--mcp", action="append", default=[], type=_mcp_option,
+                       metavar="NAME=COMMAND|URL",
+                       help="an MCP server whose tools HTTP clients of /v1/responses may "
+                            "run inside the server ({\"type\": \"mcp\", \"server_label\": "
+                            "NAME}): a command started over stdio, or a streamable-HTTP URL "
+                            "(repeatable; needs --http; docs/http.md)")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
@@ -213,6 +228,11 @@ def serve_main(args: argparse.Namespace) -> int:
             from runtime.server.http.access_log import set_enabled
 
             set_enabled(False)
+        mcp = dict(args.mcp)
+        if len(mcp) != len(args.mcp):
+            raise PieError("--mcp names must differ")
+        if mcp and http is None:
+            raise PieError("--mcp needs --http (its tools serve /v1/responses)")
         folder = None if args.inferlets is None else InferletFolder(args.inferlets)
         engine = boot_engine(args.model, **engine_options(args), **_snapshot_options(args),
                              owner_share=None if args.client_share >= 1 else args.client_share)
@@ -242,13 +262,16 @@ def serve_main(args: argparse.Namespace) -> int:
 
     def http_ready(bound: Any) -> None:
         _say(f"serving HTTP on {bound}")
+        if mcp:
+            _say(f"MCP servers for /v1/responses: {', '.join(sorted(mcp))}")
         if key_file is not None:
             _say(f"HTTP clients need the API key in {key_file}")
 
     try:
         anyio.run(lambda: run_server(engine, address, token=token,
                                      max_frame_bytes=args.max_frame_bytes, ready=ready,
-                                     http=http, api_key=api_key, http_ready=http_ready))
+                                     http=http, api_key=api_key, http_ready=http_ready,
+                                     mcp=mcp))
     except PieError as err:
         _say(f"error: {err}")
         return 2

@@ -129,13 +129,16 @@ async def _not_found(request: Any, exc: Any) -> Any:
     return _error(path, exc.status_code, str(exc.detail))
 
 
-def create_app(engine: Any, *, api_key: str | None = None) -> Any:
+def create_app(engine: Any, *, api_key: str | None = None,
+               mcp: dict[str, str] | None = None) -> Any:
     """The Starlette app for ``engine`` (already running, or started by the caller before
     the app's lifespan begins).
 
     Args:
         engine: the engine every request runs on.
         api_key: required as ``Authorization: Bearer`` on every data endpoint if given.
+        mcp: the MCP servers ``/v1/responses`` may run tools on, name -> command or URL
+            (``serve --mcp``).
     """
     from starlette.applications import Starlette
 
@@ -147,6 +150,7 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
     from runtime.server.http.openai_api import OpenAIService
+    from runtime.server.http.responses_api import ResponsesService
     from runtime.server.http.serving_api import ServingRoutes
     from runtime.server.http.state import state_routes
 
@@ -162,6 +166,7 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
             try:
                 yield
             finally:
+                responses.close()
                 del holder["rt"]
 
     channels = ChannelRoutes(lambda: holder["rt"])
@@ -169,10 +174,11 @@ def create_app(engine: Any, *, api_key: str | None = None) -> Any:
     serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model,
                             service.guard)
     messages = MessagesService(lambda: holder["rt"], service.check_model, metrics)
+    responses = ResponsesService(engine, lambda: holder["rt"], service, metrics, mcp)
     embeddings = EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
                                  lambda: engine.info().adapters)
-    routes = [*service.routes, *messages.routes, *serving.routes, *embeddings.routes,
-              *AdapterRoutes(lambda: holder["rt"]).routes, *channels.routes,
+    routes = [*service.routes, *responses.routes, *messages.routes, *serving.routes,
+              *embeddings.routes, *AdapterRoutes(lambda: holder["rt"]).routes, *channels.routes,
               *inferlets.routes, *metrics.routes, *state_routes(engine, metrics)]
     app: Any = Starlette(routes=routes, lifespan=lifespan,
                          exception_handlers={404: _not_found, 405: _not_found})

@@ -225,14 +225,14 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
         if rendering is not None:
             ctx.append(_rendered(rt, turns, rendering))
         else:
-            _fill(ctx, turns, tools)
+            fill_turns(ctx, turns, tools)
     except BaseException:
         await ctx.release()
         raise
     return ctx
 
 
-def _fill(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
+def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
     rest = _declare(ctx, turns, tools) if tools else turns
     for turn in rest:
         try:

@@ -1,0 +1,304 @@
+"""The body of ``POST /v1/responses`` as typed msgspec Structs, and its input items.
+
+Owner: the shape of a Responses request. :func:`decode_request` checks the body in one pass
+(types, ranges, unknown fields: refused by name as the chat API does, through
+``openai_schema.decode``); :func:`input_items` turns ``input`` (a string, or a list of
+items) into the items this server stores and lists back (``GET
+/v1/responses/{id}/input_items``): each with an ``id`` and OpenAI's item shape, so the
+official client parses them.
+
+Items served: messages (``user``, ``system``, ``developer``, ``assistant``; content a
+string or ``input_text``/``output_text`` parts), ``function_call``,
+``function_call_output``, and ``mcp_call``/``mcp_list_tools`` items a client sends back
+from an earlier response. Any other item type (images, files, reasoning, computer calls...)
+is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from runtime.server.http.openai_schema import (
+    ACCEPTS,
+    ApiError,
+    Probability,
+    Seed,
+    Temperature,
+    TokenCount,
+    _Body,
+    decode,
+)
+
+__all__ = ["ResponsesRequest", "FunctionTool", "McpTool", "decode_request", "input_items",
+           "item_id", "MAX_ITEMS", "MAX_METADATA"]
+
+MAX_ITEMS = 4096  # input items in one request
+MAX_METADATA = 16  # OpenAI's limit: 16 keys of <= 64 characters, values of <= 512
+MAX_TOOL_CALLS = 64  # the most server-side (MCP) calls one request may ask for
+
+
+class FunctionTool(_Body, kw_only=True, tag_field="type", tag="function"):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # every call is generated under its schema anyway
+
+
+class McpAllowed(_Body, kw_only=True):
+    tool_names: list[str] | None = None
+    read_only: bool | None = None  # refused when true (no tool is known to be read-only)
+
+
+class McpTool(_Body, kw_only=True, tag_field="type", tag="mcp"):
+    server_label: str
+    allowed_tools: list[str] | McpAllowed | None = None
+    require_approval: Any = None  # only "never" (or null) is served: no approval round trip
+    server_description: str | None = None  # ignored (the server's own descriptions are used)
+    # Refused: a request names only servers the operator configured (``serve --mcp``).
+    server_url: str | None = None
+    connector_id: str | None = None
+    headers: dict[str, str] | None = None
+    authorization: str | None = None
+
+
+Tool = FunctionTool | McpTool
+
+
+class NamedFunctionChoice(_Body, kw_only=True, tag_field="type", tag="function"):
+    name: str
+
+
+class McpChoice(_Body, kw_only=True, tag_field="type", tag="mcp"):
+    server_label: str
+    name: str | None = None
+
+
+class TextFormat(_Body, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # ignored
+
+
+class StreamOptions(_Body, kw_only=True):
+    include_obfuscation: bool | None = None  # ignored: nothing is obfuscated
+
+
+class ResponsesRequest(_Body, kw_only=True):
+    model: str
+    input: str | Annotated[list[Any], msgspec.Meta(max_length=MAX_ITEMS)]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: (Literal["auto", "none", "required"] | NamedFunctionChoice | McpChoice
+                  | None) = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOOL_CALLS)] | None = None
+    text: TextConfig | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    seed: Seed | None = None  # an extension (the chat API's), for reproducible sampling
+    ignore_eos: bool | None = None  # an extension (the chat API's): text ends at its budget
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
+                             Annotated[str, msgspec.Meta(max_length=512)]],
+                        msgspec.Meta(max_length=MAX_METADATA)] | None = None
+    # ignored: they change nothing about the output
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # refused unless 0
+    # refused unless null (or false)
+    reasoning: Any = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+
+_REFUSED_HERE: dict[str, tuple[Any, str]] = {
+    "reasoning": (lambda v: v is not None and any(x is not None for x in (
+        v.values() if isinstance(v, dict) else [v])), "this model does not reason"),
+    "background": (lambda v: bool(v), "background responses are not supported"),
+    "conversation": (lambda v: v is not None, "the Conversations API is not served: "
+                                              "chain responses with previous_response_id"),
+    "prompt": (lambda v: v is not None, "stored prompt templates are not supported"),
+    "top_logprobs": (lambda v: v not in (None, 0), "logprobs are not served by "
+                                                   "/v1/responses (use /v1/chat/completions)"),
+}
+
+_ITEM = ('{"role": "user", "content": "..."}, {"type": "function_call_output", "call_id": '
+         '"...", "output": "..."} or {"type": "function_call", "call_id": "...", "name": '
+         '"...", "arguments": "{...}"}')
+RESPONSES_ACCEPTS: dict[str, str] = {
+    **{k: v for k, v in ACCEPTS.items() if "[" not in k and "." not in k},
+    "input": f"a string, or a list of at most {MAX_ITEMS} items, each {_ITEM}",
+    "instructions": "a string (the system message), or null",
+    "previous_response_id": "the id of a stored response (resp_...), or null",
+    "tools": ('a list of tools, each {"type": "function", "name": "...", "parameters": {...}}'
+              ' or {"type": "mcp", "server_label": "..."} (a server configured with '
+              '`pie-ctx serve --mcp`), or null'),
+    "tools[]": ('{"type": "function", "name": "...", "parameters": {JSON Schema}} or '
+                '{"type": "mcp", "server_label": "..."}'),
+    "tool_choice": ('"auto", "none", "required", {"type": "function", "name": "..."} or '
+                    '{"type": "mcp", "server_label": "...", "name": "..."}, or null'),
+    "max_tool_calls": f"an integer from 1 to {MAX_TOOL_CALLS}, or null",
+    "text": '{"format": {"type": "text"}, {"type": "json_object"} or {"type": '
+            '"json_schema", "name": "...", "schema": {JSON Schema}}}, or null',
+    "text.format": '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                   '"name": "...", "schema": {JSON Schema}}',
+    "max_output_tokens": ACCEPTS["max_tokens"],
+    "metadata": f"an object of at most {MAX_METADATA} string values (keys of at most 64 "
+                "characters, values of at most 512), or null",
+    "truncation": '"auto" or "disabled", or null',
+    "include": "a list of strings (ignored), or null",
+    "stream_options": '{"include_obfuscation": true or false}, or null',
+    "top_logprobs": "0 or null",
+    "ignore_eos": "true or false, or null",
+}
+
+
+def decode_request(raw: bytes) -> ResponsesRequest:
+    """The request body, checked (see the module docstring).
+
+    Raises:
+        ApiError: 400 naming the first field that is wrong, unknown or refused.
+    """
+    req = decode(raw, ResponsesRequest, accepts=RESPONSES_ACCEPTS)
+    for name, (used, why) in _REFUSED_HERE.items():
+        if used(getattr(req, name)):
+            raise ApiError(400, f"'{name}' is not supported by this server: {why}",
+                           param=name, code="unsupported_parameter")
+    return req
+
+
+# --------------------------------------------------------------------------------- items
+
+
+def item_id(prefix: str) -> str:
+    """A new item id (``msg_...``, ``fc_...``): unique, never reused."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _bad(i: int, message: str) -> ApiError:
+    return ApiError(400, f"input[{i}]: {message}", param="input")
+
+
+def _string(item: dict[str, Any], key: str, i: int, *, required: bool = True) -> str:
+    value = item.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise _bad(i, f"'{key}' must be a string")
+    return value
+
+
+def _text_parts(content: Any, i: int, role: str) -> str:
+    """A message's text: a string, or text parts (``input_text``, ``output_text``,
+    ``refusal``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(i, "'content' must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise _bad(i, f"content[{j}]: only text parts are supported ({{\"type\": "
+                          f"\"input_text\", \"text\": \"...\"}}), got {str(kind)[:40]!r}")
+    return "".join(texts)
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise _bad(i, "a message's 'role' is 'user', 'system', 'developer' or 'assistant'")
+    text = _text_parts(item.get("content"), i, role)
+    part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
+            else {"type": "input_text", "text": text})
+    return {"id": item_id("msg"), "type": "message", "role": role, "status": "completed",
+            "content": [part]}
+
+
+def _arguments(item: dict[str, Any], i: int) -> str:
+    args = item.get("arguments")
+    if isinstance(args, dict):
+        return json.dumps(args)
+    if not isinstance(args, str):
+        raise _bad(i, "'arguments' must be a JSON object as a string")
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _bad(i, "'arguments' must be a JSON object as a string")
+    return args
+
+
+def _item(item: Any, i: int) -> dict[str, Any] | None:
+    """One input item in its stored shape (None: an item that adds nothing to the
+    conversation, as an ``mcp_list_tools`` the client echoes back)."""
+    if not isinstance(item, dict):
+        raise _bad(i, f"an item is an object, e.g. {_ITEM}")
+    kind = item.get("type", "message")
+    if kind == "message":
+        return _message(item, i)
+    if kind == "function_call":
+        return {"id": item_id("fc"), "type": "function_call", "status": "completed",
+                "call_id": _string(item, "call_id", i), "name": _string(item, "name", i),
+                "arguments": _arguments(item, i)}
+    if kind == "function_call_output":
+        out = item.get("output")
+        text = out if isinstance(out, str) else _text_parts(out, i, "tool")
+        return {"id": item_id("fco"), "type": "function_call_output", "status": "completed",
+                "call_id": _string(item, "call_id", i), "output": text}
+    if kind == "mcp_call":
+        return {"id": _string(item, "id", i), "type": "mcp_call",
+                "server_label": _string(item, "server_label", i),
+                "name": _string(item, "name", i), "arguments": _arguments(item, i),
+                "output": _string(item, "output", i, required=False),
+                "error": item.get("error") if isinstance(item.get("error"), str) else None,
+                "status": "completed"}
+    if kind == "mcp_list_tools":
+        return None
+    raise _bad(i, f"items of type {str(kind)[:40]!r} are not supported (served: message, "
+                  "function_call, function_call_output, mcp_call, mcp_list_tools)")
+
+
+def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+    """``input`` as stored items (a string is one user message).
+
+    Raises:
+        ApiError: an item this server cannot read (400 naming ``input[i]``).
+    """
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not value:
+        raise ApiError(400, "'input' must not be empty", param="input")
+    items = []
+    for i, raw in enumerate(value):
+        item = _item(raw, i)
+        if item is not None:
+            items.append(item)
+    return items
+

@@ -1,0 +1,265 @@
+"""Stored responses: each one a durable snapshot of its context, namespaced per API key.
+
+Owner: what ``/v1/responses`` keeps between requests, written against the public SDK only.
+
+* **Namespaces.** Every caller's responses live in the snapshot namespace of the key it
+  sent (``http-`` + a digest of the bearer token, never the token; ``http-anonymous``
+  without one), through a runtime of its own over the engine (``Runtime.over`` of a
+  ``LocalTransport`` with that namespace). The engine keeps namespaces apart: a response
+  id from another key names nothing here (404), whatever the id.
+* **A response** is two things under its id: the snapshot ``responses/<id>`` (its context
+  after the answer: ``Context.save``, so its pages are shared and refcounted, and a
+  follow-up opens it and computes only its new items), and a record in the namespace's
+  store (``rt.store``: the response body, its input items, the id it continued and the
+  header it was built with), split into parts of at most ``PART_BYTES``.
+* **Lifetime** (docs/http.md): a stored response expires ``TTL_S`` after it was created
+  (30 days, as OpenAI keeps them), and a namespace keeps at most ``MAX_STORED`` of them: the
+  oldest are deleted first (ids sort by creation time). ``DELETE`` removes one at once.
+  Both survive restarts when the server has a snapshot directory (the default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from pie_ctx import Context, Runtime
+from pie_ctx.proto.errors import OutOfPages, PieError, SnapshotNotFound, StoreFull
+from pie_ctx.transport import LocalTransport
+from runtime.server.http.openai_schema import ApiError
+
+__all__ = ["Namespaces", "Record", "Records", "new_response_id", "TTL_S", "MAX_STORED"]
+
+TTL_S = 30 * 24 * 3600  # a stored response's lifetime
+MAX_STORED = 1000  # stored responses per namespace (API key); the oldest go first
+MAX_NAMESPACES = 1024  # distinct keys served at once (past it: 503)
+PART_BYTES = 60_000  # a record's part in the store (under max_store_value_bytes)
+_PREFIX = "responses/"
+
+
+def new_response_id() -> str:
+    """``resp_`` + the creation time (ns, hex) + 64 random bits: ids sort by age."""
+    return f"resp_{time.time_ns():016x}{secrets.token_hex(8)}"
+
+
+def _valid_id(rid: Any) -> bool:
+    return (isinstance(rid, str) and rid.startswith("resp_") and len(rid) == 37
+            and all(c in "0123456789abcdef" for c in rid[5:]))
+
+
+def not_found(rid: str, param: str | None = None) -> ApiError:
+    """OpenAI's 404 for a response id this caller cannot see (missing, expired, another
+    key's: they read the same)."""
+    return ApiError(404, f"Response with id '{rid[:80]}' not found.", param=param,
+                    code="response_not_found")
+
+
+# ------------------------------------------------------------------------- namespaces
+
+
+class Namespaces:
+    """One runtime per API key over the engine, each in its own snapshot namespace.
+
+    The runtimes live in tasks of the app's runtime (``spawn``), so they close with it.
+    """
+
+    def __init__(self, engine: Any, spawn: Callable[[], Runtime]) -> None:
+        self.engine, self._base = engine, spawn
+        self._runtimes: dict[str, Runtime] = {}
+        self._lock = anyio.Lock()
+        self.scopes: list[anyio.CancelScope] = []  # the holding tasks (close() cancels them)
+
+    @staticmethod
+    def of(headers: Any) -> str:
+        """The namespace of a request's ``Authorization: Bearer`` key."""
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not key:
+            return "http-anonymous"
+        return "http-" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+    async def runtime(self, namespace: str) -> Runtime:
+        """The runtime of ``namespace`` (opened on first use)."""
+        rt = self._runtimes.get(namespace)
+        if rt is not None:
+            return rt
+        async with self._lock:
+            rt = self._runtimes.get(namespace)
+            if rt is not None:
+                return rt
+            if len(self._runtimes) >= MAX_NAMESPACES:
+                raise ApiError(503, "too many API keys in use at once on this server",
+                               type="server_error", code="engine_overloaded")
+            ready = anyio.Event()
+            held: dict[str, Runtime] = {}
+
+            scope = anyio.CancelScope()
+            self.scopes.append(scope)
+
+            async def hold() -> None:
+                try:
+                    with scope:
+                        async with Runtime.over(LocalTransport(
+                                self.engine, namespace=namespace)) as opened:
+                            held["rt"] = opened
+                            ready.set()
+                            await anyio.sleep_forever()
+                finally:
+                    self._runtimes.pop(namespace, None)
+                    ready.set()
+
+            self._base().start_soon(hold)
+            await ready.wait()
+            if "rt" not in held:
+                raise ApiError(503, "the server is stopping", type="server_error")
+            self._runtimes[namespace] = held["rt"]
+            return held["rt"]
+
+    def close(self) -> None:
+        """Close every namespace's runtime (the app is stopping)."""
+        for scope in self.scopes:
+            scope.cancel()
+
+
+# ---------------------------------------------------------------------------- records
+
+
+@dataclass(slots=True)
+class Record:
+    """A stored response: its body, its input items, what it continued."""
+
+    id: str
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    previous: str | None
+    header: dict[str, Any]  # model, instructions and tools its context was built with
+    created: float
+
+    @property
+    def snapshot(self) -> str:
+        return _PREFIX + self.id
+
+    def conversation_items(self) -> list[dict[str, Any]]:
+        """Its input items, then its output items: what it adds to the conversation."""
+        return self.input_items + list(self.response.get("output", []))
+
+
+class Records:
+    """The stored responses of one namespace (``rt``)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    async def load(self, rid: str, *, param: str | None = None) -> Record:
+        """The live record of ``rid``.
+
+        Raises:
+            ApiError: 404 when it is missing, expired or not this namespace's.
+        """
+        if not _valid_id(rid):
+            raise not_found(str(rid), param)
+        raw = await self.rt.store.get(_PREFIX + rid)
+        if not isinstance(raw, str):
+            raise not_found(rid, param)
+        head = json.loads(raw)
+        parts = [head["data"]]
+        for k in range(1, head["parts"]):
+            part = await self.rt.store.get(f"{_PREFIX}{rid}#{k}")
+            if not isinstance(part, str):
+                raise not_found(rid, param)
+            parts.append(part)
+        data = json.loads("".join(parts))
+        record = Record(id=rid, response=data["response"], input_items=data["input_items"],
+                        previous=data["previous"], header=data["header"],
+                        created=data["created"])
+        if time.time() - record.created > TTL_S:
+            await self.delete(rid)
+            raise not_found(rid, param)
+        return record
+
+    async def chain(self, record: Record) -> list[Record]:
+        """``record`` and every response it continued, oldest first.
+
+        Raises:
+            ApiError: 404 when one of them is gone (expired or deleted).
+        """
+        chain = [record]
+        while chain[-1].previous is not None:
+            chain.append(await self.load(chain[-1].previous, param="previous_response_id"))
+        return chain[::-1]
+
+    async def save(self, ctx: Context, record: Record) -> None:
+        """Save ``ctx`` as the record's snapshot, then the record; reclaim what is past
+        the namespace's bound or its lifetime first."""
+        await self._reclaim()
+        for attempt in range(8):
+            try:
+                await ctx.save(record.snapshot)
+                break
+            except OutOfPages:  # stored responses hold pool pages (a pool without a disk)
+                if attempt == 7 or not await self._drop_oldest(exclude=record.id):
+                    raise
+        text = json.dumps({"response": record.response, "input_items": record.input_items,
+                           "previous": record.previous, "header": record.header,
+                           "created": record.created})
+        parts = [text[i:i + PART_BYTES] for i in range(0, len(text), PART_BYTES)] or [""]
+        for attempt in range(8):
+            try:
+                for k in range(1, len(parts)):
+                    await self.rt.store.set(f"{_PREFIX}{record.id}#{k}", parts[k])
+                await self.rt.store.set(_PREFIX + record.id,  # the head: written last
+                                        json.dumps({"parts": len(parts), "data": parts[0]}))
+                return
+            except StoreFull:
+                if attempt == 7 or not await self._drop_oldest(exclude=record.id):
+                    await self.delete(record.id)
+                    raise ApiError(503, "this API key's stored responses are full; delete "
+                                        "some (DELETE /v1/responses/{id})",
+                                   type="server_error", code="engine_overloaded") from None
+
+    async def delete(self, rid: str) -> bool:
+        """Remove ``rid``'s record and snapshot; False if there was none."""
+        found = False
+        for key in await self.rt.store.keys(_PREFIX + rid):
+            if key == _PREFIX + rid or key.startswith(f"{_PREFIX}{rid}#"):
+                found = await self.rt.store.delete(key) or found
+        try:
+            await Context.delete(self.rt, _PREFIX + rid)
+            found = True
+        except SnapshotNotFound:
+            pass
+        return found
+
+    async def _ids(self) -> list[str]:
+        return [k[len(_PREFIX):] for k in await self.rt.store.keys(_PREFIX) if "#" not in k]
+
+    async def _drop_oldest(self, exclude: str) -> bool:
+        ids = [i for i in await self._ids() if i != exclude]
+        if not ids:
+            return False
+        await self.delete(ids[0])
+        return True
+
+    async def _reclaim(self) -> None:
+        """Delete the expired responses and the oldest past ``MAX_STORED - 1``."""
+        ids = await self._ids()
+        cutoff = time.time_ns() - TTL_S * 1_000_000_000
+        drop = len(ids) - (MAX_STORED - 1)
+        for k, rid in enumerate(ids):
+            try:
+                born = int(rid[5:21], 16)
+            except ValueError:
+                born = 0
+            if k >= drop and born >= cutoff:
+                break  # ids sort by age: the rest are younger
+            try:
+                await self.delete(rid)
+            except PieError:
+                pass
