@@ -44,7 +44,7 @@ class ModelRunner:
             ``runtime.kv.layout``): unquantized (width = head_dim) in the model's dtype, or
             int8 (width = head_dim + 4); on the model's device.
         page_size: tokens per page.
-        backend: attention backend; default chooses flash-attn on CUDA when available.
+        backend: attention backend; default: ``select_backend``'s choice (``PIE_CTX_ATTENTION``).
         weight_format: ``"fp32"`` (unquantized, in the compute dtype) or ``"int8"`` (see
             ``runtime.model.quant``; needs ``calibration``).
         calibration: token ids int8 measures activation ranges on.
@@ -81,7 +81,7 @@ class ModelRunner:
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
-                                                 kv_dtype)
+                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads))
         self.adapters: dict[str, LoraAdapter] = {}  # by name
         self._fused: dict[int, FusedAdapter] = {}  # by key: what SeqInput.adapter names
         # the last few sets of adapters decoded together, side by side (LoraBatch)

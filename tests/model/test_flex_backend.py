@@ -1,0 +1,169 @@
+"""The FlexAttention backend against fp32 dense attention and the torch backend.
+
+Per layer (tests/model/attention_oracle.py): one batch with every path (fresh prefill,
+a chunk over a cached prefix, unequal decodes, forks, a custom mask) on shuffled pages,
+half-precision inputs, output against fp32 attention over the same half inputs:
+``TOL = 2e-2`` absolute on outputs of scale ~1 (measured: bf16 <= 1.6e-2, fp16 <=
+2e-3), while a row missing its newest key is off by more than ``5 * TOL``, so the test
+tells a wrong key from rounding. Page sizes 16 and 256, GQA and not, head dims 64 and
+128 (paired so that each value meets the others); the torch backend runs the same
+checks. Through the runner: flex against the dense reference model on chunked
+prefills, forks and masks (fp32), and the cascade plan (flex's eager kernel, which
+returns the log-sum-exp on CPU as the compiled one does on CUDA).
+
+Compiles: each (dtype, heads, head dim, page size, one query or several, mask kind) is
+compiled once per process, and inductor keeps them on disk between runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_oracle import dense, scenario
+from tiny_models import PagedSeq, config_of, free_list, make_hf_model, random_tokens
+
+from pie_ctx.errors import InvalidArgument
+from runtime.kv.pool import PagePool
+from runtime.model.attention import select_backend
+from runtime.model.attention.flex_backend import FlexAttention, _Cascade
+from runtime.model.attention.torch_backend import TorchAttention
+from runtime.model.reference import dense_forward
+from runtime.model.runner import ModelRunner
+
+TOL = 2e-2
+SHAPES = [  # (page size, heads, kv heads, head dim): each value meets the others
+    pytest.param((16, 4, 2, 64), id="ps16-gqa-d64"),
+    pytest.param((256, 4, 2, 128), id="ps256-gqa-d128"),
+    pytest.param((16, 2, 2, 128), id="ps16-mha-d128"),
+    pytest.param((256, 2, 2, 64), id="ps256-mha-d64"),
+]
+
+
+def _layer(backend, shape, dtype=torch.bfloat16):
+    page_size, h, kvh, d = shape
+    pool, meta, q, kv = scenario(page_size, h, kvh, d, dtype)
+    backend.prepare(meta, pool)
+    with torch.inference_mode():
+        out = backend.forward(1, q, kv, pool, meta)
+    return out.float(), dense(pool, 1, q, meta), dense(pool, 1, q, meta, drop_newest=True), meta
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", ["flex", "torch"])
+def test_one_layer_against_fp32_dense_attention(shape, backend) -> None:
+    be = FlexAttention(shape[0]) if backend == "flex" else TorchAttention()
+    out, want, wrong, meta = _layer(be, shape)
+    assert (out - want).abs().max().item() <= TOL
+    assert (out - wrong).abs().max().item() > 5 * TOL  # a missing key is not noise
+    if backend == "flex":  # compiled on CPU: no log-sum-exp, so forks read in place
+        assert not any(isinstance(c, _Cascade) for c in meta.backend_state.calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_one_layer_in_fp16_and_fp32(dtype) -> None:
+    out, want, wrong, _ = _layer(FlexAttention(16), (16, 4, 2, 64), dtype)
+    tol = TOL if dtype == torch.float16 else 1e-4
+    assert (out - want).abs().max().item() <= tol
+    assert (out - wrong).abs().max().item() > 5 * TOL
+
+
+def test_the_cascade_merges_shared_and_tail_through_the_lse() -> None:
+    """Where flex returns the log-sum-exp (CUDA; here its eager kernel), forks attend their
+    shared pages once and their tails apart, merged in fp32."""
+    out, want, wrong, meta = _layer(FlexAttention(16, compiled=False), (16, 4, 2, 64))
+    cascades = [c for c in meta.backend_state.calls if isinstance(c, _Cascade)]
+    assert len(cascades) == 1 and cascades[0].tails.batch == 3
+    assert (out - want).abs().max().item() <= TOL
+    assert (out - wrong).abs().max().item() > 5 * TOL
+
+
+# ------------------------------------------------------------------- through the runner
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> torch.nn.Module:
+    return make_hf_model("llama3", seed=7, num_layers=2)
+
+
+def _runner(model, backend, page_size=16, kv_dtype="fp32") -> ModelRunner:
+    cfg = config_of(model)
+    pool = PagePool(96, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype=kv_dtype)
+    return ModelRunner(cfg, model.state_dict(), pool.kv, page_size, backend=backend)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    assert a.shape == b.shape and (a - b).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-cascade"])
+def test_runner_forks_masks_and_chunks_match_dense_and_torch(hf_model, compiled) -> None:
+    import numpy as np
+
+    flex = _runner(hf_model, FlexAttention(16, compiled=compiled))
+    ref = _runner(hf_model, TorchAttention())
+    outs = []
+    for runner in (flex, ref):
+        free = free_list(runner, seed=6)
+        prompt = random_tokens(37, seed=21)
+        parent = PagedSeq(runner, free)
+        got = [parent.run(prompt[:20]), parent.run(prompt[20:32])]  # two chunks
+        forks = [PagedSeq(runner, free, pages=list(parent.pages), num_cached=32)
+                 for _ in range(3)]
+        tails = [prompt[32:] + random_tokens(2 + 5 * i, seed=30 + i) for i in range(3)]
+        for f, t in zip(forks, tails, strict=True):
+            f.run(t[:-1])
+        other = PagedSeq(runner, free)
+        other.run(random_tokens(9, seed=40))
+        mask = np.ones((4, 13), dtype=np.bool_)
+        mask[:, 9:] = np.tril(np.ones((4, 4), dtype=np.bool_))
+        mask[1:, 3] = False
+        got.append(runner.forward([f.step(t[-1:]) for f, t in zip(forks, tails, strict=True)]
+                                  + [other.step(random_tokens(4, seed=41), mask=mask)]))
+        outs.append((got, tails, prompt))
+    (got, tails, prompt), (want, _, _) = outs
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    _close(torch.cat(got[:2]), dense_forward(flex.model, prompt[:32]))
+    for i, t in enumerate(tails):
+        _close(got[2][i:i + 1], dense_forward(flex.model, prompt[:32] + t)[-1:])
+
+
+def test_an_int8_pool_is_attended_by_the_torch_backend(hf_model) -> None:
+    flex = _runner(hf_model, FlexAttention(16), kv_dtype="int8")
+    ref = _runner(hf_model, TorchAttention(), kv_dtype="int8")
+    tokens = random_tokens(21, seed=3)
+    got = PagedSeq(flex, free_list(flex, seed=1)).run(tokens)
+    want = PagedSeq(ref, free_list(ref, seed=1)).run(tokens)
+    torch.testing.assert_close(got, want)
+
+
+def test_selection_by_name_and_by_measurement(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PIE_CTX_ATTENTION", raising=False)
+    assert select_backend(cpu, torch.float32, 16, 64).name == "torch"  # CPU default
+    monkeypatch.setenv("PIE_CTX_ATTENTION", "flex")
+    assert select_backend(cpu, torch.float32, 16, 64).name == "flex"
+    assert select_backend(cpu, torch.float32, 16, 64, choice="torch").name == "torch"
+    with pytest.raises(InvalidArgument, match="flash-attn cannot run here"):
+        select_backend(cpu, torch.bfloat16, 16, 64, choice="flash")
+    with pytest.raises(InvalidArgument, match="pick one of"):
+        select_backend(cpu, torch.bfloat16, 16, 64, choice="fast")
+    # measurement: the faster candidate wins, whichever it is
+    from runtime.model.attention import measure
+
+    monkeypatch.setattr(measure, "measure_backends",
+                        lambda c, *a: {"flex": 2.0, "torch": 1.0})
+    assert select_backend(cpu, torch.float32, 16, 64, choice="measure").name == "torch"
+    monkeypatch.setattr(measure, "measure_backends",
+                        lambda c, *a: {"flex": 1.0, "torch": 2.0})
+    assert select_backend(cpu, torch.float32, 16, 64, choice="measure").name == "flex"
+    assert select_backend(cpu, torch.float32, 16, 64, "int8", choice="measure").name == "torch"
+
+
+def test_the_measurement_times_both_backends() -> None:
+    from runtime.model.attention.measure import measure_backends
+
+    scores = measure_backends({"flex": lambda: FlexAttention(16), "torch": TorchAttention},
+                              torch.device("cpu"), torch.bfloat16, 16, 4, 2, 64, repeats=1)
+    assert set(scores) == {"flex", "torch"} and all(v > 0 for v in scores.values())
