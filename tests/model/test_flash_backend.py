@@ -203,6 +203,7 @@ def test_an_int8_pool_uses_torch_attention_throughout(device) -> None:
 def test_backend_selection(monkeypatch) -> None:
     from runtime.model.attention import flash_backend
 
+    monkeypatch.delenv("PIE_CTX_ATTENTION", raising=False)
     assert select_backend(torch.device("cpu"), torch.float32, 16, 64).name == "torch"
     assert select_backend(torch.device("cpu"), torch.bfloat16, 256, 64).name == "torch"
     monkeypatch.setattr(flash_backend, "flash_available", lambda *a: True)

@@ -3,9 +3,9 @@
 Per layer (tests/model/attention_oracle.py): one batch with every path (fresh prefill,
 a chunk over a cached prefix, unequal decodes, forks, a custom mask) on shuffled pages,
 half-precision inputs, output against fp32 attention over the same half inputs:
-``TOL = 2e-2`` absolute on outputs of scale ~1 (measured: bf16 <= 1.6e-2, fp16 <=
-2e-3), while a row missing its newest key is off by more than ``5 * TOL``, so the test
-tells a wrong key from rounding. Page sizes 16 and 256, GQA and not, head dims 64 and
+``TOL = 2e-2`` absolute on outputs of scale ~1 (measured on CPU: bf16 <= 9e-3 for flex,
+<= 1.05e-2 for torch; fp16 <= 1.1e-3), while a row missing its newest key is off by 3.8
+or more, so the test tells a wrong key from rounding. Page sizes 16 and 256, GQA and not, head dims 64 and
 128 (paired so that each value meets the others); the torch backend runs the same
 checks. Through the runner: flex against the dense reference model on chunked
 prefills, forks and masks (fp32), and the cascade plan (flex's eager kernel, which
@@ -59,11 +59,11 @@ def test_one_layer_against_fp32_dense_attention(shape, backend) -> None:
         assert not any(isinstance(c, _Cascade) for c in meta.backend_state.calls)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_one_layer_in_fp16_and_fp32(dtype) -> None:
-    out, want, wrong, _ = _layer(FlexAttention(16), (16, 4, 2, 64), dtype)
-    tol = TOL if dtype == torch.float16 else 1e-4
-    assert (out - want).abs().max().item() <= tol
+def test_one_layer_in_fp16() -> None:
+    """fp16 as well as bf16 (fp32 runs through the runner below: its compile alone takes
+    a minute on a 2-core machine at head dim 64)."""
+    out, want, wrong, _ = _layer(FlexAttention(16), (16, 4, 2, 64), torch.float16)
+    assert (out - want).abs().max().item() <= TOL
     assert (out - wrong).abs().max().item() > 5 * TOL
 
 
