@@ -159,9 +159,24 @@ def consecutive(runner: ModelRunner) -> list[torch.Tensor]:
     return [seq.run(prompt[:60]), seq.run(prompt[60:61]), seq.run(prompt[61:])]
 
 
+def run_prefix(runner: ModelRunner) -> list[torch.Tensor]:
+    """The engine's usual table: a run of consecutive committed pages, then a page from
+    elsewhere; a chunk and then decodes over it (the run read in place, the rest gathered)."""
+    ps = runner.page_size
+    free = list(range(runner.num_pages))[::-1]  # pop() hands out 0, 1, 2, ...
+    seq = PagedSeq(runner, free)
+    n = 6 * ps + 9
+    prompt = random_tokens(n, seed=70)
+    steps = [seq.run(prompt[:5 * ps])]  # pages 0..4: one run
+    seq.pages += [runner.num_pages - 1, runner.num_pages - 3]  # tail pages from elsewhere
+    steps.append(seq.run(prompt[5 * ps:n - 2]))
+    steps += [seq.run(prompt[j:j + 1]) for j in range(n - 2, n)]
+    return steps
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("page_size", [16, 256])
-@pytest.mark.parametrize("scenario", [mixed, decode_only, forks, consecutive],
+@pytest.mark.parametrize("scenario", [mixed, decode_only, forks, consecutive, run_prefix],
                          ids=lambda f: f.__name__)
 def test_flash_matches_torch(device, dtype, page_size, scenario) -> None:
     flash, ref = _pair(device, dtype, page_size, num_pages=4096 // page_size)
@@ -182,6 +197,21 @@ def test_forks_attend_as_a_cascade_and_masks_go_to_torch(device, page_size) -> N
     forks(flash, False)
     assert [type(g) for g in plans[-1].flash] == [_Cascade, _Group]
     assert plans[-1].torch_state is None
+
+
+def test_a_run_prefix_is_read_in_place_and_merged_through_the_lse(device) -> None:
+    """Page size 16: a chunk and lone decodes over a run of pages plus two stray tail pages
+    attend the run in place and gather only the tail; the scratch buffer holds two pages
+    (of K and of V)."""
+    from runtime.model.attention.flash_backend import _RunSplit
+
+    flash, ref = _pair(device, torch.bfloat16, 16, num_pages=256)
+    plans = _groups(flash)
+    _both(flash, ref, run_prefix)
+    assert all(isinstance(p.flash[0], _RunSplit) for p in plans[1:])
+    assert plans[1].flash[0].head.run_start == 0
+    assert plans[1].flash[0].tail.page_index.numel() == 2  # the gathered part: two pages
+    assert flash.backend.scratch_bytes == 2 * 2 * flash.pool_kv[0, :, 0, 0].numel() * 2
 
 
 def test_an_fp32_pool_uses_torch_attention_throughout(device) -> None:
