@@ -13,8 +13,8 @@ dependencies are installed from it with ``--no-index`` into a target folder put 
 2. the kernel report (``scripts/attention_kernels.py``) for each asked backend (flash-attn
    unless ``--allow-no-flash``, and flex) at page sizes 16 and 256: each run asserts that
    the backend it asked for is the one that ran;
-3. ``benchmarks/best_of_n.py`` in bf16 at page sizes 16 and 256, with and without CUDA
-   graphs for decode (``PIE_CTX_CUDA_GRAPHS``);
+3. ``benchmarks/best_of_n.py`` in bf16 at page sizes 16 and 256: the default backend,
+   then flex without and with CUDA graphs for decode (``PIE_CTX_CUDA_GRAPHS=1``);
 4. ``benchmarks/model.py`` in bf16 (reduced: 512-token prompt, 64 tokens, 2 repeats).
 
 Everything printed goes to the log file, which ends with one JSON line (also printed):
@@ -127,11 +127,16 @@ def main() -> int:
             steps.append((f"kernels {backend} page {ps}",
                           [py, "scripts/attention_kernels.py", *bench, "--page-size", str(ps),
                            "--backend", backend], {}, 90))
-    for ps in (16, 256):
-        for graphs in ("0", "1"):
-            steps.append((f"best_of_n page {ps} graphs {graphs}",
+    for ps in (16, 256):  # the default backend, then flex without and with CUDA graphs
+        for label, extra in (("default", {}),
+                             ("flex", {"PIE_CTX_ATTENTION": "flex"}),
+                             ("flex graphs", {"PIE_CTX_ATTENTION": "flex",
+                                              "PIE_CTX_CUDA_GRAPHS": "1"})):
+            if args.allow_no_flash and label == "default":
+                continue  # without flash-attn the default is flex or torch, by measurement
+            steps.append((f"best_of_n page {ps} {label}",
                           [py, "benchmarks/best_of_n.py", *bench, "--page-size", str(ps),
-                           "--repeats", "2"], {"PIE_CTX_CUDA_GRAPHS": graphs}, 90))
+                           "--repeats", "2"], extra, 75))
     steps.append(("model bench", [py, "benchmarks/model.py", *bench, "--prompt-len", "512",
                                   "--new-tokens", "64", "--repeats", "2", "--quality-prompts",
                                   "4", "--no-int8"], {}, 150))

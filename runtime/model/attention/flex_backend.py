@@ -41,11 +41,11 @@ from runtime.model.attention.base import AttentionMetadata, write_kv
 from runtime.model.attention.cascade import merge_lse, shared_prefix_clusters
 from runtime.model.attention.torch_backend import TorchAttention
 
-__all__ = ["FlexAttention", "flex_kernel", "Q_BLOCK"]
+__all__ = ["FlexAttention", "StaticDecodes", "flex_kernel", "Q_BLOCK"]
 
 log = logging.getLogger(__name__)
 Q_BLOCK = 128  # queries per block-mask row (flex's default sparse block)
-_RECOMPILES = 64  # compiled variants kept: mask kind x dtype x head shape x (Q == 1)
+_RECOMPILES = 128  # compiled variants kept: mask kind x dtype x head shape x (Q == 1)
 _compiled: dict[bool, Callable[..., Any]] = {}
 
 
@@ -109,6 +109,16 @@ def _bucketed(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _bucketed_rows(info: torch.Tensor) -> torch.Tensor:
+    """``info`` [1, 3 + pages] padded with -1 (no page) to a power of two and marked
+    static, for the same reason as :func:`_bucketed`: one compile per bucket of pool sizes."""
+    n = info.shape[1]
+    out = info.new_full((1, 1 << (n - 1).bit_length()), -1)
+    out[:, :n] = info
+    torch._dynamo.mark_static(out)
+    return out
+
+
 @dataclass(slots=True)
 class _Call:
     """One flex call: ``batch`` rows of ``q_len`` queries, and its block mask."""
@@ -132,6 +142,88 @@ class _Cascade:
 class _Plan:
     calls: list[_Call | _Cascade]
     torch_state: Any = None  # the torch backend's groups when it attends the whole forward
+
+
+def _blocks(tables: list[list[int]], kv_lens: list[int], cached: list[int | None],
+            q_len: int, custom: bool, s: int, num_pages: int) -> tuple[torch.Tensor, ...]:
+    """The block-mask tensors of one call, on CPU, all int32.
+
+    Row b reads ``tables[b]`` up to ``kv_lens[b]`` entries; its query j sees entries
+    ``<= cached[b] + j`` (None: all of them), or, with ``custom``, what a mask_mod says
+    (every page is then partial). Returns ``(partial counts [B, 1, R], partial pages
+    [B, 1, R, P], full counts, full pages, info [B, 3 + P])`` with R query blocks of
+    :data:`Q_BLOCK` and P = ``num_pages`` (the index width flex's C++ template wants);
+    ``info`` is kv_len, hi, step and the inverse page table (see :func:`_causal_mod`).
+    """
+    b = len(tables)
+    n_blocks = -(-q_len // Q_BLOCK)
+    # Per (row, query block): pages [0, full) are seen whole by every query of the block,
+    # pages [full, seen) by some; the rest by none.
+    q_lo = torch.arange(n_blocks, dtype=torch.int64) * Q_BLOCK  # [R]
+    q_hi = torch.clamp(q_lo + Q_BLOCK, max=q_len) - 1
+    lens = torch.tensor(kv_lens, dtype=torch.int64)[:, None]  # [B, 1]
+    if custom:
+        full = torch.zeros(b, n_blocks, dtype=torch.int64)
+        seen = (lens + s - 1) // s + full
+    else:
+        causal = torch.tensor([c is not None for c in cached])[:, None]
+        base = torch.tensor([c or 0 for c in cached], dtype=torch.int64)[:, None]
+        last_lo = torch.where(causal, base + q_lo, lens - 1)  # last entry q_lo sees
+        last_hi = torch.where(causal, base + q_hi, lens - 1)
+        full = torch.minimum(last_lo + 1, lens) // s  # [B, R]
+        seen = (torch.minimum(last_hi, lens - 1) + s) // s
+    width = max(1, max(len(t) for t in tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    cols = torch.arange(num_pages, dtype=torch.int64)
+    partial_src = (full[..., None] + cols).clamp_(max=width - 1)  # [B, R, P]
+    partial_idx = table.gather(1, partial_src.view(b, -1)).view(b, n_blocks, num_pages)
+    full_idx = table.gather(1, cols.clamp(max=width - 1).expand(b, -1))[:, None]
+    full_idx = full_idx.expand(b, n_blocks, num_pages)
+
+    info = torch.full((b, num_pages + 3), -1, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        info[r, torch.tensor(t, dtype=torch.int64) + 3] = torch.arange(len(t), dtype=torch.int32)
+    info[:, 0] = torch.tensor(kv_lens, dtype=torch.int32)
+    info[:, 1] = torch.tensor([c if c is not None else n - 1
+                               for c, n in zip(cached, kv_lens, strict=True)])
+    info[:, 2] = torch.tensor([int(c is not None) for c in cached])
+
+    def i32(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.int32).contiguous()
+
+    return (i32((seen - full)[:, None]), i32(partial_idx[:, None]), i32(full[:, None]),
+            i32(full_idx[:, None]), info)
+
+
+class StaticDecodes:
+    """One decode call of a fixed number of rows over fixed tensors (CUDA graphs).
+
+    ``fill`` writes a step's page tables into the same tensors in place, so a graph that
+    captured :meth:`plan`'s call replays over the new step's pages."""
+
+    def __init__(self, page_size: int, batch: int, num_pages: int,
+                 device: torch.device) -> None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.page_size, self.batch, self.num_pages = page_size, batch, num_pages
+        self.tensors = [x.to(device) for x in _blocks([[0]] * batch, [1] * batch,
+                                                      [0] * batch, 1, False, page_size,
+                                                      num_pages)]
+        num, idx, full_num, full_idx, info = self.tensors
+        self.block_mask = BlockMask.from_kv_blocks(
+            num, idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, page_size),
+            mask_mod=_causal_mod(info, page_size), seq_lengths=(1, num_pages * page_size),
+            compute_q_blocks=False)
+
+    def fill(self, tables: list[list[int]], kv_lens: list[int], cached: list[int]) -> None:
+        """This step's rows (exactly ``batch`` of them: pad before)."""
+        fresh = _blocks(tables, kv_lens, list(cached), 1, False, self.page_size,
+                        self.num_pages)
+        for dst, src in zip(self.tensors, fresh, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def plan(self) -> _Plan:
+        return _Plan([_Call(slice(0, self.batch), self.batch, 1, self.block_mask)])
 
 
 class FlexAttention:
@@ -207,61 +299,27 @@ class FlexAttention:
     def _call(rows: slice | torch.Tensor, tables: list[list[int]], kv_lens: list[int],
               cached: list[int | None], q_lens: list[int], mask: torch.Tensor | None,
               s: int, num_pages: int, device: torch.device) -> _Call:
-        """The block mask of one call. Row b reads ``tables[b]`` up to ``kv_lens[b]``
-        entries; query j sees entries ``<= cached[b] + j`` (None: all of them), or what
-        ``mask`` allows (one row only)."""
+        """The block mask of one call (see :func:`_blocks`); ``mask``: one row only."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        b, q_len = len(tables), max(q_lens)
-        n_blocks = -(-q_len // Q_BLOCK)
-        # Per (row, query block): pages [0, full) are seen whole by every query of the
-        # block, pages [full, seen) by some; the rest by none.
-        q_lo = torch.arange(n_blocks, dtype=torch.int64) * Q_BLOCK  # [R]
-        q_hi = torch.clamp(q_lo + Q_BLOCK, max=q_len) - 1
-        lens = torch.tensor(kv_lens, dtype=torch.int64)[:, None]  # [B, 1]
-        if mask is not None:
-            full = torch.zeros(b, n_blocks, dtype=torch.int64)
-            seen = (lens + s - 1) // s + full
-        else:
-            causal = torch.tensor([c is not None for c in cached])[:, None]
-            base = torch.tensor([c or 0 for c in cached], dtype=torch.int64)[:, None]
-            last_lo = torch.where(causal, base + q_lo, lens - 1)  # last entry q_lo sees
-            last_hi = torch.where(causal, base + q_hi, lens - 1)
-            full = torch.minimum(last_lo + 1, lens) // s  # [B, R]
-            seen = (torch.minimum(last_hi, lens - 1) + s) // s
-        width = max(1, max(len(t) for t in tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        cols = torch.arange(num_pages, dtype=torch.int64)  # the index width flex wants
-        partial_src = (full[..., None] + cols).clamp_(max=width - 1)  # [B, R, P]
-        partial_idx = table.gather(1, partial_src.view(b, -1)).view(b, n_blocks, num_pages)
-        full_idx = table.gather(1, cols.clamp(max=width - 1).expand(b, -1))[:, None]
-        full_idx = full_idx.expand(b, n_blocks, num_pages)
-
-        info = torch.full((b, num_pages + 3), -1, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            info[r, torch.tensor(t, dtype=torch.int64) + 3] = torch.arange(len(t),
-                                                                            dtype=torch.int32)
-        info[:, 0] = torch.tensor(kv_lens, dtype=torch.int32)
-        info[:, 1] = torch.tensor([c if c is not None else n - 1
-                                               for c, n in zip(cached, kv_lens, strict=True)])
-        info[:, 2] = torch.tensor([int(c is not None) for c in cached])
-        info = info.to(device)
+        q_len = max(q_lens)
+        num, idx, full_num, full_idx, info = (
+            x.to(device) for x in _blocks(tables, kv_lens, cached, q_len, mask is not None,
+                                          s, num_pages))
         if mask is not None:
             allowed = _bucketed(mask.to(device=device, dtype=torch.bool))  # [Qb, Lb]
-            torch._dynamo.mark_static(info)  # one row, the pool's pages: one shape an engine
-            mask_mod = _custom_mod(info, allowed, s)
+            mask_mod = _custom_mod(_bucketed_rows(info), allowed, s)
         else:
             mask_mod = _causal_mod(info, s)
-
-        def i32(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device=device, dtype=torch.int32).contiguous()
-
         block_mask = BlockMask.from_kv_blocks(
-            i32((seen - full)[:, None]), i32(partial_idx[:, None]),
-            i32(full[:, None]), i32(full_idx[:, None]),
-            BLOCK_SIZE=(Q_BLOCK, s), mask_mod=mask_mod,
+            num, idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, s), mask_mod=mask_mod,
             seq_lengths=(q_len, num_pages * s), compute_q_blocks=False)
-        return _Call(rows, b, q_len, block_mask)
+        return _Call(rows, len(tables), q_len, block_mask)
+
+    def static_decodes(self, batch: int, num_pages: int, device: torch.device) -> StaticDecodes:
+        """A decode call of ``batch`` rows whose block mask lives in fixed tensors, refilled
+        in place each step (for CUDA graphs: ``runtime.model.cuda_graphs``)."""
+        return StaticDecodes(self.page_size, batch, num_pages, device)
 
     # -------------------------------------------------------------------- per layer
 
