@@ -23,17 +23,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from runtime.kv.layout import is_quantized
 from runtime.model.attention.base import AttentionMetadata
 from runtime.model.batch import SeqInput
-
-if TYPE_CHECKING:
-    from runtime.model.flatten import FlatBatch
-    from runtime.model.runner import ModelRunner
+from runtime.model.flatten import FlatBatch
 
 __all__ = ["BUCKETS", "ENV", "DecodeGraphs", "wanted"]
 
@@ -67,7 +64,12 @@ class _Slot:
 class DecodeGraphs:
     """Decode steps of one runner through static buffers (and CUDA graphs)."""
 
-    def __init__(self, runner: ModelRunner, *, capture: bool | None = None) -> None:
+    def __init__(self, runner: Any, *, capture: bool | None = None) -> None:
+        """Args:
+            runner: the ``ModelRunner`` whose decode steps these are (its pool, backend,
+                model; this module cannot import the runner, which imports it).
+            capture: record and replay CUDA graphs; default: on CUDA.
+        """
         self.runner = runner
         self.capture = runner.device.type == "cuda" if capture is None else capture
         self._slots: dict[int, _Slot] = {}

@@ -261,28 +261,34 @@ def test_flash_is_only_offered_for_head_dims_it_runs_without_a_copy(monkeypatch)
 # ---------------------------------------------------------------------------- CUDA only
 
 
+def long_model() -> torch.nn.Module:
+    """A GQA model with head dim 128 (the common real shape) for contexts up to 9k."""
+    return make_hf_model("llama3", seed=5, hidden_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512,
+                         max_position_embeddings=9000)
+
+
+def long_decodes(runner: ModelRunner) -> list[torch.Tensor]:
+    """Contexts of 1k-8k tokens prefilled in chunks of 2,048, then 4 decode steps."""
+    free = free_list(runner, seed=4)
+    lengths = (1024, 3000, 8000, 5555)
+    seqs = [PagedSeq(runner, free) for _ in lengths]
+    for s, n in zip(seqs, lengths, strict=True):
+        toks = random_tokens(n, seed=n)
+        for a in range(0, n, 2048):
+            s.run(toks[a:a + 2048], logits=[0])
+    return _decode_steps(runner, seqs, 4)
+
+
 @pytest.mark.cuda
 @cuda_flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_gqa_head_dim_128_over_long_unequal_contexts(page_size) -> None:
-    """A GQA model with head dim 128 (the common real shape) decoding over contexts of
-    1k-8k tokens, prefilled in chunks: flash-attn against torch, both page sizes."""
-    model = make_hf_model("llama3", seed=5, hidden_size=512, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=512,
-                          max_position_embeddings=9000)
-    flash, ref = _pair(torch.device("cuda"), torch.bfloat16, page_size,
-                       num_pages=40_000 // page_size, model=model)
-
-    def long_decodes(runner: ModelRunner) -> list[torch.Tensor]:
-        free = free_list(runner, seed=4)
-        lengths = (1024, 3000, 8000, 5555)
-        seqs = [PagedSeq(runner, free) for _ in lengths]
-        for s, n in zip(seqs, lengths, strict=True):
-            toks = random_tokens(n, seed=n)
-            for a in range(0, n, 2048):
-                s.run(toks[a:a + 2048], logits=[0])
-        return _decode_steps(runner, seqs, 4)
-
+def test_gqa_head_dim_128_over_long_unequal_contexts(page_size, dtype) -> None:
+    """Decoding over contexts of 1k-8k tokens, prefilled in chunks: flash-attn against
+    torch, both page sizes, bf16 and fp16."""
+    flash, ref = _pair(torch.device("cuda"), dtype, page_size,
+                       num_pages=40_000 // page_size, model=long_model())
     _both(flash, ref, long_decodes)
 
 

@@ -227,3 +227,28 @@ def test_cuda_graphs_decode_the_same_tokens(monkeypatch, dtype) -> None:
     assert graphs.graphs.replays == 6 and graphs.graphs._slots[8].graph is not None
     for g, w in zip(got, want, strict=True):
         assert g.argmax(-1).tolist() == w.argmax(-1).tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_flex_on_cuda_over_long_unequal_contexts(page_size, dtype) -> None:
+    """The long test of test_flash_backend.py with flex (compiled Triton, the cascade
+    through the log-sum-exp) against the torch backend on CUDA."""
+    from test_flash_backend import TOL as HALF_TOL
+    from test_flash_backend import long_decodes, long_model
+
+    model = long_model()
+    cfg = config_of(model)
+    weights = {k: v.cuda() for k, v in model.state_dict().items()}
+    runners = []
+    for backend in (FlexAttention(page_size), TorchAttention()):
+        pool = PagePool(40_000 // page_size, page_size, cfg.num_layers, cfg.num_kv_heads,
+                        cfg.head_dim, dtype=dtype, device="cuda")
+        runners.append(ModelRunner(cfg, weights, pool.kv, page_size, backend=backend,
+                                   dtype=dtype))
+    got, want = long_decodes(runners[0]), long_decodes(runners[1])
+    for g, w in zip(got, want, strict=True):
+        scale = max(w.abs().max().item(), 1.0)
+        assert (g.float() - w.float()).abs().max().item() <= HALF_TOL[dtype] * scale
