@@ -145,8 +145,9 @@ class _Plan:
 
 
 def _blocks(tables: list[list[int]], kv_lens: list[int], cached: list[int | None],
-            q_len: int, custom: bool, s: int, num_pages: int) -> tuple[torch.Tensor, ...]:
-    """The block-mask tensors of one call, on CPU, all int32.
+            q_len: int, custom: bool, s: int, num_pages: int,
+            device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The block-mask tensors of one call, all int32, built on ``device``.
 
     Row b reads ``tables[b]`` up to ``kv_lens[b]`` entries; its query j sees entries
     ``<= cached[b] + j`` (None: all of them), or, with ``custom``, what a mask_mod says
@@ -154,39 +155,41 @@ def _blocks(tables: list[list[int]], kv_lens: list[int], cached: list[int | None
     [B, 1, R, P], full counts, full pages, info [B, 3 + P])`` with R query blocks of
     :data:`Q_BLOCK` and P = ``num_pages`` (the index width flex's C++ template wants);
     ``info`` is kv_len, hi, step and the inverse page table (see :func:`_causal_mod`).
+    Only the per-row lists cross to the device; the ``[B, P]`` tensors are made there.
     """
     b = len(tables)
     n_blocks = -(-q_len // Q_BLOCK)
+    width = max(1, max(len(t) for t in tables))
+    i64 = {"dtype": torch.int64, "device": device}
+    per_row = torch.tensor([[n, c if c is not None else 0, int(c is not None), len(t)]
+                            for n, c, t in zip(kv_lens, cached, tables, strict=True)], **i64)
+    lens, base, step = per_row[:, 0:1], per_row[:, 1:2], per_row[:, 2:3]  # [B, 1]
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], **i64)  # [B, W]
     # Per (row, query block): pages [0, full) are seen whole by every query of the block,
     # pages [full, seen) by some; the rest by none.
-    q_lo = torch.arange(n_blocks, dtype=torch.int64) * Q_BLOCK  # [R]
+    q_lo = torch.arange(n_blocks, **i64) * Q_BLOCK  # [R]
     q_hi = torch.clamp(q_lo + Q_BLOCK, max=q_len) - 1
-    lens = torch.tensor(kv_lens, dtype=torch.int64)[:, None]  # [B, 1]
     if custom:
-        full = torch.zeros(b, n_blocks, dtype=torch.int64)
+        full = torch.zeros(b, n_blocks, **i64)
         seen = (lens + s - 1) // s + full
     else:
-        causal = torch.tensor([c is not None for c in cached])[:, None]
-        base = torch.tensor([c or 0 for c in cached], dtype=torch.int64)[:, None]
+        causal = step == 1
         last_lo = torch.where(causal, base + q_lo, lens - 1)  # last entry q_lo sees
         last_hi = torch.where(causal, base + q_hi, lens - 1)
         full = torch.minimum(last_lo + 1, lens) // s  # [B, R]
         seen = (torch.minimum(last_hi, lens - 1) + s) // s
-    width = max(1, max(len(t) for t in tables))
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    cols = torch.arange(num_pages, dtype=torch.int64)
+    cols = torch.arange(num_pages, **i64)
     partial_src = (full[..., None] + cols).clamp_(max=width - 1)  # [B, R, P]
     partial_idx = table.gather(1, partial_src.view(b, -1)).view(b, n_blocks, num_pages)
     full_idx = table.gather(1, cols.clamp(max=width - 1).expand(b, -1))[:, None]
     full_idx = full_idx.expand(b, n_blocks, num_pages)
 
-    info = torch.full((b, num_pages + 3), -1, dtype=torch.int32)
-    for r, t in enumerate(tables):
-        info[r, torch.tensor(t, dtype=torch.int64) + 3] = torch.arange(len(t), dtype=torch.int32)
-    info[:, 0] = torch.tensor(kv_lens, dtype=torch.int32)
-    info[:, 1] = torch.tensor([c if c is not None else n - 1
-                               for c, n in zip(cached, kv_lens, strict=True)])
-    info[:, 2] = torch.tensor([int(c is not None) for c in cached])
+    info = torch.full((b, num_pages + 3), -1, dtype=torch.int32, device=device)
+    logical = torch.arange(width, **i64).expand(b, -1)  # [B, W]
+    real = logical < per_row[:, 3:4]  # the padding of short tables is not the row's
+    info[torch.arange(b, **i64)[:, None].expand(b, width)[real], table[real] + 3] = \
+        logical[real].to(torch.int32)
+    info[:, :3] = torch.cat([lens, base + (1 - step) * (lens - 1), step], 1).to(torch.int32)
 
     def i32(x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.int32).contiguous()
@@ -206,9 +209,9 @@ class StaticDecodes:
         from torch.nn.attention.flex_attention import BlockMask
 
         self.page_size, self.batch, self.num_pages = page_size, batch, num_pages
-        self.tensors = [x.to(device) for x in _blocks([[0]] * batch, [1] * batch,
-                                                      [0] * batch, 1, False, page_size,
-                                                      num_pages)]
+        self.device = device
+        self.tensors = list(_blocks([[0]] * batch, [1] * batch, [0] * batch, 1, False,
+                                    page_size, num_pages, device))
         num, idx, full_num, full_idx, info = self.tensors
         self.block_mask = BlockMask.from_kv_blocks(
             num, idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, page_size),
@@ -218,7 +221,7 @@ class StaticDecodes:
     def fill(self, tables: list[list[int]], kv_lens: list[int], cached: list[int]) -> None:
         """This step's rows (exactly ``batch`` of them: pad before)."""
         fresh = _blocks(tables, kv_lens, list(cached), 1, False, self.page_size,
-                        self.num_pages)
+                        self.num_pages, self.device)
         for dst, src in zip(self.tensors, fresh, strict=True):
             dst.copy_(src, non_blocking=True)
 
@@ -303,9 +306,8 @@ class FlexAttention:
         from torch.nn.attention.flex_attention import BlockMask
 
         q_len = max(q_lens)
-        num, idx, full_num, full_idx, info = (
-            x.to(device) for x in _blocks(tables, kv_lens, cached, q_len, mask is not None,
-                                          s, num_pages))
+        num, idx, full_num, full_idx, info = _blocks(tables, kv_lens, cached, q_len,
+                                                     mask is not None, s, num_pages, device)
         if mask is not None:
             allowed = _bucketed(mask.to(device=device, dtype=torch.bool))  # [Qb, Lb]
             mask_mod = _custom_mod(_bucketed_rows(info), allowed, s)
