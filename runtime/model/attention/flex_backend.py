@@ -61,10 +61,8 @@ def flex_kernel(compiled: bool = True) -> Callable[..., Any]:
         return flex_attention
     fn = _compiled.get(True)
     if fn is None:
-        import torch._dynamo.config as dynamo_config
-
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILES)
-        fn = _compiled[True] = torch.compile(flex_attention, dynamic=True)
+        fn = _compiled[True] = torch.compile(flex_attention, dynamic=True,
+                                             recompile_limit=_RECOMPILES)
     return fn
 
 
