@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check
+.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check test-flex
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,17 +42,16 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check pie_ctx runtime tests benchmarks examples scripts
 
-# On a machine with an NVIDIA GPU (sm80+ for flash-attn): build the `cuda` extra against the
-# installed torch, run every CUDA-marked test, print which attention kernel each path uses,
-# then the model and best-of-n benchmarks on the GPU. See docs/forward.md.
-gpu-check: $(STAMP)
-	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
-		'gpu-check: torch sees no CUDA device (a CPU build of torch? pip install torch==2.13.0 from PyPI is a CUDA build)')"
-	$(BIN)/pip install -q packaging ninja
-	$(BIN)/pip install -e '.[cuda]' --no-build-isolation
-	$(BIN)/python -m pytest -q -rs -m cuda tests
-	$(BIN)/python scripts/attention_kernels.py --device cuda --dtype bfloat16 --page-size 16
-	$(BIN)/python scripts/attention_kernels.py --device cuda --dtype bfloat16 --page-size 256
-	$(BIN)/python benchmarks/model.py --device cuda --dtype bfloat16
-	$(BIN)/python benchmarks/best_of_n.py --device cuda --dtype bfloat16 --page-size 16
-	$(BIN)/python benchmarks/best_of_n.py --device cuda --dtype bfloat16 --page-size 256
+# On a GPU machine, offline: the machine's python3 and CUDA torch, no venv. WHEELS=DIR (from
+# `python scripts/gpu_wheels.py --python-version 3.12 --out DIR`) installs the other
+# dependencies with --no-index into a target folder on PYTHONPATH. Runs the CUDA tests, the
+# kernel report per backend, best_of_n and model benchmarks in bf16; exits 2 without a CUDA
+# device, 1 when a step fails or an asked-for backend did not run. Log: gpu-check.log, ending
+# with one JSON line. GPU_CHECK_ARGS=--allow-no-flash runs without flash-attn. docs/forward.md.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PY) scripts/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)
+
+# The SDK suite with the FlexAttention backend forced (docs/forward.md).
+test-flex: $(STAMP)
+	PIE_CTX_ATTENTION=flex $(BIN)/python -m pytest -q tests/sdk

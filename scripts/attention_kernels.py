@@ -1,7 +1,7 @@
 """Which attention kernel each path of a forward uses, on this machine.
 
     python scripts/attention_kernels.py [--device cuda] [--dtype bfloat16] [--model PATH]
-                                        [--page-size 16]
+                                        [--page-size 16] [--backend auto|torch|flex|flash]
 
 Runs one forward per path through the real model runner (a fresh prefill, a chunk over a
 cached prefix, a batch of decodes of unequal lengths, forks decoding together, a pass
@@ -9,6 +9,10 @@ with a custom mask) under torch's profiler, and prints, per path, the backend's 
 (flash-attn or torch, cascade or not) and the attention kernels the profiler saw (SDPA's
 flash / memory-efficient / cuDNN / math kernel, flash-attn's kernels). The last line is
 one JSON object. ``make gpu-check`` runs it on the GPU; on CPU it shows the CPU kernels.
+
+``--backend`` asks for one backend (``select_backend``'s choices) and the script fails,
+exit status 1, if another one ran: a run that silently fell back to another backend
+would otherwise report the wrong kernels as the asked one's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pie_ctx.errors import InvalidArgument  # noqa: E402
+from runtime.model.attention import CHOICES, select_backend  # noqa: E402
 from runtime.model.loader import load_model  # noqa: E402
 from runtime.model.runner import ModelRunner, SeqInput  # noqa: E402
 
@@ -91,6 +97,10 @@ def groups(runner: ModelRunner) -> list[str]:
         kinds = [type(x).__name__.strip("_") for x in flash]
         kinds += ["torch (custom mask)"] * len(state.torch_state or [])
         return kinds or ["torch (whole forward)"]
+    calls = getattr(state, "calls", None)
+    if calls is not None:  # the flex backend's plan
+        return ([f"flex {type(x).__name__.strip('_')}" for x in calls]
+                or ["torch (whole forward)"])
     return [type(x).__name__.strip("_") for x in state]
 
 
@@ -100,6 +110,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--model", default=None, help="model reference (default: the default model)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--backend", default="auto", choices=CHOICES,
+                    help="ask for this attention backend; exit 1 if another one ran")
     args = ap.parse_args()
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, progress=False)
@@ -107,7 +119,12 @@ def main() -> None:
     weight = loaded.weights["model.embed_tokens.weight"]
     pool = torch.zeros(256 * 16 // args.page_size + 64, args.page_size, c.num_layers, 2,
                        c.num_kv_heads, c.head_dim, dtype=weight.dtype, device=weight.device)
-    runner = ModelRunner(c, loaded.weights, pool, args.page_size)
+    try:
+        backend = select_backend(weight.device, weight.dtype, args.page_size, c.head_dim,
+                                 heads=(c.num_heads, c.num_kv_heads), choice=args.backend)
+    except InvalidArgument as e:
+        sys.exit(f"attention_kernels: {e}")
+    runner = ModelRunner(c, loaded.weights, pool, args.page_size, backend=backend)
     prepare = runner.backend.prepare
 
     def keep(meta, pool_kv):  # noqa: ANN001
@@ -133,7 +150,12 @@ def main() -> None:
         print(f"  {name:28} groups {', '.join(groups(runner))}")
         for k in kernels:
             print(f"  {'':28}   {k[:110]}")
+    ran = runner.backend.name
+    asked = args.backend
+    report["ok"] = asked in ("auto", "measure") or ran == asked or ran.startswith(asked + "-")
     print(json.dumps(report))
+    if not report["ok"]:
+        sys.exit(f"attention_kernels: asked for the {asked} backend, but {ran} ran")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
+from runtime.model.cuda_graphs import DecodeGraphs
+from runtime.model.cuda_graphs import wanted as graphs_wanted
 from runtime.model.flatten import check_pool, flatten
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
@@ -44,7 +46,7 @@ class ModelRunner:
             ``runtime.kv.layout``): unquantized (width = head_dim) in the model's dtype, or
             int8 (width = head_dim + 4); on the model's device.
         page_size: tokens per page.
-        backend: attention backend; default chooses flash-attn on CUDA when available.
+        backend: attention backend; default: ``select_backend``'s choice (``PIE_CTX_ATTENTION``).
         weight_format: ``"fp32"`` (unquantized, in the compute dtype) or ``"int8"`` (see
             ``runtime.model.quant``; needs ``calibration``).
         calibration: token ids int8 measures activation ranges on.
@@ -81,7 +83,9 @@ class ModelRunner:
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
-                                                 kv_dtype)
+                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads))
+        # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)
+        self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, self.backend) else None
         self.adapters: dict[str, LoraAdapter] = {}  # by name
         self._fused: dict[int, FusedAdapter] = {}  # by key: what SeqInput.adapter names
         # the last few sets of adapters decoded together, side by side (LoraBatch)
@@ -146,6 +150,8 @@ class ModelRunner:
                            num_pages=self.num_pages, device=self.device,
                            has_adapter=self.has_adapter_key)
             meta, tokens, rows = flat.meta, flat.tokens, flat.rows
+            if self.graphs is not None and self.graphs.eligible(batch, return_hidden):
+                return self.graphs.run(flat)
             lora = self._lora_batch(batch)
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend

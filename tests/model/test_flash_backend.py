@@ -159,9 +159,24 @@ def consecutive(runner: ModelRunner) -> list[torch.Tensor]:
     return [seq.run(prompt[:60]), seq.run(prompt[60:61]), seq.run(prompt[61:])]
 
 
+def run_prefix(runner: ModelRunner) -> list[torch.Tensor]:
+    """The engine's usual table: a run of consecutive committed pages, then a page from
+    elsewhere; a chunk and then decodes over it (the run read in place, the rest gathered)."""
+    ps = runner.page_size
+    free = list(range(runner.num_pages))[::-1]  # pop() hands out 0, 1, 2, ...
+    seq = PagedSeq(runner, free)
+    n = 6 * ps + 9
+    prompt = random_tokens(n, seed=70)
+    steps = [seq.run(prompt[:5 * ps])]  # pages 0..4: one run
+    seq.pages += [runner.num_pages - 1, runner.num_pages - 3]  # tail pages from elsewhere
+    steps.append(seq.run(prompt[5 * ps:n - 2]))
+    steps += [seq.run(prompt[j:j + 1]) for j in range(n - 2, n)]
+    return steps
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("page_size", [16, 256])
-@pytest.mark.parametrize("scenario", [mixed, decode_only, forks, consecutive],
+@pytest.mark.parametrize("scenario", [mixed, decode_only, forks, consecutive, run_prefix],
                          ids=lambda f: f.__name__)
 def test_flash_matches_torch(device, dtype, page_size, scenario) -> None:
     flash, ref = _pair(device, dtype, page_size, num_pages=4096 // page_size)
@@ -184,6 +199,21 @@ def test_forks_attend_as_a_cascade_and_masks_go_to_torch(device, page_size) -> N
     assert plans[-1].torch_state is None
 
 
+def test_a_run_prefix_is_read_in_place_and_merged_through_the_lse(device) -> None:
+    """Page size 16: a chunk and lone decodes over a run of pages plus two stray tail pages
+    attend the run in place and gather only the tail; the scratch buffer holds two pages
+    (of K and of V)."""
+    from runtime.model.attention.flash_backend import _RunSplit
+
+    flash, ref = _pair(device, torch.bfloat16, 16, num_pages=256)
+    plans = _groups(flash)
+    _both(flash, ref, run_prefix)
+    assert all(isinstance(p.flash[0], _RunSplit) for p in plans[1:])
+    assert plans[1].flash[0].head.run_start == 0
+    assert plans[1].flash[0].tail.page_index.numel() == 2  # the gathered part: two pages
+    assert flash.backend.scratch_bytes == 2 * 2 * flash.pool_kv[0, :, 0, 0].numel() * 2
+
+
 def test_an_fp32_pool_uses_torch_attention_throughout(device) -> None:
     flash, ref = _pair(device, torch.float32, 16, num_pages=256)
     out, want = mixed(flash), mixed(ref)
@@ -203,6 +233,7 @@ def test_an_int8_pool_uses_torch_attention_throughout(device) -> None:
 def test_backend_selection(monkeypatch) -> None:
     from runtime.model.attention import flash_backend
 
+    monkeypatch.delenv("PIE_CTX_ATTENTION", raising=False)
     assert select_backend(torch.device("cpu"), torch.float32, 16, 64).name == "torch"
     assert select_backend(torch.device("cpu"), torch.bfloat16, 256, 64).name == "torch"
     monkeypatch.setattr(flash_backend, "flash_available", lambda *a: True)
@@ -230,28 +261,34 @@ def test_flash_is_only_offered_for_head_dims_it_runs_without_a_copy(monkeypatch)
 # ---------------------------------------------------------------------------- CUDA only
 
 
+def long_model() -> torch.nn.Module:
+    """A GQA model with head dim 128 (the common real shape) for contexts up to 9k."""
+    return make_hf_model("llama3", seed=5, hidden_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512,
+                         max_position_embeddings=9000)
+
+
+def long_decodes(runner: ModelRunner) -> list[torch.Tensor]:
+    """Contexts of 1k-8k tokens prefilled in chunks of 2,048, then 4 decode steps."""
+    free = free_list(runner, seed=4)
+    lengths = (1024, 3000, 8000, 5555)
+    seqs = [PagedSeq(runner, free) for _ in lengths]
+    for s, n in zip(seqs, lengths, strict=True):
+        toks = random_tokens(n, seed=n)
+        for a in range(0, n, 2048):
+            s.run(toks[a:a + 2048], logits=[0])
+    return _decode_steps(runner, seqs, 4)
+
+
 @pytest.mark.cuda
 @cuda_flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_gqa_head_dim_128_over_long_unequal_contexts(page_size) -> None:
-    """A GQA model with head dim 128 (the common real shape) decoding over contexts of
-    1k-8k tokens, prefilled in chunks: flash-attn against torch, both page sizes."""
-    model = make_hf_model("llama3", seed=5, hidden_size=512, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=512,
-                          max_position_embeddings=9000)
-    flash, ref = _pair(torch.device("cuda"), torch.bfloat16, page_size,
-                       num_pages=40_000 // page_size, model=model)
-
-    def long_decodes(runner: ModelRunner) -> list[torch.Tensor]:
-        free = free_list(runner, seed=4)
-        lengths = (1024, 3000, 8000, 5555)
-        seqs = [PagedSeq(runner, free) for _ in lengths]
-        for s, n in zip(seqs, lengths, strict=True):
-            toks = random_tokens(n, seed=n)
-            for a in range(0, n, 2048):
-                s.run(toks[a:a + 2048], logits=[0])
-        return _decode_steps(runner, seqs, 4)
-
+def test_gqa_head_dim_128_over_long_unequal_contexts(page_size, dtype) -> None:
+    """Decoding over contexts of 1k-8k tokens, prefilled in chunks: flash-attn against
+    torch, both page sizes, bf16 and fp16."""
+    flash, ref = _pair(torch.device("cuda"), dtype, page_size,
+                       num_pages=40_000 // page_size, model=long_model())
     _both(flash, ref, long_decodes)
 
 

@@ -12,7 +12,13 @@ two ways, decided by the engine's page size:
 * ``flash-gather`` (any other page size, the default 16): each group's pages are gathered a
   whole page at a time (one ``index_select`` per layer, K and V) into a padded
   ``[B, pages * page_size, KVH, D]`` cache and ``cache_seqlens`` cuts each row; one
-  sequence on consecutive pages is read in place.
+  sequence on consecutive pages is read in place. A sequence attended alone (a prefill
+  chunk, one of at most two lone decodes) whose table starts with a run of consecutive
+  pages (the engine's committed pages, usually) reads that run in place and gathers only
+  the rest: two calls, merged through their log-sum-exps, as the torch backend does. The
+  gathers write into one scratch buffer per backend, grown to the largest step seen and
+  reused by every layer and step (``scratch_bytes``), so the memory a gather takes is
+  known and fixed, not a fresh allocation per layer.
 
 ``prepare`` splits the batch once per forward, as the torch backend does: decodes (one
 query each) attend together in one call; each prefill chunk attends alone (the kernel wants
@@ -37,8 +43,8 @@ from typing import Any
 import torch
 
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
-from runtime.model.attention.cascade import merge_lse, shared_prefix_clusters
-from runtime.model.attention.torch_backend import TorchAttention
+from runtime.model.attention.cascade import merge_lse, run_prefix_len, shared_prefix_clusters
+from runtime.model.attention.torch_backend import _LONE_DECODES, _MIN_RUN_PAGES, TorchAttention
 
 __all__ = ["FlashAttention", "flash_available", "PAGED_BLOCK"]
 
@@ -100,8 +106,18 @@ class _Cascade:
 
 
 @dataclass(slots=True)
+class _RunSplit:
+    """One sequence whose pages start with a run: the run read in place (every query sees
+    all of it), the rest gathered and attended causally, merged through the LSEs."""
+
+    rows: slice  # its token rows
+    head: _Keys  # the run: run_start set, no gather
+    tail: _Keys  # the pages after it
+
+
+@dataclass(slots=True)
 class _Plan:
-    flash: list[_Group | _Cascade]
+    flash: list[_Group | _Cascade | _RunSplit]
     torch_state: Any = None  # the torch backend's groups for custom-mask sequences
     delegate_all: bool = False
 
@@ -129,6 +145,12 @@ class FlashAttention:
         self.name = "flash-paged" if self.paged else "flash-gather"
         self._torch = TorchAttention(cascade=cascade)
         self._warned = False
+        self._scratch: torch.Tensor | None = None  # the gathers' buffer (K then V)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the gather buffer now held (0 until a gather ran; never for paged)."""
+        return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     # ------------------------------------------------------------------ per forward
 
@@ -155,11 +177,15 @@ class FlashAttention:
         plan = _Plan([])
         for seqs, shared in clusters:
             plan.flash.append(self._cascade(meta, seqs, shared, rows_of(seqs)))
+        alone = others + (decodes if len(decodes) <= _LONE_DECODES else [])
+        splits = {i: g for i in alone if (g := self._run_split(meta, i, starts)) is not None}
+        decodes = [i for i in decodes if i not in splits]
         if decodes:
             plan.flash.append(_Group(rows_of(decodes), 1, self._keys(meta, decodes)))
         for i in others:
-            plan.flash.append(_Group(slice(starts[i], starts[i + 1]), meta.query_lens[i],
-                                     self._keys(meta, [i])))
+            plan.flash.append(splits.get(i) or _Group(slice(starts[i], starts[i + 1]),
+                                                      meta.query_lens[i], self._keys(meta, [i])))
+        plan.flash.extend(g for i, g in splits.items() if i not in others)
         if masked:
             self._note("custom masks: those sequences use torch attention")
             plan.torch_state = [self._torch.group(meta, [i], slice(starts[i], starts[i + 1]))
@@ -193,6 +219,21 @@ class FlashAttention:
             keys.page_index = torch.tensor(padded, dtype=torch.int64, device=device).view(-1)
         return keys
 
+    def _run_split(self, meta: AttentionMetadata, i: int, starts: list[int]) -> _RunSplit | None:
+        """Sequence ``i`` as its leading run of pages (in place) and the rest, if it is not
+        one run overall and the run is long enough; None otherwise (or when paged)."""
+        if self.paged:
+            return None
+        s = meta.page_size
+        needed = meta.page_tables[i][: -(-meta.kv_lens[i] // s)]
+        # Only full pages every query sees whole: before the first new token.
+        run = run_prefix_len(needed, limit=meta.num_cached[i] // s)
+        if consecutive_run(needed) is not None or run < _MIN_RUN_PAGES:
+            return None
+        head = self._keys(meta, [i], lens=[run * s])
+        tail = self._keys(meta, [i], skip=run, lens=[meta.kv_lens[i] - run * s])
+        return _RunSplit(slice(starts[i], starts[i + 1]), head, tail)
+
     def _cascade(self, meta: AttentionMetadata, seqs: list[int], shared: int,
                  rows: torch.Tensor) -> _Cascade:
         s = meta.page_size
@@ -217,8 +258,11 @@ class FlashAttention:
         t, h, d = q.shape
         out = q.new_empty(t, h * d)  # [T, H*D]
         k_pool, v_pool = pool_kv[:, :, layer, 0], pool_kv[:, :, layer, 1]  # [P, S, KVH, D]
+        self._reserve(plan, k_pool)
         for g in plan.flash:
-            if isinstance(g, _Cascade):
+            if isinstance(g, _RunSplit):
+                out[g.rows] = self._attend_split(g, q[g.rows], k_pool, v_pool)
+            elif isinstance(g, _Cascade):
                 out.index_copy_(0, g.rows, self._attend_cascade(g, q.index_select(0, g.rows),
                                                                 k_pool, v_pool))
             elif isinstance(g.rows, slice):
@@ -245,11 +289,57 @@ class FlashAttention:
                 a, n = keys.run_start, keys.max_pages
                 k = k_pool[a: a + n].view(1, width, kvh, d)
                 v = v_pool[a: a + n].view(1, width, kvh, d)
-            else:  # whole pages: memcpy-speed gathers straight into the cache layout
-                k = k_pool.index_select(0, keys.page_index).view(keys.batch, width, kvh, d)
-                v = v_pool.index_select(0, keys.page_index).view(keys.batch, width, kvh, d)
+            else:  # whole pages: memcpy-speed gathers straight into the scratch buffer
+                n = keys.page_index.numel()
+                k_buf, v_buf = self._buffers(n, k_pool)
+                torch.index_select(k_pool, 0, keys.page_index, out=k_buf)
+                torch.index_select(v_pool, 0, keys.page_index, out=v_buf)
+                k = k_buf.view(keys.batch, width, kvh, d)
+                v = v_buf.view(keys.batch, width, kvh, d)
         return self._kvcache(q, k, v, cache_seqlens=keys.seqlens, block_table=keys.block_table,
                              causal=causal, return_softmax_lse=lse)
+
+    @staticmethod
+    def _gathered_pages(plan: _Plan) -> int:
+        """The most pages one call of ``plan`` gathers."""
+        most = 0
+        for g in plan.flash:
+            for keys in ((g.keys,) if isinstance(g, _Group) else
+                         (g.shared, g.tails) if isinstance(g, _Cascade) else (g.head, g.tail)):
+                if keys.page_index is not None:
+                    most = max(most, keys.page_index.numel())
+        return most
+
+    def _reserve(self, plan: _Plan, k_pool: torch.Tensor) -> None:
+        """Grow the scratch buffer to this forward's largest gather (K and V of one call),
+        once per forward: no allocation per layer, and its size is ``scratch_bytes``."""
+        pages = self._gathered_pages(plan)
+        need = 2 * pages * k_pool[0].numel()
+        if pages and (self._scratch is None or self._scratch.numel() < need
+                      or self._scratch.dtype != k_pool.dtype
+                      or self._scratch.device != k_pool.device):
+            self._scratch = torch.empty(need, dtype=k_pool.dtype, device=k_pool.device)
+
+    def _buffers(self, pages: int, k_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather targets of ``pages`` pages, views of the scratch buffer."""
+        shape = (pages, *k_pool.shape[1:])
+        n = pages * k_pool[0].numel()
+        if self._scratch is None or self._scratch.numel() < 2 * n:  # _reserve saw less
+            self._scratch = torch.empty(2 * n, dtype=k_pool.dtype, device=k_pool.device)
+        return self._scratch[:n].view(shape), self._scratch[n:2 * n].view(shape)
+
+    def _attend_split(self, g: _RunSplit, q: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor) -> torch.Tensor:
+        """One sequence's queries [Q, H, D] over its run (in place) and its other pages."""
+        t, h, d = q.shape
+        qb = q.unsqueeze(0)  # [1, Q, H, D]
+        # The run: full pages before the first new token, so every query sees all of it.
+        o1, lse1 = self._call(qb, g.head, k_pool, v_pool, causal=False, lse=True)
+        # The rest, causal: bottom-right alignment is still num_cached + j (see module doc).
+        o2, lse2 = self._call(qb, g.tail, k_pool, v_pool, causal=True, lse=True)
+        # o [1, Q, H, D], lse [1, H, Q]
+        out = merge_lse(o1[0], lse1[0].transpose(0, 1), o2[0], lse2[0].transpose(0, 1))
+        return out.to(q.dtype).view(t, h * d)
 
     def _attend_cascade(self, g: _Cascade, q: torch.Tensor, k_pool: torch.Tensor,
                         v_pool: torch.Tensor) -> torch.Tensor:

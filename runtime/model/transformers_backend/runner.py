@@ -173,7 +173,8 @@ class TransformersRunner:
         self.device = pool_kv.device
         self.dtype = model.dtype
         self.backend = backend or select_backend(self.device, self.dtype, page_size,
-                                                 model.head_dim, kv_dtype)
+                                                 model.head_dim, kv_dtype,
+                                                 heads=(model.num_heads, model.num_kv_heads))
         self.adapters: dict[str, Any] = {}  # LoRA runs on the native backend only
         self._check_batching()
 
