@@ -2,7 +2,7 @@
 
 Owns the page step behind ``PageStore.compact`` (``compact_state``) and the identity a
 kept token takes (``compacted_extras``). The store validates ``keep`` first
-(``check_keep``); then, all or nothing:
+(``check_keep``, the contract's ``checks.keep``); then, all or nothing:
 
 * the leading committed pages that are wholly kept, with every token before them kept,
   stay on the chain as they are: shared, not copied (their K/V and identity are unchanged);
@@ -24,11 +24,11 @@ their extras: their history is unchanged, and so are their K/V.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from operator import index
 
 import xxhash
 
+from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.hashing import fold_extras, hash_page
@@ -37,34 +37,23 @@ from runtime.kv.types import PageHash
 
 __all__ = ["check_keep", "compact_state", "compacted_extras"]
 
-_COMPACT_TAG = b"pie-ctx/compact/v1"
 
-
-def check_keep(keep: Sequence[int], seq_len: int) -> list[int]:
-    """``keep`` as a list of ints: non-empty, strictly increasing, in ``[0, seq_len)``.
+def check_keep(keep: object, seq_len: int) -> list[int]:
+    """``keep`` checked by the contract (``pie_ctx.proto.checks.keep``); numpy integers
+    are taken as ints.
 
     Raises:
-        InvalidArgument: empty, not ints, unsorted or repeated, or out of range; the
-            message says what to pass.
+        InvalidArgument: empty, not ints, unsorted or repeated, or out of range.
     """
-    if isinstance(keep, str | bytes) or not isinstance(keep, Sequence | range):
-        raise InvalidArgument(f"compact: keep is a sorted list of token indices, got {keep!r}")
-    try:
-        out = [index(i) for i in keep]
-    except TypeError:
-        raise InvalidArgument("compact: keep holds token indices (ints)") from None
-    if not out:
-        raise InvalidArgument("compact: keep is empty; a context keeps at least one token "
-                              "(release it to drop everything)")
-    for a, b in zip(out, out[1:], strict=False):
-        if b <= a:
-            raise InvalidArgument(f"compact: keep must be strictly increasing (sorted, no "
-                                  f"repeats); {b} follows {a}")
-    if out[0] < 0 or out[-1] >= seq_len:
-        bad = out[0] if out[0] < 0 else out[-1]
-        raise InvalidArgument(f"compact: index {bad} is out of range; the context holds "
-                              f"{seq_len} tokens (indices 0..{seq_len - 1})")
-    return out
+    if isinstance(keep, list | tuple | range):
+        try:
+            keep = [i if isinstance(i, bool) else index(i) for i in keep]
+        except TypeError:
+            pass  # the contract names the bad item
+    return checks.keep(keep, seq_len)
+
+
+_COMPACT_TAG = b"pie-ctx/compact/v1"
 
 
 def compacted_extras(history: PageHash, extra: int) -> int:

@@ -436,6 +436,14 @@ class PageStore:
         """
         return self._states.get(cid).all_tokens()
 
+    def positions(self, cid: ContextId) -> list[int]:
+        """Every token's rotary position, committed then working. O(seq_len).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        return self._states.get(cid).all_positions()
+
     def working_tokens(self, cid: ContextId) -> list[int]:
         """Token ids written into working pages (a copy).
 

@@ -25,6 +25,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.flatten import check_pool, flatten
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
+from runtime.model.scores import Scoring
 
 __all__ = ["SeqInput", "ModelRunner"]
 
@@ -80,6 +81,7 @@ class ModelRunner:
                                  choose=weight_format == "fp32")
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
+        self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
                                                  kv_dtype)
         self.adapters: dict[str, LoraAdapter] = {}  # by name
@@ -150,8 +152,13 @@ class ModelRunner:
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
 
+            scoring = Scoring(batch, meta) if any(s.scores for s in batch) else None
+
             def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                return backend.forward(layer, q, kv, pool, meta)
+                out = backend.forward(layer, q, kv, pool, meta)
+                if scoring is not None:  # the weights of the rows that ask (scores.py)
+                    scoring.collect(layer, q, pool)
+                return out
 
             return self.model.forward(tokens, meta.positions, attend, rows,
                                       return_hidden=return_hidden, lora=lora)
