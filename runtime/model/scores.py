@@ -78,7 +78,7 @@ class Scoring:
             return
         h, d = q.shape[1], q.shape[2]
         for s in self._seqs:
-            k = decode(pool_kv[:, :, layer, 0].index_select(0, s.pages), torch.float32)
+            k = decode(pool_kv[:, :, layer, 0].index_select(0, s.pages), q.dtype).float()
             k = k.reshape(-1, k.shape[-2], d)[: s.kv_len]  # [kv_len, KVH, D]
             k = k.repeat_interleave(h // k.shape[1], dim=1)  # [kv_len, H, D]
             qr = q.index_select(0, s.rows).float()  # [R, H, D]
