@@ -79,10 +79,12 @@ class Scoring:
         h, d = q.shape[1], q.shape[2]
         for s in self._seqs:
             k = decode(pool_kv[:, :, layer, 0].index_select(0, s.pages), q.dtype).float()
-            k = k.reshape(-1, k.shape[-2], d)[: s.kv_len]  # [kv_len, KVH, D]
-            k = k.repeat_interleave(h // k.shape[1], dim=1)  # [kv_len, H, D]
-            qr = q.index_select(0, s.rows).float()  # [R, H, D]
-            logits = torch.einsum("rhd,khd->rhk", qr, k) * d ** -0.5  # [R, H, kv_len]
+            kvh = k.shape[-2]
+            k = k.reshape(-1, kvh, d)[: s.kv_len]  # [kv_len, KVH, D]
+            qr = q.index_select(0, s.rows).float().view(-1, kvh, h // kvh, d)  # [R, KVH, G, D]
+            # query head j reads KV head j // G (GQA), with no copy of the keys per head
+            logits = torch.einsum("rngd,knd->rngk", qr, k).reshape(qr.shape[0], h, -1)
+            logits *= d ** -0.5  # [R, H, kv_len]
             logits.masked_fill_(~s.visible[:, None, :], float("-inf"))
             weights = torch.softmax(logits, dim=-1)  # [R, H, kv_len]
             for query, picks in s.queries:
