@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--kv-memory-gb", type=float, default=2.0)
-    args = parse_args(ap, cases=1, context=384, budget=0.5, chunk=128, ppl_tokens=24,
+    args = parse_args(ap, cases=1, context=256, budget=0.5, chunk=128, ppl_tokens=16,
                       decode_tokens=4, kv_memory_gb=0.5)
     result = asyncio.run(run(args))
     table([(k, str(v)) for k, v in result.items()])
