@@ -131,3 +131,23 @@ def test_random_keeps_hold_the_invariants() -> None:
             fill(store, cid, [rng.randrange(3) for _ in range(rng.randrange(0, 6))])
             store.commit_full_pages(cid)
             store.check_invariants()
+
+
+def test_a_durable_snapshot_of_a_compacted_context_reopens_after_a_restart(tmp_path) -> None:
+    from .disk_helpers import check_kv, close, disk_store, write
+
+    store = disk_store(tmp_path, num_pages=32)
+    cid = store.create_context()
+    write(store, cid, list(range(50, 69)))  # 4 committed pages + 3 working tokens
+    keep = [0, 1, 2, 3, 4, 5, 6, 7, 9, 14, 16, 17, 18]
+    store.compact(cid, keep)
+    check_kv(store, cid)  # every kept token's K/V is the one it had, at its position
+    store.save_snapshot(cid, "c")
+    tokens, positions = store.tokens(cid), store.positions(cid)
+    close(store)
+    again = disk_store(tmp_path, num_pages=32)
+    opened = again.open_snapshot("c")
+    assert again.tokens(opened) == tokens and again.positions(opened) == positions == keep
+    assert again.next_position(opened) == 19
+    check_kv(again, opened)
+    again.check_invariants()
