@@ -156,12 +156,15 @@ class ModelRunner:
 
             def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 out = backend.forward(layer, q, kv, pool, meta)
-                if scoring is not None:  # the weights of the rows that ask (scores.py)
-                    scoring.collect(layer, q, pool)
+                if scoring is not None:  # the queries of the rows that ask (scores.py)
+                    scoring.collect(layer, q)
                 return out
 
-            return self.model.forward(tokens, meta.positions, attend, rows,
-                                      return_hidden=return_hidden, lora=lora)
+            result = self.model.forward(tokens, meta.positions, attend, rows,
+                                        return_hidden=return_hidden, lora=lora)
+            if scoring is not None:
+                scoring.finish(pool)
+            return result
 
     def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:
         """The rows of each adapter in the flat batch: a slice when they are contiguous

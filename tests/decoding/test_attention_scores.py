@@ -189,3 +189,21 @@ async def test_bad_keep_is_a_typed_error_that_changes_nothing(tiny_folder, trans
                 await ctx.inner().compact(keep)
         assert await ctx.tokens() == [5, 6, 7, 8, 9]
         assert await ctx.positions() == [0, 1, 2, 3, 4]
+
+
+async def test_scores_of_a_prompt_split_into_chunks_and_int8_pages(tiny_folder):
+    """A pass longer than a step is computed in chunks, each seeing a longer context; the
+    chunks' scores are padded and summed. On int8 pages the keys are read back as the
+    pass reads them (the dense oracle quantizes them the same way)."""
+    for kv_dtype in ("fp32", "int8"):
+        async with sdk_runtime(tiny_folder, max_step_tokens=8, kv_dtype=kv_dtype) as (rt, engine):
+            tokens = list(range(5, 27))
+            out = await (Context(rt).forward().input(tokens)
+                         .attention_scores([3, 10, 17, 21]).execute())
+            weights: list[torch.Tensor] = []
+            dense_forward(engine.executor.runner.model, tokens, weights=weights,
+                          kv_dtype=kv_dtype)
+            want = _expect(torch.stack(weights), [3, 10, 17, 21])
+            # a sum of 4 rows x every layer's weights: 1e-5 for each weight summed
+            np.testing.assert_allclose(out.attention_scores[0], want,
+                                       atol=TOL * 4 * len(weights), err_msg=kv_dtype)
