@@ -132,6 +132,8 @@ def keep_ranges(keep: Any) -> list[int]:
             out.extend(item)
         elif isinstance(item, tuple) and len(item) == 2 and all(is_int(v) for v in item):
             out.extend(range(item[0], item[1]))
+        elif not isinstance(item, bool | int) and hasattr(item, "__index__"):
+            out.append(item.__index__())  # a numpy integer, say
         else:
             out.append(item)
     return out
