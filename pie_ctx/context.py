@@ -138,6 +138,19 @@ class Context(Counters):
             return list((await core.request(P.GetTokens)).token_ids) + list(core.pending)
         return await core.run(body)
 
+    async def positions(self) -> list[int]:
+        """Every token's rotary position, in the order of :meth:`tokens`: those in the KV
+        cache, then where the pending ones will go (from ``next_position`` on). After
+        :meth:`compact` the kept tokens keep their positions, so the next position
+        continues from the last one, not from the new length."""
+        core = self._core
+
+        async def body() -> list[int]:
+            held = list((await core.request(P.GetTokens)).positions)
+            start = held[-1] + 1 if held else core.state.next_position
+            return held + list(range(start, start + len(core.pending)))
+        return await core.run(body)
+
     async def refresh(self) -> P.ContextState:
         """Ask the runtime for this context's counters now."""
         core = self._core
@@ -301,7 +314,8 @@ class Context(Counters):
                  speculator: Speculator | str | None = None, cue: bool = True,
                  min_tokens: int = 0, tools: Sequence[Tool] | None = None,
                  tool_choice: str | None = None, parallel_tool_calls: bool = True,
-                 jump_forward: bool = True) -> Generator:
+                 jump_forward: bool = True,
+                 attention_scores: P.ScoresSpec | bool | None = None) -> Generator:
         """Generate from this context; returns a :class:`Generator` (nothing runs until it
         is iterated or collected).
 
@@ -345,6 +359,11 @@ class Context(Counters):
                 names, punctuation) in one pass instead of one step each; the output is
                 exactly what plain constrained decoding gives (greedy: the same tokens;
                 sampling: the same distribution). False decodes them step by step.
+            attention_scores: ``True`` (or a ``ScoresSpec`` with its layers, reduce,
+                heads, by_layer and no queries): the attention weights the rows that
+                sample the tokens gave each KV entry, summed (or maxed) over the whole
+                generation, in ``Generator.attention_scores`` (H2O's heavy hitters;
+                docs/compaction.md). No speculation runs with it.
 
         Raises:
             InvalidArgument: a bad argument (the message says which).
@@ -396,6 +415,19 @@ class Context(Counters):
                             ("prompt_lookup" if speculator == "prompt_lookup" else None),
                             constraint=constraint)
             constraint = None
+        scores = None
+        if attention_scores is True:
+            scores = P.ScoresSpec()
+        elif isinstance(attention_scores, P.ScoresSpec):
+            scores = attention_scores
+        elif attention_scores not in (None, False):
+            raise InvalidArgument("attention_scores takes True or a ScoresSpec, got "
+                                  f"{attention_scores!r}")
+        if scores is not None:
+            checks.scores(scores, info, None)
+            if rounds is not None or prompt_lookup:
+                raise InvalidArgument("attention_scores cannot be combined with a speculator "
+                                      "or a constraint object of yours")
         defaults = [] if ignore_eos else list(info.stop_token_ids)
         req = P.Generate(
             ctx=0, tokens=[], sampler=sampler, max_tokens=max_tokens,
@@ -404,7 +436,8 @@ class Context(Counters):
             allowed_tokens=checks.allowed_tokens(
                 None if allowed_tokens is None else list(allowed_tokens), info.vocab_size),
             top_logprobs=checks.top_logprobs_k(top_logprobs, info.max_top_logprobs),
-            min_tokens=min_tokens, jump_forward=jump_forward, prompt_lookup=prompt_lookup)
+            min_tokens=min_tokens, jump_forward=jump_forward, prompt_lookup=prompt_lookup,
+            attention_scores=scores)
         if constraint is not None and not info.can_constrain:
             raise InvalidArgument("this engine cannot compile constraints (its tokenizer is "
                                   "not a Hugging Face tokenizer.json)")
@@ -528,6 +561,36 @@ class Context(Counters):
             if n:
                 core.chat.synced = False
         await core.run(body)
+
+    async def compact(self, keep: Any) -> P.ContextState:
+        """Keep only the tokens at ``keep`` and drop the rest, anywhere in the context.
+
+        ``keep`` is sorted token indices (of :meth:`tokens`), or ranges: ints,
+        ``range`` objects and ``(start, stop)`` pairs, in order. Pending tokens are
+        written first, so they can be kept or dropped like the others. The kept tokens'
+        K/V are kept as computed, at their positions (they saw the dropped tokens when
+        they were computed); the next token goes after the last kept position
+        (:meth:`positions`). Leading pages kept whole are shared, not copied. See
+        docs/compaction.md.
+
+        Returns:
+            The context's counters after the compaction.
+
+        Raises:
+            InvalidArgument: ``keep`` empty, unsorted, repeated or out of range.
+            OutOfPages: no room for the copies. Nothing changes on any error.
+        """
+        core = self._core
+        core.check_open()
+        indices = checks.keep_ranges(keep)
+
+        async def body() -> P.ContextState:
+            checks.keep(indices, core.state.seq_len + len(core.pending))
+            await core.write_pending()
+            core.set_state((await core.request(P.Compact, keep=indices)).state)
+            core.chat.synced = False  # the KV no longer holds the whole conversation
+            return core.state
+        return await core.run(body)
 
     def save(self, name: str) -> Op:
         """Flush pending tokens, then save this context as the snapshot ``name``.

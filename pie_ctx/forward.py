@@ -56,6 +56,8 @@ class ForwardOutput:
     entropies: list[float] = field(default_factory=list)  # one per entropy() index, nats
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     hidden_states: list[np.ndarray] = field(default_factory=list)  # float32 [hidden] each
+    # one float32 array per attention_scores() call: [layers]? [heads]? [seq_len + inputs]
+    attention_scores: list[np.ndarray] = field(default_factory=list)
     report: P.PassReport | None = None
     state: P.ContextState | None = None
 
@@ -75,6 +77,7 @@ class Forward:
         self._entropy: list[int] = []
         self._top_logprobs: list[P.TopLogprobSpec] = []
         self._hidden: list[int] = []
+        self._scores: list[P.ScoresSpec] = []
         self._commit = True
         self._done = False
 
@@ -144,6 +147,32 @@ class Forward:
         self._hidden.extend(_index(i) for i in indices)
         return self
 
+    def attention_scores(self, queries: Sequence[int], *, layers: Sequence[int] | None = None,
+                         reduce: str = "sum", heads: str = "mean",
+                         by_layer: bool = False) -> Forward:
+        """The attention weight each KV entry received from the input rows ``queries``:
+        what H2O, SnapKV and your own memory policies rank tokens by (docs/compaction.md).
+
+        One float32 array comes back in ``ForwardOutput.attention_scores`` per call, one
+        value per KV entry the pass could see (the context's ``seq_len`` entries, then
+        this pass's inputs), computed from the softmax the pass itself uses.
+
+        Args:
+            queries: indices into this pass's input.
+            layers: which layers (default: all).
+            reduce: ``"sum"`` or ``"max"`` over the query rows, and over the layers
+                unless ``by_layer``.
+            heads: ``"mean"`` over the query heads, or ``"all"`` (a leading ``[heads]``
+                axis).
+            by_layer: a leading ``[len(layers)]`` axis instead of combining the layers.
+        """
+        spec = P.ScoresSpec(queries=[_index(i) for i in queries],
+                            layers=None if layers is None else list(layers), reduce=reduce,
+                            heads=heads, by_layer=by_layer)
+        checks.scores(spec, self._core.rt.info, 1 << 62)  # the indices again at execute()
+        self._scores.append(spec)
+        return self
+
     def logits(self, indices: Sequence[int]) -> Forward:
         """Return the raw logits after each of these input indices."""
         self._logits.extend(_index(i) for i in indices)
@@ -186,7 +215,7 @@ class Forward:
                 "commit": self._commit, "sample": self._sample, "logits": self._logits,
                 "distributions": self._dists, "logprobs": self._logprobs,
                 "entropy": self._entropy, "top_logprobs": self._top_logprobs,
-                "hidden": self._hidden,
+                "hidden": self._hidden, "attention_scores": self._scores,
             }
             # The engine's own check, here too and before anything is written (the pending
             # tokens included): the same error on every transport, and nothing changed.
@@ -205,6 +234,7 @@ class Forward:
                 top_logprobs=[list(zip(t.token_ids, t.logprobs, strict=True))
                               for t in reply.top_logprobs],
                 hidden_states=[_floats(b) for b in reply.hidden],
+                attention_scores=[scores_array(a) for a in reply.attention_scores],
                 report=reply.report, state=reply.state,
             )
 
@@ -219,6 +249,11 @@ def _index(i: Any) -> int:
     if not checks.is_int(i) or i < 0:
         raise InvalidArgument(f"indices are non-negative ints into the pass's input, got {i!r}")
     return i
+
+
+def scores_array(scores: P.AttentionScores) -> np.ndarray:
+    """An ``AttentionScores`` reply as a float32 array of its shape."""
+    return _floats(scores.data).reshape(scores.shape)
 
 
 def _floats(raw: bytes) -> np.ndarray:

@@ -93,6 +93,8 @@ class Generator(Cancellable):
         self.tool_calls: list[ToolCall] = []  # with tools: the calls the model made
         self.finish_reason: str | None = None  # ... or "tool_calls" or "cancelled"
         self.report: P.PassReport | None = None
+        # with attention_scores=: float32 [layers]? [heads]? [seq_len], once it ended
+        self.attention_scores: Any = None
 
     # ------------------------------------------------------------------ iteration
 
@@ -236,6 +238,10 @@ class Generator(Cancellable):
             if self.tool_calls and msg.finish_reason != "length":
                 self.finish_reason = "tool_calls"
         self.report = msg.report
+        if msg.attention_scores is not None:
+            from pie_ctx.forward import scores_array
+
+            self.attention_scores = scores_array(msg.attention_scores)
         self.tokens_out = list(msg.tokens)
         self._end(None)
 

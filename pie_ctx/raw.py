@@ -10,11 +10,15 @@ and the counters are the runtime's reply. Semantics (exact; see docs/sdk.md):
   tokens go with them).
 - ``truncate_working_page_tokens(n)``: drop the last ``n`` tokens written in working pages
   (page count unchanged).
+- ``compact(keep)``: keep only the KV tokens at ``keep`` (sorted indices or ranges), at
+  their positions; pending tokens are neither written nor dropped (docs/compaction.md).
 
 Every failing call raises a typed error and changes nothing.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pie_ctx.core import ContextCore
 from pie_ctx.counters import Counters
@@ -63,3 +67,18 @@ class RawContext(Counters):
     async def truncate_working_page_tokens(self, n: int) -> None:
         """Drop the last ``n`` tokens in working pages (never reaches committed pages)."""
         await self._op(P.TruncateTokens, "truncate_working_page_tokens(n)", n)
+
+    async def compact(self, keep: Any) -> P.ContextState:
+        """Keep only the KV cache's tokens at ``keep`` (sorted indices, ``range``s or
+        ``(start, stop)`` pairs); see ``Context.compact``. Pending tokens stay pending."""
+        core = self._core
+        indices = checks.keep_ranges(keep)
+
+        async def body() -> P.ContextState:
+            checks.keep(indices, core.state.seq_len)
+            core.set_state((await core.request(P.Compact, keep=indices)).state)
+            core.chat.synced = False
+            return core.state
+
+        return await core.run(body)
+

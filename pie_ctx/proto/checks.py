@@ -46,6 +46,9 @@ __all__ = [
     "generate",
     "verify",
     "select",
+    "keep",
+    "keep_ranges",
+    "scores",
 ]
 
 MAX_NAME_CHARS = 256
@@ -113,6 +116,90 @@ def indices(values: Any, num_tokens: int, what: str) -> list[int]:
             raise InvalidArgument(
                 f"{what} index {i!r} is not in [0, {num_tokens}) (the pass's input tokens)")
     return out
+
+
+def keep_ranges(keep: Any) -> list[int]:
+    """``compact``'s ``keep`` as token indices: ints, ``range``s and ``(start, stop)``
+    pairs (stop excluded), in order. Order and range are checked by ``keep``."""
+    if isinstance(keep, range):
+        return list(keep)
+    if isinstance(keep, str | bytes) or not isinstance(keep, Iterable):
+        raise InvalidArgument(f"compact: keep is a sorted list of token indices (or ranges), "
+                              f"got {keep!r}")
+    out: list[int] = []
+    for item in keep:
+        if isinstance(item, range):
+            out.extend(item)
+        elif isinstance(item, tuple) and len(item) == 2 and all(is_int(v) for v in item):
+            out.extend(range(item[0], item[1]))
+        elif not isinstance(item, bool | int) and hasattr(item, "__index__"):
+            out.append(item.__index__())  # a numpy integer, say
+        else:
+            out.append(item)
+    return out
+
+
+def keep(values: Any, seq_len: int) -> list[int]:
+    """``compact``'s token indices: non-empty, strictly increasing, in ``[0, seq_len)``."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"compact: keep is a sorted list of token indices, got {values!r}")
+    out = list(values)
+    if not out:
+        raise InvalidArgument("compact: keep is empty; a context keeps at least one token "
+                              "(release it to drop everything)")
+    for i in out:
+        if not is_int(i):
+            raise InvalidArgument(f"compact: keep holds token indices (ints), got {i!r}")
+    for a, b in zip(out, out[1:], strict=False):
+        if b <= a:
+            raise InvalidArgument(f"compact: keep must be strictly increasing (sorted, no "
+                                  f"repeats); {b} follows {a}")
+    if out[0] < 0 or out[-1] >= seq_len:
+        bad = out[0] if out[0] < 0 else out[-1]
+        raise InvalidArgument(f"compact: index {bad} is out of range; the context holds "
+                              f"{seq_len} tokens (indices 0..{seq_len - 1})")
+    return [int(i) for i in out]
+
+
+SCORE_REDUCE = ("sum", "max")
+SCORE_HEADS = ("mean", "all")
+
+
+def scores(spec: Any, info: M.EngineInfo, num_tokens: int | None) -> M.ScoresSpec:
+    """An attention-scores request: query indices into the pass's ``num_tokens`` inputs
+    (None: a generation, which names no queries), layers of the model, known modes."""
+    if not isinstance(spec, M.ScoresSpec):
+        raise InvalidArgument(f"attention scores are asked with a ScoresSpec, got {spec!r}")
+    if not info.score_layers:
+        raise InvalidArgument(f"this engine cannot return attention scores (the {info.backend} "
+                              "backend or tensor parallel); use the native backend on one "
+                              "process")
+    if num_tokens is None:
+        if spec.queries:
+            raise InvalidArgument("a generation's attention scores come from the rows that "
+                                  "sample its tokens: give no queries")
+    else:
+        if not spec.queries:
+            raise InvalidArgument("attention_scores: give at least one query index")
+        indices(spec.queries, num_tokens, "attention_scores query")
+    if spec.layers is not None:
+        if not spec.layers:
+            raise InvalidArgument("attention_scores: layers is None (all) or a non-empty list")
+        for layer in _items(spec.layers, "attention_scores layers"):
+            if not is_int(layer) or not 0 <= layer < info.score_layers:
+                raise InvalidArgument(f"attention_scores layer {layer!r} is not in "
+                                      f"[0, {info.score_layers})")
+        if len(set(spec.layers)) != len(spec.layers):
+            raise InvalidArgument("attention_scores: a layer is named twice")
+    if spec.reduce not in SCORE_REDUCE:
+        raise InvalidArgument(f"attention_scores reduce is one of {SCORE_REDUCE}, got "
+                              f"{spec.reduce!r}")
+    if spec.heads not in SCORE_HEADS:
+        raise InvalidArgument(f"attention_scores heads is one of {SCORE_HEADS}, got "
+                              f"{spec.heads!r}")
+    if not isinstance(spec.by_layer, bool):
+        raise InvalidArgument("attention_scores by_layer is a boolean")
+    return spec
 
 
 def snapshot_name(name: Any) -> str:
@@ -333,6 +420,8 @@ def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | No
     indices(req.logits, n, "logits")
     indices(req.entropy, n, "entropy")
     indices(req.hidden, n, "hidden_states")
+    for spec in req.attention_scores:
+        scores(spec, info, n)
     for t in req.top_logprobs:
         indices([t.index], n, "top_logprobs")
         if not is_int(t.k) or not 1 <= t.k <= info.vocab_size:
@@ -380,6 +469,11 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
                               "a Hugging Face tokenizer.json)")
     if req.stop_token_ids is not None:
         token_ids(req.stop_token_ids, info.vocab_size, "stop")
+    if req.attention_scores is not None:
+        scores(req.attention_scores, info, None)
+        if req.prompt_lookup:
+            raise InvalidArgument("attention_scores and prompt_lookup do not go together: a "
+                                  "speculative step's drafted rows would go unscored")
     strings = _items(req.stop_strings, "stop strings")
     if any(not isinstance(x, str) or not x for x in strings):
         raise InvalidArgument("stop strings must be non-empty str")

@@ -159,6 +159,15 @@ class TruncateTokens(_Request):
     num_tokens: int
 
 
+class Compact(_Request):
+    """Keep only the tokens at indices ``keep`` of the context's KV cache (strictly
+    increasing, in ``[0, seq_len)``); their K/V keep the positions they were computed at
+    (docs/compaction.md). Reply: ``StateReply``."""
+
+    ctx: int
+    keep: list[int]
+
+
 class SaveSnapshot(_Request):
     ctx: int
     name: str
@@ -218,6 +227,21 @@ class LogprobSpec(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
 
 
+class ScoresSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Attention scores wanted from a pass (docs/compaction.md): for the query rows
+    ``queries`` (indices into the pass's input; a generation uses the rows that sample
+    its tokens), the softmax weight each KV entry received, per head, in the layers
+    ``layers`` (None: all). ``heads`` is ``"mean"`` (averaged over query heads) or
+    ``"all"`` (one row per query head); ``reduce`` (``"sum"`` or ``"max"``) combines the
+    query rows, and the layers unless ``by_layer`` keeps one row per layer."""
+
+    queries: list[int] = []
+    layers: list[int] | None = None
+    reduce: str = "sum"
+    heads: str = "mean"
+    by_layer: bool = False
+
+
 class Forward(_Request):
     """Write ``tokens`` into the context and probe the outputs at some of their indices.
 
@@ -241,6 +265,7 @@ class Forward(_Request):
     entropy: list[int] = []  # indices whose next-token distribution's entropy is wanted
     top_logprobs: list[TopLogprobSpec] = []
     hidden: list[int] = []  # indices whose final-norm hidden state is wanted
+    attention_scores: list[ScoresSpec] = []  # one AttentionScores per spec in the reply
 
 
 class Generate(_Request):
@@ -264,6 +289,8 @@ class Generate(_Request):
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     jump_forward: bool = True  # append the tokens a constraint forces in one pass
     prompt_lookup: int = 0  # draft up to this many tokens per step from the context itself
+    # summed (or maxed) over the rows that sample the generation's tokens: GenerateDone
+    attention_scores: ScoresSpec | None = None
     # False: no GenerateChunk per token; one chunk with everything, then GenerateDone (a
     # caller that collects the whole text saves a message, and a wake-up, per token)
     stream: bool = True
@@ -432,6 +459,7 @@ Request = (
     | CommitPages
     | ReleasePages
     | TruncateTokens
+    | Compact
     | SaveSnapshot
     | OpenSnapshot
     | TakeSnapshot
@@ -500,6 +528,15 @@ class TopLogprobs(msgspec.Struct, kw_only=True):
     logprobs: list[float]
 
 
+class AttentionScores(msgspec.Struct, kw_only=True):
+    """One ``ScoresSpec``'s answer: float32 little-endian values of shape ``shape``
+    (``[layers]`` if by_layer, ``[heads]`` if heads="all", then one value per KV entry of
+    the context, in KV order)."""
+
+    shape: list[int]
+    data: bytes
+
+
 class ForwardReply(_Reply):
     state: ContextState
     report: PassReport
@@ -510,6 +547,7 @@ class ForwardReply(_Reply):
     entropy: list[float] = []
     top_logprobs: list[TopLogprobs] = []
     hidden: list[bytes] = []  # float32 little-endian rows of hidden_size values
+    attention_scores: list[AttentionScores] = []
 
 
 class GenerateChunk(_Reply):
@@ -545,10 +583,12 @@ class GenerateDone(_Reply):
     pending: list[int]  # tokens sampled but not yet in the KV cache (the last one)
     state: ContextState
     report: PassReport
+    attention_scores: AttentionScores | None = None  # when the request asked for them
 
 
 class TokenIds(_Reply):
     token_ids: list[int]
+    positions: list[int] = []  # GetTokens: each token's rotary position
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -579,6 +619,7 @@ class EngineInfo(_Reply):
     hidden_size: int = 0  # size of one hidden_states() row
     max_top_logprobs: int = 20  # the most top_logprobs one generated token may carry
     can_constrain: bool = False  # the engine compiles constraints (its tokenizer allows it)
+    score_layers: int = 0  # layers attention_scores() reads; 0 = this engine cannot
     dtype: str = "float32"  # the compute dtype: float32, bfloat16, float16
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged

@@ -46,6 +46,7 @@ class ShardedPagePool(PagePool):
     """
 
     __slots__ = ("group", "tp")
+    copies_slots = False  # copy_slots would act on rank 0 only: compaction is refused
 
     def __init__(self, group: RankGroup, tp: int, num_pages: int, page_size: int,
                  num_layers: int, num_kv_heads: int, head_dim: int,

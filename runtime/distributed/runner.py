@@ -73,6 +73,7 @@ class ShardedRunner(ModelRunner):
         local, head = shard_weights(config, weights, comm.rank, tp)
         super().__init__(shard_config(config, tp), local, pool_kv, page_size, dtype=dtype)
         self.full_config = config
+        self.score_layers = 0  # rank 0 holds a share of the heads: no attention scores
         self.comm = comm
         self.model.reduce = comm.all_reduce
         proj = Projection(head.to(device=self.device, dtype=self.dtype),

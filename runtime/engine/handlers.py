@@ -74,6 +74,7 @@ class Handlers:
             P.CommitPages: self._raw,
             P.ReleasePages: self._raw,
             P.TruncateTokens: self._raw,
+            P.Compact: self._compact,
             P.SaveSnapshot: self._save,
             P.OpenSnapshot: self._open,
             P.TakeSnapshot: self._take,
@@ -175,6 +176,15 @@ class Handlers:
                     record.last_logits = None
             return P.StateReply(state=self._store.state(cid), ok=ok)
 
+    async def _compact(self, req: P.Compact, owner: Any, ns: str) -> P.StateReply:
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            # no share check: a compacted context never holds more pages than before
+            self._store.compact(record.cid, req.keep)
+            record.last_logits = None  # the last token now sees fewer keys
+            self._on_pages_freed()
+            return P.StateReply(state=self._store.state(record.cid))
+
     async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
         return await self._passes.forward(req, owner)
 
@@ -185,7 +195,8 @@ class Handlers:
         return await self._passes.select(req, owner)
 
     async def _get_tokens(self, req: P.GetTokens, owner: Any, ns: str) -> P.TokenIds:
-        return P.TokenIds(token_ids=self._store.tokens(self._records.get(req.ctx, owner).cid))
+        cid = self._records.get(req.ctx, owner).cid
+        return P.TokenIds(token_ids=self._store.tokens(cid), positions=self._store.positions(cid))
 
     # ----------------------------------------------------------------------- snapshots
 

@@ -69,6 +69,7 @@ class Job:
     entropy: list[int] = field(default_factory=list)
     top_logprobs: list[TopLogprobSpec] = field(default_factory=list)
     hidden: list[int] = field(default_factory=list)
+    scores: Any = None  # runtime.engine.scores.ScoreProbe: attention scores asked
     verify: VerifyRound | None = None  # a speculative round: its draft ends ``tokens``
     # generation
     sampler: SamplerSpec | None = None
@@ -138,6 +139,8 @@ class Job:
         self.shadow = None
         self.status = JobStatus.WAITING
         self.progress = Progress()
+        if self.scores is not None:
+            self.scores.reset()
         if self.stop is not None:
             self.stop.reset()
         if self.decoding.matcher is not None:

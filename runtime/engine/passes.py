@@ -33,6 +33,7 @@ from runtime.engine.decoding import Grammars
 from runtime.engine.drafts import Drafter
 from runtime.engine.jobs import Decoding, Job, JobKind, JobQueue, VerifyRound
 from runtime.engine.records import ContextRecord, ContextTable
+from runtime.engine.scores import ScoreProbe
 from runtime.engine.stream import GenerationStream
 
 if TYPE_CHECKING:
@@ -86,15 +87,19 @@ class Passes:
                 sample=list(req.sample), logits=logits,
                 distributions=list(req.distributions), logprobs=list(req.logprobs),
                 entropy=list(req.entropy), top_logprobs=list(req.top_logprobs),
-                hidden=list(req.hidden),
+                hidden=list(req.hidden), scores=self._scores(req.attention_scores, False),
             )
             await self._run(job)
             record.last_logits = np.frombuffer(job.progress.out.logits[logits.index(n - 1)], dtype="<f4")
             return P.ForwardReply(
-                state=self._store.state(record.cid), report=job.progress.report, sampled=job.progress.out.sampled,
-                logits=job.progress.out.logits[: len(req.logits)], distributions=job.progress.out.distributions,
+                state=self._store.state(record.cid), report=job.progress.report,
+                sampled=job.progress.out.sampled,
+                logits=job.progress.out.logits[: len(req.logits)],
+                distributions=job.progress.out.distributions,
                 logprobs=job.progress.out.logprobs, entropy=job.progress.out.entropy,
                 top_logprobs=job.progress.out.top_logprobs, hidden=job.progress.out.hidden,
+                attention_scores=[] if job.scores is None else job.scores.results(
+                    self._store.state(record.cid).seq_len),
             )
 
     # ----------------------------------------------------------------------- generate
@@ -139,10 +144,13 @@ class Passes:
                     final = P.error_reply(job.error)
                 elif not job.cancelled:
                     record.last_logits = None  # the pending token's logits are not computed
+                    state = self._store.state(record.cid)
                     final = P.GenerateDone(
                         finish_reason=job.finish_reason, tokens=list(job.progress.generated),
-                        pending=job.progress.generated[-1:], state=self._store.state(record.cid),
+                        pending=job.progress.generated[-1:], state=state,
                         report=job.progress.report,
+                        attention_scores=None if job.scores is None
+                        else job.scores.results(state.seq_len)[0],
                     )
                 if final is not None:
                     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -171,7 +179,8 @@ class Passes:
         stops = self._info().stop_token_ids if req.stop_token_ids is None else req.stop_token_ids
         sampler = _seeded(req.sampler)
         drafter = None
-        if req.prompt_lookup or (matcher is not None and req.jump_forward):
+        scored = req.attention_scores is not None  # every row scored: no drafted rows
+        if not scored and (req.prompt_lookup or (matcher is not None and req.jump_forward)):
             history = self._store.tokens(record.cid) + tokens if req.prompt_lookup else []
             drafter = Drafter(history, prompt_lookup=req.prompt_lookup,
                               jump_forward=req.jump_forward)
@@ -184,6 +193,7 @@ class Passes:
             decoding=Decoding(logit_bias=req.logit_bias, allowed=req.allowed_tokens,
                               matcher=matcher, top_logprobs=req.top_logprobs),
             min_tokens=req.min_tokens, drafter=drafter,
+            scores=self._scores([req.attention_scores] if scored else [], True),
         )
 
     async def _first_logits(self, record: ContextRecord) -> np.ndarray:
@@ -324,6 +334,12 @@ class Passes:
         job = await self._scratch(record, [last], [state.next_position - 1],
                                   np.asarray([row]), logits=[0])
         return np.frombuffer(job.progress.out.logits[0], dtype="<f4")
+
+    def _scores(self, specs: list[P.ScoresSpec], generation: bool) -> ScoreProbe | None:
+        """The attention-scores probe of a job (None when nothing is asked)."""
+        if not specs:
+            return None
+        return ScoreProbe(list(specs), self._info().score_layers, generation)
 
     def _check_fits(self, num_tokens: int, what: str, hint: str = "") -> None:
         """Refuse at once what could never fit: the pool, or the owner's share of it."""

@@ -410,6 +410,10 @@ class Scheduler:
         self.store.write_tokens(job.shadow, tokens, positions, extras)
         chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
                          probes, mask, self.store.adapter_of(job.shadow))
+        if job.scores is not None:  # attention scores (runtime.engine.scores)
+            last = len(job.tokens) - 1 - start  # a generation's prompt row that samples
+            sampling = [0] if not prompt else [last] if 0 <= last < len(tokens) else []
+            chunk.scores = job.scores.queries(start, len(tokens), sampling)
         rows: list[tuple[int | None, int]] = []
         for i, local in enumerate(probes):
             index = start + local if prompt else None
@@ -447,6 +451,8 @@ class Scheduler:
                 finished.append(job)
                 continue
             job.progress.report.tokens_computed += length
+            if job.scores is not None:
+                job.scores.absorb()
             if entry.has_chunk:  # a seed row runs no model
                 job.progress.report.num_steps += 1
             if entry.kind is EntryKind.PROMPT and length:

@@ -72,6 +72,14 @@ class PageState:
         out.extend(self.tokens)
         return out
 
+    def all_positions(self) -> list[int]:
+        """Every token's position, committed then working. O(seq_len)."""
+        out: list[int] = []
+        for node in chain_nodes(self.tip):
+            out.extend(node.positions)
+        out.extend(self.positions)
+        return out
+
     def committed_page_ids(self) -> list[PageId]:
         """Committed page ids root..tip; computed once, then kept in step with commits.
 

@@ -153,6 +153,28 @@ class PagePool:
             for start in range(0, to.numel(), _SERIAL_COPY):
                 to[start : start + _SERIAL_COPY].copy_(frm[start : start + _SERIAL_COPY])
 
+    def copy_slots(self, dst: Sequence[tuple[PageId, int]],
+                   src: Sequence[tuple[PageId, int]]) -> None:
+        """Copy single token entries (every layer): ``kv[dst[i]] = kv[src[i]]`` as
+        ``(page, slot)`` pairs, in one pass of runs (consecutive slots of one page to
+        consecutive slots of one page are one slice copy). Sources and destinations must
+        not overlap. Serial on CPU, as ``copy_pages``."""
+        kv = self.kv
+        i, n = 0, len(src)
+        while i < n:
+            (sp, ss), (dp, ds) = src[i], dst[i]
+            j = i + 1
+            while j < n and src[j] == (sp, ss + j - i) and dst[j] == (dp, ds + j - i):
+                j += 1
+            to, frm = kv[dp, ds:ds + j - i], kv[sp, ss:ss + j - i]  # [run, L, 2, KVH, W]
+            if kv.device.type != "cpu":
+                to.copy_(frm)
+            else:
+                to, frm = to.view(-1), frm.reshape(-1)  # a run of slots is contiguous
+                for start in range(0, to.numel(), _SERIAL_COPY):
+                    to[start : start + _SERIAL_COPY].copy_(frm[start : start + _SERIAL_COPY])
+            i = j
+
     @property
     def page_bytes(self) -> int:
         """Bytes of one whole page, as ``read_page`` returns them."""

@@ -29,6 +29,7 @@ import torch
 from pie_ctx.proto.checks import count
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import ContextState
+from runtime.kv.compaction import check_keep, compact_state
 from runtime.kv.context import PageState
 from runtime.kv.disk import PageFiles
 from runtime.kv.durable import RestoreJob, SaveJob, parent_hash
@@ -324,6 +325,23 @@ class PageStore:
         self._states.commit(state, k)
         return k
 
+    def compact(self, cid: ContextId, keep: Sequence[int]) -> int:
+        """Keep only the tokens at indices ``keep`` (sorted, distinct), anywhere in the
+        context; their K/V keep the positions they were computed at
+        (``runtime.kv.compaction``). The next position stays after the last kept token.
+
+        Returns:
+            How many leading committed pages were shared instead of copied.
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: ``keep`` empty, unsorted, repeated or out of range.
+            OutOfPages: the fresh pages cannot be allocated. Nothing changes on any error.
+        """
+        state = self._states.get(cid)
+        seq_len = state.num_committed_pages * self.page_size + len(state.tokens)
+        return compact_state(self._states, state, check_keep(keep, seq_len))
+
     # -- prefix reuse ------------------------------------------------------------------
 
     def match_prefix(
@@ -419,6 +437,14 @@ class PageStore:
             ContextClosed: unknown context.
         """
         return self._states.get(cid).all_tokens()
+
+    def positions(self, cid: ContextId) -> list[int]:
+        """Every token's rotary position, committed then working. O(seq_len).
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        return self._states.get(cid).all_positions()
 
     def working_tokens(self, cid: ContextId) -> list[int]:
         """Token ids written into working pages (a copy).

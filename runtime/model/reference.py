@@ -28,7 +28,8 @@ def causal_mask(n: int) -> np.ndarray:
 
 def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | None = None,
                   mask: np.ndarray | None = None, *, return_hidden: bool = False,
-                  kv_dtype: str = "fp32") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  kv_dtype: str = "fp32", weights: list[torch.Tensor] | None = None,
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Logits for every token of one whole sequence, computed densely.
 
     Args:
@@ -37,6 +38,8 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
         positions: rotary positions (default ``0..n-1``).
         mask: bool [n, n], row i = token i, column = KV index; True = attend; default causal.
         kv_dtype: how the paged path under test stores K/V (``"fp32"`` or ``"int8"``).
+        weights: if given, each layer's softmax weights are appended to it, float32
+            Tensor[H, n, n] (row = query, column = key): the oracle of attention scores.
 
     Returns:
         Tensor[n, vocab] float32 (and with ``return_hidden`` the final-norm hidden states,
@@ -59,6 +62,8 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, n, n]
         scores = scores.masked_fill(~m[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [H, n, n]
+        if weights is not None:
+            weights.append(probs.clone())
         out = torch.einsum("hqk,khd->qhd", probs, v.float())  # [n, H, D]
         return out.reshape(n, -1).to(q.dtype)  # [n, H * D]
 

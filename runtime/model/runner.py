@@ -27,6 +27,7 @@ from runtime.model.cuda_graphs import wanted as graphs_wanted
 from runtime.model.flatten import check_pool, flatten
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
+from runtime.model.scores import Scoring
 
 __all__ = ["SeqInput", "ModelRunner"]
 
@@ -82,6 +83,7 @@ class ModelRunner:
                                  choose=weight_format == "fp32")
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
+        self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
                                                  kv_dtype, heads=(c.num_heads, c.num_kv_heads))
         # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)
@@ -156,11 +158,19 @@ class ModelRunner:
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
 
-            def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                return backend.forward(layer, q, kv, pool, meta)
+            scoring = Scoring(batch, meta) if any(s.scores for s in batch) else None
 
-            return self.model.forward(tokens, meta.positions, attend, rows,
-                                      return_hidden=return_hidden, lora=lora)
+            def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                out = backend.forward(layer, q, kv, pool, meta)
+                if scoring is not None:  # the queries of the rows that ask (scores.py)
+                    scoring.collect(layer, q)
+                return out
+
+            result = self.model.forward(tokens, meta.positions, attend, rows,
+                                        return_hidden=return_hidden, lora=lora)
+            if scoring is not None:
+                scoring.finish(pool)
+            return result
 
     def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:
         """The rows of each adapter in the flat batch: a slice when they are contiguous

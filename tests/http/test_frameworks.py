@@ -122,7 +122,7 @@ def test_pydantic_ai_openai_responses_model_with_a_tool(served: Served) -> None:
         assert part.tool_name == "get_weather" and "city" in part.args_as_dict()
         # the agent loop on the default path: its tool runs, results go back
         ran: list[str] = []
-        agent = Agent(model, model_settings={"temperature": 0, "max_tokens": 64})
+        agent = Agent(model, model_settings={"temperature": 0, "max_tokens": 200})
 
         @agent.tool_plain
         def get_weather(city: Literal["Oslo", "Bergen"]) -> str:

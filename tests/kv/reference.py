@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.kv.compaction import compacted_extras
+from runtime.kv.hashing import fold_extras, hash_page
+
 Entry = tuple[int, int, int]  # (token, position, extra)
 Page = tuple[Entry, ...]
 
@@ -86,3 +89,37 @@ class DenseReference:
                 break
             hits += 1
         return hits
+
+    def compact(self, ctx: RefContext, keep: list[int]) -> tuple[RefContext, int]:
+        """What ``PageStore.compact`` makes of ``ctx`` (valid ``keep``), and the fresh
+        pages it needs: leading wholly kept committed pages stay; every other kept entry
+        is copied, with its extra renamed by its original history once an entry before
+        it was dropped; the full pages of formerly committed entries are committed."""
+        ps = self.page_size
+        entries = [e for page in ctx.committed for e in page] + list(ctx.working)
+        nc = len(ctx.committed)
+        hashes, parent = [], None
+        for p in range(len(entries) // ps):
+            page = entries[p * ps:(p + 1) * ps]
+            parent = hash_page(parent, [e[0] for e in page], [e[1] for e in page],
+                               fold_extras([e[2] for e in page]))
+            hashes.append(parent)
+        first_drop = next((j for j, i in enumerate(keep) if i != j), len(keep))
+        shared = min(first_drop // ps, nc)
+        rest = keep[shared * ps:]
+        new: list[Entry] = []
+        for j, i in enumerate(rest, start=shared * ps):
+            t, pos, extra = entries[i]
+            if j != i:
+                lo = i // ps * ps
+                part = entries[lo:i + 1]
+                history = hash_page(None if lo == 0 else hashes[i // ps - 1],
+                                    [e[0] for e in part], [e[1] for e in part],
+                                    fold_extras([e[2] for e in part]))
+                extra = compacted_extras(history, extra)
+            new.append((t, pos, extra))
+        n_new = -(-len(rest) // ps)
+        out = RefContext(list(ctx.committed[:shared]), new, n_new)
+        self.commit(out, sum(1 for i in rest if i < nc * ps) // ps)
+        return out, n_new
+

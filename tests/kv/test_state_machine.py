@@ -208,6 +208,38 @@ class PageStoreMachine(RuleBasedStateMachine):
             call()
             del ctx.working[len(ctx.working) - n :]
 
+    @rule(data=st.data(), kind=st.sampled_from(["random", "random", "unsorted", "range",
+                                                "empty"]))
+    def compact(self, data: st.DataObject, kind: str) -> None:
+        """Keep a random subset anywhere (or a bad ``keep``: a typed error, no change)."""
+        cid = self._cid(data)
+        ctx = self.ref.contexts.get(cid)
+        n = ctx.seq_len(self.ref.page_size) if ctx is not None else 0
+        if kind == "random":
+            keep = sorted(data.draw(st.sets(st.integers(0, max(n - 1, 0)), min_size=1)))
+        elif kind == "unsorted":
+            keep = [1, 0]
+        elif kind == "range":
+            keep = [0, n]
+        else:
+            keep = []
+        call = lambda: self.store.compact(cid, keep)  # noqa: E731
+        if ctx is None:
+            self._fails(ContextClosed, call)
+        elif kind != "random" or n == 0:
+            self._fails(InvalidArgument, call)
+        else:
+            after, n_new = self.ref.compact(ctx, keep)
+            if n_new > self.ref.num_available():
+                self._fails(OutOfPages, call)
+                return
+            first_drop = next((j for j, i in enumerate(keep) if i != j), len(keep))
+            shared = min(first_drop // self.ref.page_size, len(ctx.committed))
+            before_ids = self.store.page_table(cid)[:shared]
+            assert call() == shared
+            assert self.store.page_table(cid)[:shared] == before_ids  # shared, not copied
+            self.ref.contexts[cid] = after
+
     @rule(data=st.data(), tokens=st.lists(TOKENS, max_size=7), extra=EXTRAS)
     def attach(self, data: st.DataObject, tokens: list[int], extra: int) -> None:
         cid = self._cid(data)

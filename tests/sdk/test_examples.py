@@ -17,7 +17,8 @@ ALL = sorted(p.name for p in EXAMPLES.glob("*.py"))
 def test_every_example_is_listed():
     assert ALL == sorted(["hello.py", "best_of_n.py", "prefix_snapshot.py", "speculative.py",
                           "structured_output.py", "classify.py", "tool_agent.py",
-                          "attention_sink.py", "tree_of_thought.py", "beam_search.py"])
+                          "attention_sink.py", "tree_of_thought.py", "beam_search.py",
+                          "streaming_llm.py", "h2o.py", "snapkv.py"])
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -35,3 +36,17 @@ async def test_example_runs(name, tiny_folder, transport, capsys):
     assert stats.num_contexts == 0, stats
     assert stats.num_snapshots == (1 if name == "prefix_snapshot.py" else 0)
     engine.store.check_invariants()
+
+
+@pytest.mark.parametrize("name,budget", [("streaming_llm.py", 24), ("h2o.py", 24),
+                                         ("snapkv.py", 20)])
+async def test_memory_policies_hold_their_budget(name, budget, tiny_folder):
+    """The three policies of docs/compaction.md never hold more than their budget after
+    compacting (a pass may add up to one step's tokens before the next compaction)."""
+    module = load_inferlet(EXAMPLES / name)
+    args = inferlet_args(module, ["--budget", str(budget)], prog=name)
+    async with sdk_runtime(tiny_folder, page_size=4) as (rt, engine):
+        held = await module.main(rt, args)
+        assert 0 < held <= budget
+        engine.store.check_invariants()
+

@@ -109,6 +109,8 @@ async def _script(t, cancel_gen: bool = False) -> list[object]:
     await req(P.ReservePages(ctx=b, num_pages=2))
     await req(P.ReleasePages(ctx=b, num_pages=1))
     await req(P.TruncateTokens(ctx=b, num_tokens=1))
+    await req(P.Compact(ctx=b, keep=[0, 2, 3, 5]))
+    await req(P.Compact(ctx=b, keep=[3, 1]))  # unsorted: an error
     await req(P.CommitPages(ctx=b, num_pages=1))  # not full: an error
     await req(P.SaveSnapshot(ctx=a, name="s1"))
     await req(P.SaveSnapshot(ctx=a, name="s1"))  # exists
