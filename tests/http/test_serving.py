@@ -50,8 +50,8 @@ def _chat(client: openai.OpenAI, model: str, **kw):
 
 def test_unknown_paths_and_methods_get_openai_error_json(client, model, server) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
-        client.embeddings.create(model=model, input="x")  # not served
-    assert "Invalid URL (POST /v1/embeddings)" in nf.value.message
+        client.images.generate(model=model, prompt="x")  # not served
+    assert "Invalid URL (POST /v1/images/generations)" in nf.value.message
     assert nf.value.body["code"] == "unknown_url" and nf.value.body["param"] is None
     with pytest.raises(openai.APIStatusError) as na:
         client.get("/chat/completions", cast_to=object)
