@@ -193,14 +193,19 @@ async def test_load_and_unload_errors_and_races(tiny_folder_path, adapters,
         rt.transport.engine.store.check_invariants()
 
 
-def test_serve_and_run_take_repeatable_adapter_options() -> None:
+def test_serve_and_run_take_repeatable_adapter_options(monkeypatch) -> None:
     from runtime.cli import _parser
+    from runtime.model.adapters import peft
     from runtime.server.cli import engine_options
+
+    checked: list[str] = []  # the folders' own check is tested in tests/http/test_adapters_runtime.py
+    monkeypatch.setattr(peft, "check_folder", checked.append)
 
     for command in ("run", "serve"):
         words = [command] + (["x.py"] if command == "run" else [])
         args = _parser().parse_args(words + ["--adapter", "a=/p/a", "--adapter", "b=/p/b=c"])
         assert engine_options(args)["adapters"] == {"a": "/p/a", "b": "/p/b=c"}
+        assert checked[-2:] == ["/p/a", "/p/b=c"]  # checked before any model loads
         assert "adapters" not in engine_options(_parser().parse_args(words))
         with pytest.raises(SystemExit):
             _parser().parse_args(words + ["--adapter", "no-path"])
