@@ -94,3 +94,21 @@ async def test_killed_worker_fails_pending_requests_cleanly(folder):
                 raise engine.lost
     assert worker.poll() is not None
     assert not dist.is_initialized()
+
+
+async def test_compaction_and_scores_are_refused_and_change_nothing(folder):
+    """A TP engine's pool does not copy single token slots and its ranks do not return
+    attention weights: both refusals are typed, and the context is untouched."""
+    from pie_ctx.errors import InvalidArgument
+
+    engine = boot_engine(str(folder), page_size=4, num_pages=256, progress=False, tp=2)
+    with anyio.fail_after(120):
+        async with engine, Runtime.local(engine=engine) as rt:
+            ctx = Context(rt).user(PROMPT)
+            await ctx.flush()
+            before = (ctx.seq_len, await ctx.positions())
+            with pytest.raises(InvalidArgument, match="tensor parallel"):
+                await ctx.compact(range(0, ctx.seq_len, 2))
+            with pytest.raises(InvalidArgument, match="attention scores"):
+                await ctx.forward().input([5]).attention_scores([0]).execute()
+            assert (ctx.seq_len, await ctx.positions()) == before

@@ -12,6 +12,17 @@ from tests.sdk.harness import sdk_runtime
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ALL = sorted(p.name for p in EXAMPLES.glob("*.py"))
+# The memory policies compact (which a tensor-parallel engine refuses by design) and two of
+# them read attention scores (refused on the transformers backend too); the refusals are
+# tested in tests/parallel/test_engine.py and tests/sdk/test_transformers_backend.py.
+_COMPACTS = pytest.mark.no_tp("compaction")
+_SCORES = pytest.mark.native_only("attention scores")
+POLICIES = {"streaming_llm.py": [_COMPACTS], "h2o.py": [_COMPACTS, _SCORES],
+            "snapkv.py": [_COMPACTS, _SCORES]}
+
+
+def _example(name: str, *rest: object) -> object:
+    return pytest.param(name, *rest, marks=POLICIES.get(name, ()))
 
 
 def test_every_example_is_listed():
@@ -21,7 +32,7 @@ def test_every_example_is_listed():
                           "streaming_llm.py", "h2o.py", "snapkv.py"])
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [_example(n) for n in ALL])
 async def test_example_runs(name, tiny_folder, transport, capsys):
     module = load_inferlet(EXAMPLES / name)
     args = inferlet_args(module, [], prog=name)
@@ -38,8 +49,8 @@ async def test_example_runs(name, tiny_folder, transport, capsys):
     engine.store.check_invariants()
 
 
-@pytest.mark.parametrize("name,budget", [("streaming_llm.py", 24), ("h2o.py", 24),
-                                         ("snapkv.py", 20)])
+@pytest.mark.parametrize("name,budget", [_example("streaming_llm.py", 24),
+                                         _example("h2o.py", 24), _example("snapkv.py", 20)])
 async def test_memory_policies_hold_their_budget(name, budget, tiny_folder):
     """The three policies of docs/compaction.md never hold more than their budget after
     compacting (a pass may add up to one step's tokens before the next compaction)."""

@@ -168,6 +168,8 @@ async def test_refusals_are_typed(models, caplog) -> None:
         assert (await _logits(ctx, [5]))[0].shape == (gpt2.config.vocab_size,)  # unchanged
         with pytest.raises(InvalidArgument, match="native backend only"):
             await rt.load_adapter("a", str(gpt2_folder))
+        with pytest.raises(InvalidArgument, match="attention scores"):
+            await ctx.forward().input([5]).attention_scores([0]).execute()
         long = Context(rt).append(list(range(40, 40 + POSITIONS - 2)))
         with pytest.raises(ContextTooLong, match="exceed the model's 64 tokens"):
             await long.generate(GREEDY, max_tokens=8, ignore_eos=True).tokens()

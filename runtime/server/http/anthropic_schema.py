@@ -26,9 +26,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.tools import Tool, ToolCall
-from runtime.server.http.openai_chat import Turn
+from runtime.server.http.openai_chat import Turn, make_tools
 from runtime.server.http.openai_schema import MAX_STOP, MAX_TOKENS, ApiError
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "ACCEPTS", "turns_of", "tools_of",
@@ -250,17 +249,7 @@ def tools_of(req: CountTokensRequest) -> list[Tool]:
     Raises:
         ApiError: a bad name or schema, or two tools with one name.
     """
-    tools = []
-    for i, spec in enumerate(req.tools or ()):
-        try:
-            tools.append(Tool(name=spec.name, description=spec.description or "",
-                              parameters=dict(spec.input_schema)))
-        except InvalidArgument as err:
-            raise ApiError(400, f"tools[{i}]: {err}", param="tools") from None
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise ApiError(400, f"two tools share a name: {names}", param="tools")
-    return tools
+    return make_tools((s.name, s.description, s.input_schema) for s in req.tools or ())
 
 
 def tool_choice_of(req: CountTokensRequest, tools: list[Tool]) -> tuple[str | None, bool]:

@@ -18,7 +18,7 @@ How a conversation is built (docs/http.md):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,12 +118,22 @@ def tools_of(req: ChatRequest) -> list[Tool]:
     Raises:
         ApiError: a bad name or parameters, or two tools with one name.
     """
+    return make_tools((s.function.name, s.function.description, s.function.parameters)
+                      for s in req.tools or ())
+
+
+def make_tools(specs: Iterable[tuple[str, str | None, Any]]) -> list[Tool]:
+    """SDK tools from ``(name, description, parameters)`` in a request's order: the one
+    check every front door (chat, Responses, Messages) makes of its ``tools``.
+
+    Raises:
+        ApiError: a bad name or parameters (``tools[i]``), or two tools with one name.
+    """
     tools = []
-    for i, spec in enumerate(req.tools or ()):
-        f = spec.function
+    for i, (name, description, parameters) in enumerate(specs):
         try:
-            tools.append(Tool(name=f.name, description=f.description or "",
-                              parameters=dict(f.parameters or {})))
+            tools.append(Tool(name=name, description=description or "",
+                              parameters=dict(parameters or {})))
         except InvalidArgument as err:
             raise ApiError(400, f"tools[{i}]: {err}", param="tools") from None
     names = [t.name for t in tools]

@@ -40,8 +40,8 @@ from pie_ctx.proto.errors import InvalidArgument, PieError, SnapshotNotFound
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
 from runtime.server.http.openai_api import Observer, OpenAIService, as_api_error
-from runtime.server.http.openai_chat import Turn, fill_turns
-from runtime.server.http.openai_schema import ApiError, error_response, read_body
+from runtime.server.http.openai_chat import Turn, fill_turns, make_tools
+from runtime.server.http.openai_schema import ApiError, read_body
 from runtime.server.http.responses_mcp import McpServers, ServerTools
 from runtime.server.http.responses_run import (
     DEFAULT_MAX_OUTPUT,
@@ -90,10 +90,10 @@ class ResponsesService:
         self.namespaces = Namespaces(engine, get_runtime)
         self.mcp = McpServers(mcp or {}, get_runtime)
         self.routes = [
-            Route("/v1/responses", self._guard(self.create), methods=["POST"]),
-            Route("/v1/responses/{rid}", self._guard(self.get), methods=["GET"]),
-            Route("/v1/responses/{rid}", self._guard(self.delete), methods=["DELETE"]),
-            Route("/v1/responses/{rid}/input_items", self._guard(self.input_items),
+            Route("/v1/responses", self.chat.guard(self.create), methods=["POST"]),
+            Route("/v1/responses/{rid}", self.chat.guard(self.get), methods=["GET"]),
+            Route("/v1/responses/{rid}", self.chat.guard(self.delete), methods=["DELETE"]),
+            Route("/v1/responses/{rid}/input_items", self.chat.guard(self.input_items),
                   methods=["GET"]),
         ]
 
@@ -101,16 +101,6 @@ class ResponsesService:
         """Close the per-key runtimes and the MCP connections (the app is stopping)."""
         self.mcp.close()
         self.namespaces.close()
-
-    def _guard(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        async def guarded(request: Any) -> Any:
-            try:
-                return await handler(request)
-            except Exception as err:  # noqa: BLE001 - every error gets a body, none a crash
-                e = as_api_error(err)
-                return error_response(e.status, e.message, e.type, e.param, e.code)
-
-        return guarded
 
     async def _records(self, request: Any) -> Records:
         ns = Namespaces.of(request.headers)
@@ -385,18 +375,8 @@ async def _release(ctx: Context) -> None:
 
 
 def _function_tools(req: ResponsesRequest) -> list[Tool]:
-    tools = []
-    for i, spec in enumerate(req.tools or ()):
-        if isinstance(spec, FunctionTool):
-            try:
-                tools.append(Tool(name=spec.name, description=spec.description or "",
-                                  parameters=dict(spec.parameters or {})))
-            except InvalidArgument as err:
-                raise ApiError(400, f"tools[{i}]: {err}", param="tools") from None
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise ApiError(400, f"two tools share a name: {names}", param="tools")
-    return tools
+    return make_tools((s.name, s.description, s.parameters) for s in req.tools or ()
+                      if isinstance(s, FunctionTool))
 
 
 def _choice(req: ResponsesRequest, tools: list[Tool], mcp: dict[str, str]) -> str | None:
