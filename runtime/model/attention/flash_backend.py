@@ -249,11 +249,7 @@ class FlashAttention:
         """Write K/V, then one flash call per group. See the Protocol."""
         plan: _Plan = meta.backend_state
         if plan.delegate_all:
-            meta.backend_state = plan.torch_state
-            try:
-                return self._torch.forward(layer, q, kv, pool_kv, meta)
-            finally:
-                meta.backend_state = plan
+            return self._torch.forward_as(plan.torch_state, layer, q, kv, pool_kv, meta)
         write_kv(pool_kv, layer, kv, meta)
         t, h, d = q.shape
         out = q.new_empty(t, h * d)  # [T, H*D]

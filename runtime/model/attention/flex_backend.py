@@ -328,11 +328,7 @@ class FlexAttention:
         """Write K/V, then one flex call per group (two per cascade). See the Protocol."""
         plan: _Plan = meta.backend_state
         if plan.torch_state is not None:
-            meta.backend_state = plan.torch_state
-            try:
-                return self._torch.forward(layer, q, kv, pool_kv, meta)
-            finally:
-                meta.backend_state = plan
+            return self._torch.forward_as(plan.torch_state, layer, q, kv, pool_kv, meta)
         write_kv(pool_kv, layer, kv, meta)
         t, h, d = q.shape
         p, s, _, _, kvh, _ = pool_kv.shape

@@ -257,6 +257,16 @@ class TorchAttention:
                 mask[i, :q_len, kv_len:] = False
         return mask.view(b, 1, max_q, max_kv)
 
+    def forward_as(self, state: Any, layer: int, q: torch.Tensor, kv: torch.Tensor,
+                   pool_kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` with ``state`` (this backend's plan) in place of the caller's
+        ``meta.backend_state`` for the call: how another backend hands a step to this one."""
+        own, meta.backend_state = meta.backend_state, state
+        try:
+            return self.forward(layer, q, kv, pool_kv, meta)
+        finally:
+            meta.backend_state = own
+
     def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, pool_kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Write K/V, gather each group's keys and values, attend. See the Protocol."""
