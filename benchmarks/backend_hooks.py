@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from common import emit, parse_args, prompt_tokens, table
 
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.batch import SeqInput
 
 PAGE = 16
@@ -155,7 +155,7 @@ def main_async(args: argparse.Namespace) -> None:
     pages = -(-(max(contexts) + args.tokens) // PAGE)
 
     def new_pool() -> torch.Tensor:
-        return PagePool(pages, PAGE, hooked.num_layers, hooked.num_kv_heads, hooked.head_dim).kv
+        return PagePool(PoolShape(pages, PAGE, hooked.num_layers, hooked.num_kv_heads, hooked.head_dim)).kv
 
     rows, result = [], {}
     for ctx in contexts:

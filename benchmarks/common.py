@@ -40,15 +40,15 @@ class Ours:
 
     def __init__(self, loaded: Any, max_tokens: int, page_size: int = 16,
                  weights: str = "fp32", kv_dtype: str = "fp32") -> None:
-        from runtime.kv.pool import PagePool
+        from runtime.kv.pool import PagePool, PoolShape
         from runtime.model.quant import calibration_tokens
         from runtime.model.runner import ModelRunner
 
         c = loaded.config
         num_pages = max_tokens // page_size + 2
         w = loaded.weights["model.embed_tokens.weight"]
-        pool = PagePool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
-                        dtype=w.dtype, device=w.device, kv_dtype=kv_dtype)
+        pool = PagePool(PoolShape(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
+                        dtype=w.dtype, device=w.device, kv_dtype=kv_dtype))
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
         self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
                                   calibration=calibration, dtype=w.dtype)

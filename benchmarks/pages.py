@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from common import parse_args
 
-from runtime.kv import ContextId, PagePool, PageStore
+from runtime.kv import ContextId, PagePool, PageStore, PoolShape
 
 PAGE_SIZE = 16
 
@@ -31,7 +31,7 @@ def _median(samples: list[float]) -> float:
 
 def bench_alloc_free(batch: int, pairs: int, repeats: int) -> float:
     """Page allocate+free pairs per second, ``batch`` pages per call."""
-    pool = PagePool(1024, PAGE_SIZE, 1, 1, 1)
+    pool = PagePool(PoolShape(1024, PAGE_SIZE, 1, 1, 1))
     rounds = max(1, pairs // batch)
     rates = []
     for _ in range(repeats):

@@ -26,6 +26,7 @@ from runtime.distributed.launch import (
 from runtime.distributed.pool import ShardedPagePool
 from runtime.distributed.runner import ShardedRunner
 from runtime.distributed.shard import check_tensor_parallel, shard_config
+from runtime.kv.pool import PoolShape
 from runtime.kv.store import PageStore
 from runtime.model.loader import load_model
 from runtime.model.matmul import kernel_choices
@@ -79,8 +80,9 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
     try:
         files = files_for(loaded)
         local = shard_config(cfg, tp)
-        pool = ShardedPagePool(group, tp, pages, page_size, cfg.num_layers, local.num_kv_heads,
-                               cfg.head_dim, weight.dtype, dev, kv_dtype)
+        pool = ShardedPagePool(group, tp, PoolShape(pages, page_size, cfg.num_layers,
+                                                    local.num_kv_heads, cfg.head_dim,
+                                                    weight.dtype, dev, kv_dtype))
         with kernels_kept(files):  # the choices saved beside the snapshots, if any
             runner = ShardedRunner(cfg, loaded.weights, pool.kv, page_size, group,
                                    dtype=weight.dtype)

@@ -202,11 +202,12 @@ def worker_main(rank: int | None = None, tp: int | None = None, port: int | None
         cfg = loaded.config
         check_tensor_parallel(cfg, tp, spec.model_name)
         local = shard_config(cfg, tp)
-        from runtime.kv.pool import PagePool
+        from runtime.kv.pool import PagePool, PoolShape
 
-        pool = PagePool(spec.num_pages, spec.page_size, cfg.num_layers, local.num_kv_heads,
-                        cfg.head_dim, loaded.weights["model.embed_tokens.weight"].dtype,
-                        device, spec.kv_dtype)
+        pool = PagePool(PoolShape(spec.num_pages, spec.page_size, cfg.num_layers,
+                                  local.num_kv_heads, cfg.head_dim,
+                                  loaded.weights["model.embed_tokens.weight"].dtype, device,
+                                  spec.kv_dtype))
         comm = WorkerChannel(device)
         runner = ShardedRunner(cfg, loaded.weights, pool.kv, spec.page_size, comm,
                                dtype=pool.dtype)

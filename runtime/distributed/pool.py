@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from runtime.distributed.group import RankGroup
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.kv.types import PageId
 
 __all__ = ["ShardedPagePool", "apply_copies"]
@@ -42,18 +42,14 @@ class ShardedPagePool(PagePool):
     Args:
         group: the ranks (rank 0's side).
         tp: how many ranks share each page.
-        The rest: as ``PagePool``, with ``num_kv_heads`` the heads of ONE rank.
+        shape: as ``PagePool``, with ``num_kv_heads`` the heads of ONE rank.
     """
 
     __slots__ = ("group", "tp")
     copies_slots = False  # copy_slots would act on rank 0 only: compaction is refused
 
-    def __init__(self, group: RankGroup, tp: int, num_pages: int, page_size: int,
-                 num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_dtype: str = "fp32") -> None:
-        super().__init__(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype,
-                         device, kv_dtype)
+    def __init__(self, group: RankGroup, tp: int, shape: PoolShape) -> None:
+        super().__init__(shape)
         self.group = group
         self.tp = tp
 

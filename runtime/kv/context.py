@@ -80,6 +80,22 @@ class PageState:
         out.extend(self.positions)
         return out
 
+    def keep_tokens(self, n: int) -> None:
+        """Keep the first ``n`` working tokens (with their positions and extras)."""
+        del self.tokens[n:], self.positions[n:], self.extras[n:]
+
+    def write(self, tokens: list[int], positions: list[int], extras: list[int],
+              page_size: int) -> list[tuple[PageId, int]]:
+        """Record tokens after the last one (room checked by the caller): one
+        ``(page_id, slot)`` per token, where its K and V go."""
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.positions.extend(positions)
+        self.extras.extend(extras)
+        working = self.working
+        return [(working[i // page_size], i % page_size)
+                for i in range(start, start + len(tokens))]
+
     def committed_page_ids(self) -> list[PageId]:
         """Committed page ids root..tip; computed once, then kept in step with commits.
 

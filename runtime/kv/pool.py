@@ -27,6 +27,7 @@ last-freed-first, in the order they were given back.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,9 +35,47 @@ import torch
 from runtime.kv.layout import KV_DTYPES, entry_width
 from runtime.kv.types import PageId
 
-__all__ = ["PagePool"]
+__all__ = ["PagePool", "PoolShape"]
 
 _SERIAL_COPY = 16384  # elements; below torch's parallel grain (32768): runs on one thread
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """The sizes of a page pool: what ``PagePool`` allocates and ``PageStore`` is built for.
+
+    Args:
+        num_pages: number of physical pages (>= 1).
+        page_size: tokens per page (>= 1).
+        num_layers: model layers stored in each page.
+        num_kv_heads: key/value heads per layer (a tensor-parallel rank's share, for its pool).
+        head_dim: size of one head.
+        dtype: the compute dtype: K/V are written and read back in it.
+        device: device of the KV tensor.
+        kv_dtype: how entries are stored: ``"fp32"`` (unquantized, in ``dtype``) or
+            ``"int8"`` (per-entry scales; see ``runtime.kv.layout``).
+
+    Raises:
+        ValueError: a size is not a positive integer, or an unknown ``kv_dtype``.
+    """
+
+    num_pages: int
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    kv_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagePool: {name} must be a positive int, got {value!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"PagePool: kv_dtype must be one of {', '.join(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
 
 
 class PagePool:
@@ -44,65 +83,31 @@ class PagePool:
 
     Usage::
 
-        pool = PagePool(64, page_size=16, num_layers=2, num_kv_heads=1, head_dim=8)
+        pool = PagePool(PoolShape(64, page_size=16, num_layers=2, num_kv_heads=1, head_dim=8))
         ids = pool.allocate(3)      # [0, 1, 2]
         pool.free(ids)
     """
 
-    __slots__ = ("kv", "num_pages", "page_size", "dtype", "kv_dtype", "_free", "_bytes")
+    __slots__ = ("kv", "shape", "num_pages", "page_size", "dtype", "kv_dtype", "_free",
+                 "_bytes")
 
-    def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        kv_dtype: str = "fp32",
-    ) -> None:
-        """Allocate the pool tensor (zero-filled) and the free list.
-
-        Args:
-            num_pages: number of physical pages (>= 1).
-            page_size: tokens per page (>= 1).
-            num_layers: model layers stored in each page.
-            num_kv_heads: key/value heads per layer.
-            head_dim: size of one head.
-            dtype: the compute dtype: K/V are written and read back in it.
-            device: device of the KV tensor.
-            kv_dtype: how entries are stored: ``"fp32"`` (unquantized, in ``dtype``) or
-                ``"int8"`` (per-entry scales; see ``runtime.kv.layout``).
-
-        Raises:
-            ValueError: a size is not a positive integer, or an unknown ``kv_dtype``.
-        """
-        for name, value in (
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PagePool: {name} must be a positive int, got {value!r}")
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"PagePool: kv_dtype must be one of {', '.join(KV_DTYPES)}, "
-                             f"got {kv_dtype!r}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.dtype = dtype
-        self.kv_dtype = kv_dtype
+    def __init__(self, shape: PoolShape) -> None:
+        """Allocate the pool tensor (zero-filled, of ``shape``) and the free list."""
+        self.shape = shape
+        self.num_pages = shape.num_pages
+        self.page_size = shape.page_size
+        self.dtype = shape.dtype
+        self.kv_dtype = shape.kv_dtype
         # [num_pages, page_size, num_layers, 2, num_kv_heads, width]; width = head_dim for
         # fp32, head_dim + 4 (values, then the scale's bytes) for int8
         self.kv = torch.zeros(
-            (num_pages, page_size, num_layers, 2, num_kv_heads, entry_width(kv_dtype, head_dim)),
-            dtype=torch.int8 if kv_dtype == "int8" else dtype,
-            device=device,
+            (shape.num_pages, shape.page_size, shape.num_layers, 2, shape.num_kv_heads,
+             entry_width(shape.kv_dtype, shape.head_dim)),
+            dtype=torch.int8 if shape.kv_dtype == "int8" else shape.dtype,
+            device=shape.device,
         )
         # A stack: the end of the list is handed out next.
-        self._free: list[PageId] = [PageId(i) for i in range(num_pages - 1, -1, -1)]
+        self._free: list[PageId] = [PageId(i) for i in range(shape.num_pages - 1, -1, -1)]
         self._bytes: np.ndarray | None = None  # [pages, page_bytes] uint8 view (CPU)
 
     @property

@@ -183,6 +183,30 @@ class ContextStates:
         self.num_commits += k
         self.num_dedup_hits += len(duplicates)
 
+    def release_working(self, state: PageState, n: int) -> None:
+        """Give the last ``n`` working pages of ``state`` back to the pool (checked by the
+        caller), with the tokens written into them."""
+        keep = len(state.working) - n
+        if len(state.tokens) > keep * self.page_size:
+            state.keep_tokens(keep * self.page_size)
+        released = state.working[keep:]
+        del state.working[keep:]
+        self.count_working(state, -n)
+        self.pool.free(released)
+
+    def attach(self, state: PageState, hits: list[Node], tier: DiskTier | None,
+               toks: list[int], poss: list[int], extras: list[int]) -> int:
+        """Continue ``state``'s chain with the trie's matching pages ``hits``, then with what
+        the disk tier holds after them; count the hits. Returns the pages attached."""
+        if hits:
+            self.set_tip(state, hits[-1])
+            state.extend_committed_ids([node.page_id for node in hits])
+        num = len(hits)
+        if tier is not None:
+            num += self.attach_from_disk(tier, state, toks, poss, extras, num)
+        self.num_prefix_hits += num
+        return num
+
     def attach_from_disk(self, tier: DiskTier, state: PageState, toks: list[int],
                          poss: list[int], extras: list[int], start: int) -> int:
         """Continue ``state``'s chain with full pages from ``start`` on that the disk tier

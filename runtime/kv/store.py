@@ -35,7 +35,7 @@ from runtime.kv.disk import PageFiles
 from runtime.kv.durable import RestoreJob, SaveJob, parent_hash
 from runtime.kv.hashing import adapter_extras
 from runtime.kv.invariants import check_invariants
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.kv.snapshot_store import SnapshotStore
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.states import ContextStates
@@ -93,9 +93,8 @@ class PageStore:
         Raises:
             ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
         """
-        self.pool = pool if pool is not None else PagePool(
-            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype
-        )
+        self.pool = pool if pool is not None else PagePool(PoolShape(
+            num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype))
         self.page_size = page_size
         self.tier = None if files is None else DiskTier(files, self.pool, max_disk_cache_pages)
         self.trie = PageTrie(self.pool, on_evict=None if files is None else self._spill_page)
@@ -225,16 +224,8 @@ class PageStore:
                 f"release_working_pages: asked for {n} pages but the context has "
                 f"{len(state.working)} working pages"
             )
-        if n == 0:
-            return
-        keep = len(state.working) - n
-        capacity = keep * self.page_size
-        if len(state.tokens) > capacity:
-            del state.tokens[capacity:], state.positions[capacity:], state.extras[capacity:]
-        released = state.working[keep:]
-        del state.working[keep:]
-        self._states.count_working(state, -n)
-        self.pool.free(released)
+        if n:
+            self._states.release_working(state, n)
 
     def truncate_working_page_tokens(self, cid: ContextId, n: int) -> None:
         """Drop the last ``n`` tokens written into working pages (page count unchanged).
@@ -250,8 +241,7 @@ class PageStore:
                 f"truncate: asked to drop {n} tokens but only {len(state.tokens)} are in "
                 "working pages; committed pages cannot be truncated"
             )
-        if n:
-            del state.tokens[-n:], state.positions[-n:], state.extras[-n:]
+        state.keep_tokens(len(state.tokens) - n)
 
     def write_tokens(
         self, cid: ContextId, tokens: Sequence[int], positions: Sequence[int], extra: Extra = 0
@@ -274,18 +264,13 @@ class PageStore:
         state = self._states.get(cid)
         toks, poss, extras = page_inputs(tokens, positions, extra)
         extras = adapter_extras(extras, state.adapter)
-        start = len(state.tokens)
-        room = len(state.working) * self.page_size - start
+        room = len(state.working) * self.page_size - len(state.tokens)
         if len(toks) > room:
             raise InvalidArgument(
                 f"write_tokens: {len(toks)} tokens but only {room} reserved slots; "
                 "reserve_working_pages first"
             )
-        state.tokens.extend(toks)
-        state.positions.extend(poss)
-        state.extras.extend(extras)
-        ps, working = self.page_size, state.working
-        return [(working[i // ps], i % ps) for i in range(start, start + len(toks))]
+        return state.write(toks, poss, extras, self.page_size)
 
     def commit_working_pages(self, cid: ContextId, k: int) -> None:
         """Commit the first ``k`` working pages (all must be full), deduplicating each.
@@ -391,14 +376,7 @@ class PageStore:
             cid, tokens, positions, extra, "attach_prefix: the context has working tokens; "
             "commit or truncate them first")
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
-        if hits:
-            self._states.set_tip(state, hits[-1])
-            state.extend_committed_ids([node.page_id for node in hits])
-        num = len(hits)
-        if self.tier is not None:
-            num += self._states.attach_from_disk(self.tier, state, toks, poss, extras, num)
-        self._states.num_prefix_hits += num
-        return num
+        return self._states.attach(state, hits, self.tier, toks, poss, extras)
 
     # -- queries -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.loader import load_model
 from runtime.model.runner import ModelRunner, SeqInput
 from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
@@ -24,13 +24,13 @@ MESSAGES = [{"role": "user", "content": "Name three uses of a paged KV cache."}]
 def test_native_and_transformers_backends_agree_on_the_default_model() -> None:
     loaded = load_model(device="cpu", dtype=torch.float32, progress=False)
     c = loaded.config
-    native = ModelRunner(c, loaded.weights, PagePool(16, PAGE, c.num_layers, c.num_kv_heads,
-                                                     c.head_dim).kv, PAGE)
+    native = ModelRunner(c, loaded.weights, PagePool(PoolShape(16, PAGE, c.num_layers, c.num_kv_heads,
+                                                     c.head_dim)).kv, PAGE)
     hf = load_transformers_model(device="cpu", dtype=torch.float32, progress=False)
     assert (hf.num_layers, hf.num_kv_heads, hf.head_dim) == (c.num_layers, c.num_kv_heads,
                                                              c.head_dim)
-    other = TransformersRunner(hf, PagePool(16, PAGE, hf.num_layers, hf.num_kv_heads,
-                                            hf.head_dim).kv, PAGE)
+    other = TransformersRunner(hf, PagePool(PoolShape(16, PAGE, hf.num_layers, hf.num_kv_heads,
+                                            hf.head_dim)).kv, PAGE)
     ids = loaded.tokenizer.encode_chat(MESSAGES, add_generation_prompt=True)
     pages = list(range(16))
     outs, tokens = [], []

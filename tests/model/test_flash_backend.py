@@ -24,7 +24,7 @@ import torch
 from fake_flash_attn import flash_attn_with_kvcache as cpu_model_of_flash
 from tiny_models import PagedSeq, config_of, free_list, make_hf_model, random_tokens
 
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.attention import select_backend
 from runtime.model.attention.torch_backend import TorchAttention
 from runtime.model.runner import ModelRunner
@@ -62,8 +62,8 @@ def _pair(device: torch.device, dtype: torch.dtype, page_size: int, num_pages: i
     kernel = cpu_model_of_flash if device.type == "cpu" else None
     runners = []
     for backend in (FlashAttention(page_size, kernel=kernel), TorchAttention()):
-        pool = PagePool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=dtype, device=device, kv_dtype=kv_dtype)
+        pool = PagePool(PoolShape(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                        dtype=dtype, device=device, kv_dtype=kv_dtype))
         runners.append(ModelRunner(cfg, weights, pool.kv, page_size, backend=backend,
                                    dtype=dtype))
     return runners[0], runners[1]

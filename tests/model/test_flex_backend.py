@@ -23,7 +23,7 @@ from attention_oracle import dense, scenario
 from tiny_models import PagedSeq, config_of, free_list, make_hf_model, random_tokens
 
 from pie_ctx.errors import InvalidArgument
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.attention import select_backend
 from runtime.model.attention.flex_backend import FlexAttention, _Cascade
 from runtime.model.attention.torch_backend import TorchAttention
@@ -87,8 +87,8 @@ def hf_model() -> torch.nn.Module:
 
 def _runner(model, backend, page_size=16, kv_dtype="fp32") -> ModelRunner:
     cfg = config_of(model)
-    pool = PagePool(96, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                    kv_dtype=kv_dtype)
+    pool = PagePool(PoolShape(96, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype=kv_dtype))
     return ModelRunner(cfg, model.state_dict(), pool.kv, page_size, backend=backend)
 
 
@@ -216,8 +216,8 @@ def test_cuda_graphs_decode_the_same_tokens(monkeypatch, dtype) -> None:
     weights = {k: v.cuda() for k, v in model.state_dict().items()}
     runners = []
     for _ in range(2):
-        pool = PagePool(96, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
-                        device="cuda")
+        pool = PagePool(PoolShape(96, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                        device="cuda"))
         runners.append(ModelRunner(cfg, weights, pool.kv, 16, backend=FlexAttention(16),
                                    dtype=dtype))
     graphs, plain = runners
@@ -244,8 +244,8 @@ def test_flex_on_cuda_over_long_unequal_contexts(page_size, dtype) -> None:
     weights = {k: v.cuda() for k, v in model.state_dict().items()}
     runners = []
     for backend in (FlexAttention(page_size), TorchAttention()):
-        pool = PagePool(40_000 // page_size, page_size, cfg.num_layers, cfg.num_kv_heads,
-                        cfg.head_dim, dtype=dtype, device="cuda")
+        pool = PagePool(PoolShape(40_000 // page_size, page_size, cfg.num_layers, cfg.num_kv_heads,
+                        cfg.head_dim, dtype=dtype, device="cuda"))
         runners.append(ModelRunner(cfg, weights, pool.kv, page_size, backend=backend,
                                    dtype=dtype))
     got, want = long_decodes(runners[0]), long_decodes(runners[1])

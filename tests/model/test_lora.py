@@ -10,7 +10,7 @@ from lora_fixtures import ALL_TARGETS, edit_config, make_adapter
 from tiny_models import PagedSeq, config_of, free_list, make_hf_model, make_runner, random_tokens
 
 from pie_ctx.errors import InvalidArgument, ModelError
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.runner import ModelRunner
 
 TOL = 1e-4
@@ -97,7 +97,7 @@ def test_bf16_and_int8_follow_the_oracle(tmp_path: Path) -> None:
     ref, base_ref = _oracle(oracle, tokens), _oracle(hf, tokens)
     cfg = config_of(hf)
     # bf16: within bf16 rounding of the fp32 oracle
-    pool = PagePool(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    pool = PagePool(PoolShape(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16))
     runner = ModelRunner(cfg, hf.state_dict(), pool.kv, 16)
     key = runner.load_adapter("a", str(tmp_path / "a")).key
     step = PagedSeq(runner, free_list(runner)).step(tokens)
@@ -105,7 +105,7 @@ def test_bf16_and_int8_follow_the_oracle(tmp_path: Path) -> None:
     got = runner.forward([step])
     assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
     # int8 weights: the adapter costs no more precision than int8 costs the base model
-    pool = PagePool(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    pool = PagePool(PoolShape(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
     runner = ModelRunner(cfg, hf.state_dict(), pool.kv, 16, weight_format="int8",
                          calibration=random_tokens(64, seed=9))
     key = runner.load_adapter("a", str(tmp_path / "a")).key

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument, ModelError
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.batch import SeqInput
 from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
 from tests.model.transformers_fixtures import POSITIONS, make_model, write_folder
@@ -31,7 +31,7 @@ def gpt2(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
 
 def _runner(folder: Path, num_pages: int = 32) -> TransformersRunner:
     m = load_transformers_model(str(folder), progress=False)
-    pool = PagePool(num_pages, PAGE, m.num_layers, m.num_kv_heads, m.head_dim)
+    pool = PagePool(PoolShape(num_pages, PAGE, m.num_layers, m.num_kv_heads, m.head_dim))
     return TransformersRunner(m, pool.kv, PAGE)
 
 
@@ -90,7 +90,7 @@ def test_a_model_that_ignores_position_ids_is_refused_at_load(gpt2) -> None:
         return forward(**kw)
 
     m.module.forward = positions_from_layout
-    pool = PagePool(8, PAGE, m.num_layers, m.num_kv_heads, m.head_dim)
+    pool = PagePool(PoolShape(8, PAGE, m.num_layers, m.num_kv_heads, m.head_dim))
     with pytest.raises(ModelError, match="change by .* when another context shares"):
         TransformersRunner(m, pool.kv, PAGE)
 
@@ -98,7 +98,7 @@ def test_a_model_that_ignores_position_ids_is_refused_at_load(gpt2) -> None:
 def test_a_pool_of_another_shape_is_refused(gemma2) -> None:
     _, folder = gemma2
     m = load_transformers_model(str(folder), progress=False)
-    pool = PagePool(8, PAGE, m.num_layers, m.num_kv_heads + 1, m.head_dim)
+    pool = PagePool(PoolShape(8, PAGE, m.num_layers, m.num_kv_heads + 1, m.head_dim))
     with pytest.raises(InvalidArgument, match="does not fit the model"):
         TransformersRunner(m, pool.kv, PAGE)
 
@@ -107,10 +107,10 @@ def test_int8_pages_stay_close_to_fp32(gemma2) -> None:
     """The int8 page format works under the transformers backend as under the native one."""
     model, folder = gemma2
     m = load_transformers_model(str(folder), progress=False)
-    fp32 = TransformersRunner(m, PagePool(16, PAGE, m.num_layers, m.num_kv_heads,
-                                          m.head_dim).kv, PAGE)
-    int8 = TransformersRunner(m, PagePool(16, PAGE, m.num_layers, m.num_kv_heads, m.head_dim,
-                                          kv_dtype="int8").kv, PAGE)
+    fp32 = TransformersRunner(m, PagePool(PoolShape(16, PAGE, m.num_layers, m.num_kv_heads,
+                                          m.head_dim)).kv, PAGE)
+    int8 = TransformersRunner(m, PagePool(PoolShape(16, PAGE, m.num_layers, m.num_kv_heads, m.head_dim,
+                                          kv_dtype="int8")).kv, PAGE)
     tokens = list(range(30, 50))
     got, want = int8.forward([_seq(tokens, 0)]), fp32.forward([_seq(tokens, 0)])
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
@@ -125,8 +125,8 @@ def test_half_precision_follows_transformers(gemma2, gpt2, dtype) -> None:
     tokens = list(range(40, 60))
     for (_, folder), tol in ((gemma2, 0.0), (gpt2, 0.02)):
         m = load_transformers_model(str(folder), dtype=dtype, progress=False)
-        runner = TransformersRunner(m, PagePool(16, PAGE, m.num_layers, m.num_kv_heads,
-                                                m.head_dim, dtype=dtype).kv, PAGE)
+        runner = TransformersRunner(m, PagePool(PoolShape(16, PAGE, m.num_layers, m.num_kv_heads,
+                                                m.head_dim, dtype=dtype)).kv, PAGE)
         got = runner.forward([_seq(tokens, 0)])
         oracle = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                       attn_implementation="eager").eval()

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from runtime.kv.pool import PagePool
+from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.config import ModelConfig
 from runtime.model.runner import ModelRunner, SeqInput
 
@@ -79,8 +79,8 @@ def make_runner(model: PreTrainedModel, page_size: int = 16, num_pages: int = 96
                 kv_dtype: str = "fp32") -> ModelRunner:
     """Our runner on ``model``'s weights with a private pool of ``kv_dtype`` pages."""
     cfg = config_of(model)
-    pool = PagePool(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                    kv_dtype=kv_dtype)
+    pool = PagePool(PoolShape(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype=kv_dtype))
     return ModelRunner(cfg, model.state_dict(), pool.kv, page_size)
 
 
