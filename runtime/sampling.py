@@ -106,6 +106,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplerSpec],
 # inside it), the draw is exactly the full-sort one at a fraction of the cost of sorting
 # the whole vocabulary (1.3 ms instead of 11 ms for 8 rows of 49,152). Otherwise the rows
 # are fully sorted.
+# The smallest temperature applied as given. Below it fp32 turns ``x / t`` into inf (or
+# ``t`` itself into 0) and the softmax into NaN; at it, any two distinct fp32 logits of a
+# row are already >= ~1e-6 / 1e-30 apart, so the distribution is the same one-hot (or tie)
+# any smaller temperature gives: clamping changes no draw.
+MIN_TEMPERATURE = 1e-30
 CANDIDATES = 1024
 
 
@@ -164,7 +169,7 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
     """
     m, vocab = x.shape
     dev = x.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)  # [m]
+    temp = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=dev)
     top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)  # [m]
     top_p = torch.tensor([p.top_p for p in params], device=dev)  # [m]
     min_p = torch.tensor([p.min_p for p in params], device=dev)  # [m]

@@ -11,6 +11,7 @@ import torch
 from pie_ctx.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 from runtime.sampling import (
+    filtered_probs,
     logprobs,
     make_generator,
     sample_rows,
@@ -124,3 +125,16 @@ def test_candidate_prefilter_draws_exactly_what_a_full_sort_draws(monkeypatch):
                 sample_rows(logits, params, [torch.Generator().manual_seed(t * 6 + i) for i in range(6)])
                 for t in range(20)]
         assert draws[256] == draws[10**9], params[0]
+
+
+@pytest.mark.parametrize("t", [4.85e-101, 1e-45, 5e-324])
+def test_vanishing_temperature_samples_the_argmax(t: float) -> None:
+    # a temperature that fp32 rounds to 0 (or that makes x / t overflow) used to give NaN
+    # probabilities and fail the step; its limit is the argmax, for both vocab paths
+    for vocab in (50, 3000):
+        x = _logits(3, vocab=vocab, seed=7) * 10
+        p = SamplerSpec(temperature=t, top_p=0.9, seed=3)
+        drawn = sample_rows(x, [p] * 3, [make_generator(3 + i) for i in range(3)])
+        assert drawn == x.argmax(dim=-1).tolist()
+        probs = filtered_probs(x, [p] * 3)
+        assert torch.equal(probs, torch.nn.functional.one_hot(x.argmax(-1), vocab).float())
