@@ -37,6 +37,7 @@ __all__ = [
     "finite",
     "is_int",
     "reply_bytes",
+    "scores_bytes",
     "sampler",
     "logit_bias",
     "allowed_tokens",
@@ -330,14 +331,25 @@ def mask(rows: Any, seq_len: int, num_tokens: int, max_entries: int) -> np.ndarr
 CONSTRAINT_KINDS = ("regex", "json_schema", "lark", "gbnf", "choice")
 
 
-def reply_bytes(req: M.Forward, vocab_size: int, hidden_size: int) -> int:
-    """An upper bound on the size of a ``Forward``'s reply, encoded."""
-    n = 256 + 9 * len(req.sample) + (4 * vocab_size + 8) * len(req.logits)
+def reply_bytes(req: M.Forward, info: M.EngineInfo, seq_len: int) -> int:
+    """An upper bound on the size of a ``Forward``'s reply, encoded (``seq_len``: the
+    context's length before the pass)."""
+    n = 256 + 9 * len(req.sample) + (4 * info.vocab_size + 8) * len(req.logits)
     n += sum(18 * d.top_k + 16 for d in req.distributions)
     n += sum(9 * len(lp.token_ids) + 8 for lp in req.logprobs)
     n += sum(18 * t.k + 16 for t in req.top_logprobs) + 9 * len(req.entropy)
-    n += (4 * hidden_size + 8) * len(req.hidden)
+    n += (4 * info.hidden_size + 8) * len(req.hidden)
+    entries = seq_len + len(req.tokens)
+    n += sum(scores_bytes(spec, info, entries) for spec in req.attention_scores)
     return n
+
+
+def scores_bytes(spec: M.ScoresSpec, info: M.EngineInfo, entries: int) -> int:
+    """An upper bound on one ``AttentionScores``' size over ``entries`` KV entries."""
+    rows = len(spec.layers or range(info.score_layers)) if spec.by_layer else 1
+    if spec.heads == "all":
+        rows *= max(info.score_heads, 1)
+    return 32 + 4 * rows * entries
 
 
 def sampler(value: Any) -> M.SamplerSpec:
@@ -435,12 +447,13 @@ def forward(req: M.Forward, info: M.EngineInfo, seq_len: int) -> np.ndarray | No
         token_ids(lp.token_ids, info.vocab_size, "logprobs")
     if not isinstance(req.commit, bool) or not isinstance(req.reuse_prefix, bool):
         raise InvalidArgument("commit and reuse_prefix are booleans")
-    size = reply_bytes(req, info.vocab_size, info.hidden_size)
+    size = reply_bytes(req, info, seq_len)
     if size > info.max_reply_bytes:
         raise InvalidArgument(
             f"this pass asks for a reply of about {size} bytes, over the engine's limit of "
             f"{info.max_reply_bytes}: ask for fewer logits rows (distribution() or logprobs() "
-            "return much less), or split it into several passes")
+            "return much less) or attention scores with fewer rows (heads=\"mean\", "
+            "by_layer=False), or split it into several passes")
     return None if req.mask is None else mask(req.mask, seq_len, n, info.max_mask_entries)
 
 
@@ -471,6 +484,12 @@ def generate(req: M.Generate, info: M.EngineInfo, seq_len: int) -> None:
         token_ids(req.stop_token_ids, info.vocab_size, "stop")
     if req.attention_scores is not None:
         scores(req.attention_scores, info, None)
+        size = scores_bytes(req.attention_scores, info, seq_len + n + req.max_tokens)
+        if size > info.max_reply_bytes:
+            raise InvalidArgument(
+                f"these attention scores may come to {size} bytes, over the engine's limit "
+                f"of {info.max_reply_bytes}: ask for fewer rows (heads=\"mean\", "
+                "by_layer=False, fewer layers) or lower max_tokens")
         if req.prompt_lookup:
             raise InvalidArgument("attention_scores and prompt_lookup do not go together: a "
                                   "speculative step's drafted rows would go unscored")

@@ -620,6 +620,7 @@ class EngineInfo(_Reply):
     max_top_logprobs: int = 20  # the most top_logprobs one generated token may carry
     can_constrain: bool = False  # the engine compiles constraints (its tokenizer allows it)
     score_layers: int = 0  # layers attention_scores() reads; 0 = this engine cannot
+    score_heads: int = 0  # query heads: the rows of attention_scores(heads="all")
     dtype: str = "float32"  # the compute dtype: float32, bfloat16, float16
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged

@@ -171,6 +171,7 @@ class Engine:
             max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
             hidden_size=hidden_size, can_constrain=grammars.available,
             score_layers=getattr(runner, "score_layers", 0),
+            score_heads=getattr(runner, "score_heads", 0),
             dtype=str(store.pool.dtype).removeprefix("torch."),
             device=str(store.pool.kv.device), attention=runner.backend.name,
             weights=runner.weight_format, kv_dtype=store.pool.kv_dtype, backend=runner.kind,

@@ -84,6 +84,7 @@ class ModelRunner:
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         self.score_layers = c.num_layers  # attention_scores() can read every layer
+        self.score_heads = c.num_heads
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
                                                  kv_dtype, heads=(c.num_heads, c.num_kv_heads))
         # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)

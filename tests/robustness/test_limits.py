@@ -26,6 +26,30 @@ async def test_a_request_for_a_huge_reply_is_refused_up_front(tiny_folder, trans
         assert ctx.seq_len == 4
 
 
+
+async def test_attention_scores_count_in_the_reply_limit(tiny_folder, transport):
+    """Scores are 4 bytes per KV entry per row: one row per layer (by_layer) and per query
+    head (heads="all"); a pass or a generation that could exceed the limit is refused up
+    front and changes nothing, while the same scores reduced to one row are served."""
+    from pie_ctx.proto.messages import ScoresSpec
+    async with sdk_owners(tiny_folder, transport, 1, max_reply_bytes=2**14) as ((rt,), engine):
+        info = rt.info
+        assert info.score_heads >= 1 and info.score_layers >= 1
+        rows = info.score_layers * info.score_heads
+        n = 2**14 // (4 * rows) + 1  # KV entries past which one all-rows spec is too big
+        ctx = Context(rt).append([1 + i % 200 for i in range(n)])
+        await ctx.flush()
+        with pytest.raises(InvalidArgument, match="attention scores with fewer rows"):
+            await ctx.forward().input([4]).attention_scores([0], heads="all",
+                                                            by_layer=True).execute()
+        assert ctx.seq_len == n
+        out = await ctx.forward().input([4]).attention_scores([0]).execute()
+        assert out.attention_scores[0].shape == (n + 1,)
+        with pytest.raises(InvalidArgument, match="attention scores may come to"):
+            await ctx.generate(GREEDY, max_tokens=2,
+                               attention_scores=ScoresSpec(heads="all", by_layer=True)).text()
+        assert (await ctx.refresh()).seq_len == n + 1
+
 async def test_the_server_caps_replies_at_its_frame_limit(tiny_folder):
     """A server with small frames lowers the engine's reply limit before any client comes:
     a request for more is refused up front, changes nothing, and the connection lives."""
