@@ -151,6 +151,9 @@ class Engine:
         store_limits: StoreLimits | None = None,
     ) -> None:
         self.store = store
+        # The KV-event publisher boot_engine(kv_events=...) starts (runtime.kv.events);
+        # whoever runs the engine closes it after the engine stops. None: no events.
+        self.kv_events: Any = None
         self.tokenizer = tokenizer
         self.executor = StepExecutor(runner)
         self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
