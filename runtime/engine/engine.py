@@ -164,7 +164,8 @@ class Engine:
         limits = channel_limits or ChannelLimits()
         self.channels = Channels(limits)
         store_root = None if store.tier is None else store.tier.files.root / "store"
-        self.kv_store = InferletStore(store_root, store_limits)
+        self.kv_store = InferletStore(store_root, store_limits,
+                                      shared=store.tier is not None and store.tier.shared)
         slim = self.kv_store.limits
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,
