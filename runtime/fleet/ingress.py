@@ -214,7 +214,8 @@ def merge_metrics(texts: dict[str, str]) -> str:
                 lines.append(f"{s.name}{{{body}}} {_number(s.value)}")
     out = []
     for name, (kind, doc, lines) in families.items():
-        out += [f"# HELP {name} {_escape(doc)}", f"# TYPE {name} {kind}", *lines]
+        shown = f"{name}_total" if kind == "counter" else name  # (as prometheus_client writes)
+        out += [f"# HELP {shown} {_escape(doc)}", f"# TYPE {shown} {kind}", *lines]
     return "\n".join(out) + "\n"
 
 
