@@ -60,4 +60,5 @@ test-flex: $(STAMP)
 # instance with 2 replicas of the tiny model, and the KV events' wire test (~2 min).
 test-fleet: $(STAMP)
 	$(BIN)/pip install -q -e '.[ray]'
-	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/fleet tests/kv/test_kv_events.py tests/kv/test_shared_folder.py tests/benchmarks/test_fleet_smoke.py
+	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/fleet tests/kv/test_kv_events.py tests/kv/test_shared_folder.py \
+		tests/benchmarks/test_smoke.py -k fleet
