@@ -57,8 +57,9 @@ test-flex: $(STAMP)
 	PIE_CTX_ATTENTION=flex $(BIN)/python -m pytest -q tests/sdk
 
 # The fleet (docs/scale-out.md): Ray Serve and pyzmq (the extra `ray`), then a local Ray
-# instance with 2 replicas of the tiny model, and the KV events' wire test (~2 min).
+# instance with 2 replicas of the tiny model, the KV events' wire test, and the fleet
+# benchmark's smoke (~3 min).
 test-fleet: $(STAMP)
 	$(BIN)/pip install -q -e '.[ray]'
-	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/fleet tests/kv/test_kv_events.py tests/kv/test_shared_folder.py \
-		tests/benchmarks/test_smoke.py -k fleet
+	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/fleet tests/kv/test_kv_events.py
+	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/benchmarks/test_smoke.py -k fleet
