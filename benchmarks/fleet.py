@@ -9,8 +9,9 @@ decides, on a local Ray instance with 2 engine replicas (``runtime.fleet``):
    the whole history, as a stateless chat client does) are played three ways, each with
    its own prompts so no way reuses another's pages: through the fleet's front with a
    session header per conversation (session routing), round-robin over the two replicas
-   directly (turn i to replica i mod 2: what a router that knows nothing does), and all on
-   one replica (one engine alone). Tokens computed = ``prompt_tokens - cached_tokens`` of
+   directly (turn t of conversation c to replica (c + t) mod 2: each conversation's turns
+   alternate, as they do under a router that knows nothing of sessions), and all on one
+   replica (one engine alone). Tokens computed = ``prompt_tokens - cached_tokens`` of
    every reply. A fourth way, the front without a session header, shows prefix routing
    (the replicas' KV events) alone. ``fleet_computed_vs_round_robin`` (goal <= 0.5) and
    ``fleet_computed_vs_single`` (goal <= 1.05).
@@ -32,7 +33,6 @@ The last line is a JSON object with these keys. Without Ray (``pip install
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import signal
 import socket
@@ -133,8 +133,8 @@ def main() -> None:
                 "max_tokens": 1})
         session = play.run("session", n, lambda c, t: front,
                            lambda c: {"x-session-id": f"conv-{c}"})
-        rr = itertools.count()
-        round_robin = play.run("round-robin", n, lambda c, t: urls[next(rr) % 2], lambda c: {})
+        # (c + t): each turn of a conversation on the other replica, each turn's load even
+        round_robin = play.run("round-robin", n, lambda c, t: urls[(c + t) % 2], lambda c: {})
         single = play.run("single", n, lambda c, t: urls[0], lambda c: {})
         time.sleep(1.0)  # the replicas' KV events reach the router
         prefix = play.run("prefix", n, lambda c, t: front, lambda c: {})
