@@ -62,13 +62,17 @@ class Play:
 
     def __init__(self, model: str, turns: int, max_tokens: int) -> None:
         self.model, self.turns, self.max_tokens = model, turns, max_tokens
+        self.ways: dict[str, int] = {}
 
     def run(self, way: str, n: int, url_for, headers_for) -> dict[str, int]:
         import httpx
 
         prompt = computed = 0
-        histories = [[{"role": "system", "content": f"[{way} {c}] You are assistant number "
-                       f"{c} of the {way} run; answer briefly and stay on topic. " * 2}]
+        # Each way's prompts differ (no way reuses another's pages) by one digit, so every
+        # way's prompts have the same number of tokens.
+        run = self.ways.setdefault(way, len(self.ways))
+        histories = [[{"role": "system", "content": f"[run {run} chat {c}] You are assistant "
+                       f"number {c}; answer briefly and stay on topic. " * 2}]
                      for c in range(n)]
         with httpx.Client(timeout=600) as client:
             for turn in range(self.turns):
@@ -153,7 +157,7 @@ def main() -> None:
         "fleet_front_ms_p50": stats["front_ms"]["p50"],
         "fleet_hop_ms_p50": hop,
         **failover,
-        "prompt_tokens": session["prompt"],
+        "prompt_tokens": session["prompt"], "prompt_tokens_round_robin": round_robin["prompt"],
         "computed_session": session["computed"], "computed_round_robin": round_robin["computed"],
         "computed_single": single["computed"], "computed_prefix": prefix["computed"],
         "conversations": n, "turns": args.turns, "replicas_boot_s": boot_s,
