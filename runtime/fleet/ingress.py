@@ -35,6 +35,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 import httpx
+import ray.exceptions
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -135,8 +136,6 @@ class FleetIngress:
         return await self._send(call)
 
     async def _send(self, call: Call) -> Response:
-        import ray.exceptions
-
         for attempt in (0, 1):
             stream = self.engines.remote(call)
             try:
@@ -163,8 +162,6 @@ class FleetIngress:
 
     async def _relay(self, stream: Any, replica: str, sse: bool) -> Any:
         """The reply's body; response ids seen in its start go into the table."""
-        import ray.exceptions
-
         seen = b""
         try:
             async for chunk in stream:
