@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check test-flex
+.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check test-flex test-fleet
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,3 +55,11 @@ gpu-check:
 # The SDK suite with the FlexAttention backend forced (docs/forward.md).
 test-flex: $(STAMP)
 	PIE_CTX_ATTENTION=flex $(BIN)/python -m pytest -q tests/sdk
+
+# The fleet (docs/scale-out.md): Ray Serve and pyzmq (the extra `ray`), then a local Ray
+# instance with 2 replicas of the tiny model, the KV events' wire test, and the fleet
+# benchmark's smoke (~3 min).
+test-fleet: $(STAMP)
+	$(BIN)/pip install -q -e '.[ray]'
+	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/fleet tests/kv/test_kv_events.py
+	PIE_CTX_TEST_FLEET=1 $(BIN)/python -m pytest -q tests/benchmarks/test_smoke.py -k fleet

@@ -119,7 +119,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                 owner_share: float | None = None, weights: str = "fp32",
                 kv_dtype: str = "fp32", snapshot_dir: str | Path | None = None,
                 disk_cache_gb: float = 4.0, backend: str = "auto", tp: int = 1,
-                **engine_kw: Any) -> Engine:
+                shared_snapshots: bool = False, kv_events: str | None = None,
+                kv_events_replay: str | None = None, **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -149,6 +150,13 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         tp: tensor-parallel ranks: this process is rank 0 and starts the other ``tp - 1``
             (or attaches to ``torchrun``'s); weights and KV pages are sharded by head
             (docs/scale-out.md). 1: one device, nothing else starts.
+        shared_snapshots: ``snapshot_dir`` is shared with other engines of the same model
+            (a fleet, docs/scale-out.md): no engine deletes page files, and a snapshot
+            another engine saved opens here. False: the folder is this engine's alone.
+        kv_events: publish the trie's commits and evictions in vLLM's KV-event schema on
+            this ZeroMQ address (``tcp://*:5557`` binds; ``runtime.kv.events``); the
+            publisher is ``engine.kv_events``. None: no events.
+        kv_events_replay: with ``kv_events``, a ROUTER address answering replay requests.
         **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
@@ -185,7 +193,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         if snapshot_dir is None:
             return None
         return PageFiles(snapshot_dir, fingerprint(m.name, m.path, m.dtype, m.shape, page_size,
-                                                   weights, kv_dtype, runner_kind))
+                                                   weights, kv_dtype, runner_kind),
+                         shared=shared_snapshots)
 
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
@@ -229,9 +238,16 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise
     if owner_share is not None:
         engine_kw["max_pages_per_owner"] = max(1, int(owner_share * store.num_pages_total))
-    return Engine(store, runner, m.tokenizer, model_name=m.name, vocab_size=m.vocab_size,
-                  max_seq_len=m.max_seq_len, hidden_size=m.hidden_size,
-                  max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)
+    engine = Engine(store, runner, m.tokenizer, model_name=m.name, vocab_size=m.vocab_size,
+                    max_seq_len=m.max_seq_len, hidden_size=m.hidden_size,
+                    max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)
+    if kv_events is not None:
+        from runtime.kv.events import publish_events
+
+        engine.kv_events = publish_events(
+            store.trie, page_size, "GPU" if m.device.type == "cuda" else "CPU", kv_events,
+            kv_events_replay)
+    return engine
 
 
 @dataclass(slots=True)

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
 
     register(sub)
+    from runtime.fleet.app import register as register_fleet  # (imports no Ray until run)
+
+    register_fleet(sub)
     return parser
 
 

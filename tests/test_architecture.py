@@ -42,6 +42,7 @@ LAYERS = (
     ("pie_ctx",),                 # the SDK
     ("runtime.hosted",),          # inferlets launched inside the engine's process
     ("runtime.server",),          # connections, HTTP, ``serve``
+    ("runtime.fleet",),           # engine replicas on Ray Serve, routed (``fleet``)
     ("runtime.cli", "pie_ctx.__main__"),  # the program
 )
 # The bare package modules import nothing and rank below everything.
@@ -172,6 +173,8 @@ ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain"
                           # one in-process transport: the bridge is a LocalTransport whose
                           # engine calls hop to the engine's loop
                           "runtime.hosted.bridge": {"pie_ctx.transport"},
+                          # the fleet's front renders a chat prompt as the SDK's fillers do
+                          "runtime.fleet.prompt": {"pie_ctx.chat"},
                           # the program: ``run`` runs an inferlet file on a Runtime, ``stats``
                           # and ``launch`` are clients of a server
                           "runtime.cli": {"pie_ctx.loading", "pie_ctx.runtime",

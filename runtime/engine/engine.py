@@ -151,6 +151,9 @@ class Engine:
         store_limits: StoreLimits | None = None,
     ) -> None:
         self.store = store
+        # The KV-event publisher boot_engine(kv_events=...) starts (runtime.kv.events);
+        # whoever runs the engine closes it after the engine stops. None: no events.
+        self.kv_events: Any = None
         self.tokenizer = tokenizer
         self.executor = StepExecutor(runner)
         self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
@@ -161,7 +164,8 @@ class Engine:
         limits = channel_limits or ChannelLimits()
         self.channels = Channels(limits)
         store_root = None if store.tier is None else store.tier.files.root / "store"
-        self.kv_store = InferletStore(store_root, store_limits)
+        self.kv_store = InferletStore(store_root, store_limits,
+                                      shared=store.tier is not None and store.tier.shared)
         slim = self.kv_store.limits
         self._info = P.EngineInfo(
             protocol_version=P.PROTOCOL_VERSION, model_name=model_name,

@@ -15,6 +15,10 @@ Invariants:
   nothing.
 * Writes to one namespace are serialized (one lock), so concurrent sets of one key end with
   one of the values, whole.
+* Shared (``shared=True``: a snapshot folder several engines use, docs/scale-out.md): the
+  files are the truth, not this engine's index. ``get`` and ``keys`` read them, so a value
+  another engine set is seen at once; concurrent sets of one key from two engines end with
+  the last rename's value, whole. The limits count what this engine has seen.
 """
 
 from __future__ import annotations
@@ -92,8 +96,10 @@ class InferletStore:
         limits: the bounds.
     """
 
-    def __init__(self, root: Path | None, limits: StoreLimits | None = None) -> None:
+    def __init__(self, root: Path | None, limits: StoreLimits | None = None,
+                 shared: bool = False) -> None:
         self.root = root
+        self.shared = shared and root is not None
         self.limits = limits or StoreLimits()
         self._spaces: dict[str, _Namespace] = {}
 
@@ -118,11 +124,37 @@ class InferletStore:
 
     def get(self, namespace: str, key: str) -> tuple[bytes, bool] | None:
         """``(payload, is_text)`` of ``key``, or None."""
-        return self._space(namespace).values.get(check_key(key))
+        space = self._space(namespace)
+        if self.shared and space.folder is not None:
+            self._reread(space, check_key(key))
+        return space.values.get(check_key(key))
 
     def keys(self, namespace: str, prefix: str = "") -> list[str]:
         """The keys starting with ``prefix``, sorted."""
-        return sorted(k for k in self._space(namespace).values if k.startswith(prefix))
+        space = self._space(namespace)
+        if self.shared and space.folder is not None and space.folder.is_dir():
+            on_disk = set()
+            for file in space.folder.iterdir():
+                if not file.name.startswith("."):
+                    try:
+                        on_disk.add(_decode_name(file.name))
+                    except ValueError:
+                        continue
+            for key in on_disk ^ set(space.values):
+                self._reread(space, key)
+        return sorted(k for k in space.values if k.startswith(prefix))
+
+    def _reread(self, space: _Namespace, key: str) -> None:
+        """A shared store: take ``key``'s value from its file (another engine may have set
+        or deleted it)."""
+        assert space.folder is not None
+        loaded = _read(space.folder / _encode_name(key))
+        old = space.values.pop(key, None)
+        if old is not None:
+            space.num_bytes -= space.cost(key, old[0])
+        if loaded is not None:
+            space.values[key] = loaded
+            space.num_bytes += space.cost(key, loaded[0])
 
     async def set(self, namespace: str, key: str, payload: bytes, text: bool) -> None:
         """Store ``payload`` under ``key`` (replacing any value), durably before returning.
@@ -197,7 +229,7 @@ def _write(folder: Path, key: str, payload: bytes, text: bool) -> None:
     if new:
         _fsync_dir(folder.parent)
     name = _encode_name(key)
-    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    tmp = folder / f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # (engines may share it)
     data = _MAGIC + bytes([1 if text else 0]) + zlib.crc32(payload).to_bytes(4, "little") + payload
     with open(tmp, "wb") as f:
         f.write(data)

@@ -9,10 +9,22 @@ exist and who references them is the disk tier's (``runtime.kv.tier``). Layout
     DIR/                            the snapshot directory (--snapshot-dir)
       <fingerprint key>/            one folder per model fingerprint (16 hex digits)
         FORMAT.json                 the fingerprint in full: who wrote these files
-        LOCK                        flock()ed by the one engine using the folder
+        LOCK                        flock()ed by the engines using the folder
         pages/<hash>.page           one committed page, named by its chained hash
         snapshots/<key>.snap        one manifest, key = digest of (namespace, name)
         tmp/                        files being written; emptied at open
+          <engine>/, <engine>.lock  a sharing engine's own temp files, and its lock
+
+One engine, or many (``shared=True``, a fleet on one folder, docs/scale-out.md). An
+engine alone holds ``LOCK`` exclusively; sharing engines hold it shared, so an engine
+alone and sharing engines never meet (the second gets ``StorageError``). Sharing engines
+each write their temp files into their own ``tmp/<engine>/`` (kept by a lock of their
+own, so the next engine to open the folder removes only the folders of engines that
+died). The rules that make sharing safe: a page file is named by its content's hash and
+never changes, so writing one that exists is skipped (``write_many``), and one being
+written is invisible until its rename; a manifest is replaced by rename, so when two
+engines save one name at once the last rename wins whole; nothing deletes page files
+(``runtime.kv.tier``).
 
 Crash safety: every file is written to ``tmp/``, fsynced, renamed into place, and its
 folder fsynced (``write_atomic``), so a file under ``pages/`` or ``snapshots/`` is either
@@ -136,14 +148,17 @@ class PageFiles:
         root: the snapshot directory; it must exist and be writable.
         fingerprint: the engine's; its folder is created inside ``root`` if new.
         ops: the system calls (tests pass a subclass that fails on cue).
+        shared: other engines of the same fingerprint may use the folder at the same time
+            (see the module docstring).
 
     Raises:
         StorageError: ``root`` is missing, not a folder, read-only, or its folder for this
-            fingerprint is locked by another engine.
+            fingerprint is locked by another engine (one alone; or, when not ``shared``,
+            any).
     """
 
     def __init__(self, root: str | Path, fingerprint: Fingerprint,
-                 ops: FileOps | None = None) -> None:
+                 ops: FileOps | None = None, shared: bool = False) -> None:
         self.root = Path(root).expanduser()
         self.fingerprint = fingerprint
         self.ops = ops or FileOps()
@@ -157,7 +172,9 @@ class PageFiles:
         self.pages_dir = self.folder / "pages"
         self.snaps_dir = self.folder / "snapshots"
         self.tmp_dir = self.folder / "tmp"
+        self.shared = shared
         self._counter = itertools.count()
+        self._tmp_lock_fd = -1
         try:
             for d in (self.folder, self.pages_dir, self.snaps_dir, self.tmp_dir):
                 d.mkdir(exist_ok=True)
@@ -165,20 +182,75 @@ class PageFiles:
         except OSError as e:
             raise StorageError(f"cannot use snapshot directory {self.root}: {e}") from None
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                        | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
             raise StorageError(
                 f"snapshot directory {self.folder} is in use by another running engine of "
-                "the same model; stop it, or pass another --snapshot-dir") from None
-        for stale in self.tmp_dir.iterdir():  # files a crash left half-written
-            stale.unlink(missing_ok=True)
+                "the same model" + (" that does not share it (--shared-snapshots)" if shared
+                                    else "") + "; stop it, or pass another --snapshot-dir"
+                + ("" if shared else ", or start every engine with --shared-snapshots")
+            ) from None
+        self._sweep_tmp()
+        if shared:
+            self._own_tmp()
         format_file = self.folder / "FORMAT.json"
         if not format_file.exists():
             self.write_atomic(format_file, [json.dumps(asdict(fingerprint), indent=1).encode()])
 
+    def _sweep_tmp(self) -> None:
+        """Remove the temp files a crash left half-written: all of them for an engine
+        alone; for a sharing one, the folders of sharing engines that are gone (their lock
+        is free)."""
+        for stale in self.tmp_dir.iterdir():
+            if stale.suffix == ".lock" or stale.is_dir():
+                continue
+            if not self.shared:
+                stale.unlink(missing_ok=True)
+        for lock in list(self.tmp_dir.glob("*.lock")):
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its engine is alive
+            else:
+                folder = self.tmp_dir / lock.stem
+                if folder.is_dir():
+                    for stale in folder.iterdir():
+                        stale.unlink(missing_ok=True)
+                    folder.rmdir()
+                lock.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+
+    def _own_tmp(self) -> None:
+        """A sharing engine's own temp folder, kept by a lock it holds until ``close``."""
+        name = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            self._tmp_lock_fd = os.open(self.tmp_dir / f"{name}.lock",
+                                        os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._tmp_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.tmp_dir = self.tmp_dir / name
+            self.tmp_dir.mkdir()
+        except OSError as e:
+            self.close()
+            raise StorageError(f"cannot use snapshot directory {self.root}: {e}") from None
+
     def close(self) -> None:
-        """Release the folder's lock (the files stay)."""
+        """Release the folder's lock (the files stay; a sharing engine's temp folder
+        goes)."""
+        if self._tmp_lock_fd >= 0:
+            if self.tmp_dir.is_dir() and self.tmp_dir.parent.name == "tmp":
+                for stale in self.tmp_dir.iterdir():
+                    stale.unlink(missing_ok=True)
+                self.tmp_dir.rmdir()
+                (self.tmp_dir.parent / f"{self.tmp_dir.name}.lock").unlink(missing_ok=True)
+            os.close(self._tmp_lock_fd)
+            self._tmp_lock_fd = -1
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -232,6 +304,9 @@ class PageFiles:
                 fds: list[int] = []
                 try:
                     for path, parts in files[start:start + _BATCH_FILES]:
+                        if self.shared and path.parent == self.pages_dir and path.exists():
+                            done.append(path)  # another engine wrote it: the same bytes
+                            continue
                         tmp, fd = self._create_tmp(path)
                         tmps.append((tmp, path))
                         fds.append(fd)

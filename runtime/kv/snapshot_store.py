@@ -23,7 +23,7 @@ import numpy as np
 from pie_ctx.proto.errors import SnapshotCorrupt
 from runtime.kv.context import PageState
 from runtime.kv.durable import RestoreJob, SaveJob, parent_hash, plan_restore, plan_save
-from runtime.kv.file_format import foreign_manifests
+from runtime.kv.file_format import foreign_manifests, read_head
 from runtime.kv.pool import PagePool
 from runtime.kv.snapshots import Snapshot, SnapshotRegistry, snapshot_key
 from runtime.kv.states import ContextStates
@@ -52,6 +52,8 @@ class SnapshotStore:
         self.tier = tier
         self.states = states
         self.registry = registry
+        if tier is not None and tier.files.shared:
+            registry.sync = self.sync_from_disk
 
     def list_on_disk(self) -> None:
         """List the snapshots the disk tier found at boot (spilled: pages on disk only),
@@ -66,6 +68,36 @@ class SnapshotStore:
             log.warning("%d snapshots in %s were saved by another model or page size; "
                         "this engine cannot open them", len(self.registry.foreign),
                         self.tier.files.root)
+
+    def sync_from_disk(self, key: tuple[str, str]) -> None:
+        """A folder shared with other engines (docs/scale-out.md): make the entry under
+        ``key`` the manifest on disk. A manifest this engine does not list is listed
+        (spilled: its pages are read from the folder on open); one replaced by another
+        engine's save (the last writer wins) replaces this engine's entry; one deleted
+        elsewhere is forgotten here. Unchanged: one small read."""
+        tier, (namespace, name) = self.disk, key
+        path = tier.files.manifest_path(namespace, name)
+        try:
+            head = read_head(path) if path.exists() else None
+        except SnapshotCorrupt as err:  # deleted while read, or damaged: not listed
+            log.warning("shared snapshot folder: %s", err)
+            head = None
+        if head is not None and (head.fingerprint != tier.files.fingerprint.key
+                                 or (head.namespace, head.name) != (namespace, name)):
+            head = None
+        snap = self.registry.entry(key)
+        if snap is not None and snap.head is not None and snap.head == head:
+            return
+        if snap is not None:
+            if snap.head is None:
+                return  # (never with a tier: every listed snapshot has its manifest)
+            self.registry.forget(key)
+            tier.drop_refs(snap.head.pages)
+            if snap.state is not None:
+                self.states.release(snap.state)
+        if head is not None:
+            tier.adopt_manifest(head)
+            self.registry.put(key, Snapshot(None, head.meta, None, head))
 
     @property
     def disk(self) -> DiskTier:
@@ -226,7 +258,7 @@ class SnapshotStore:
         snap = self.registry.get(name, namespace)
         if snap.head is not None:
             self.disk.files.remove(self.disk.files.manifest_path(namespace, name))
-        self.registry.pop(name, namespace)
+        self.registry.forget(snapshot_key(name, namespace))
         if snap.head is not None:
             self.disk.drop_refs(snap.head.pages)
         return snap

@@ -22,7 +22,7 @@ snapshots are in ``resident`` in least-recently-used order.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ def snapshot_key(name: object, namespace: object) -> tuple[str, str]:
 class SnapshotRegistry:
     """Engine-wide ``(namespace, name) -> Snapshot`` map with typed errors."""
 
-    __slots__ = ("_snapshots", "_reserved", "resident", "foreign")
+    __slots__ = ("_snapshots", "_reserved", "resident", "foreign", "sync")
 
     def __init__(self) -> None:
         """Create an empty registry."""
@@ -85,6 +85,10 @@ class SnapshotRegistry:
         self.resident: OrderedDict[tuple[str, str], Snapshot] = OrderedDict()
         # (namespace, name) -> why this engine cannot open it (saved by another model)
         self.foreign: dict[tuple[str, str], str] = {}
+        # A snapshot folder shared with other engines: called with a key before it is
+        # looked up, to bring the entry in line with the manifest on disk (another engine
+        # may have saved, replaced or deleted it). None: this engine's table is the truth.
+        self.sync: Callable[[tuple[str, str]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -100,6 +104,8 @@ class SnapshotRegistry:
             SnapshotExists: the name is taken in this namespace.
         """
         key = snapshot_key(name, namespace)
+        if self.sync is not None and key not in self._reserved:
+            self.sync(key)
         if key in self._snapshots or key in self._reserved:
             raise SnapshotExists(
                 f"snapshot {name!r} already exists in namespace {namespace!r}; "
@@ -115,6 +121,8 @@ class SnapshotRegistry:
             SnapshotNotFound: no such snapshot.
         """
         key = snapshot_key(name, namespace)
+        if self.sync is not None and key not in self._reserved:
+            self.sync(key)
         snap = self._snapshots.get(key)
         if snap is None:
             if key in self.foreign:
@@ -156,8 +164,16 @@ class SnapshotRegistry:
     def pop(self, name: str, namespace: str) -> Snapshot:
         """Remove and return a snapshot (errors as ``get``)."""
         snap = self.get(name, namespace)
-        del self._snapshots[(namespace, name)]
-        self.resident.pop((namespace, name), None)
+        return self.forget((namespace, name)) or snap
+
+    def entry(self, key: tuple[str, str]) -> Snapshot | None:
+        """The entry under ``key`` as this engine holds it (no sync, no error)."""
+        return self._snapshots.get(key)
+
+    def forget(self, key: tuple[str, str]) -> Snapshot | None:
+        """Remove the entry under ``key`` (no sync, no error); returns it."""
+        snap = self._snapshots.pop(key, None)
+        self.resident.pop(key, None)
         return snap
 
     def names(self, namespace: str) -> list[str]:

@@ -17,6 +17,15 @@ Two kinds of page files:
 Invariant (``check``): the index holds exactly the page files on disk; ``refs`` is the
 number of durable manifests listing the page; the cache LRU holds exactly the pages with
 ``refs == 0``.
+
+A folder shared with other engines (``PageFiles.shared``, a fleet): other engines' files
+sit beside this engine's, so the index holds the files this engine knows (a subset of
+those on disk), and **no page file is ever deleted**: another engine's manifest may list
+a page this one stops using, or one of its saves may be about to (a page file is
+content-addressed and immutable, so keeping it is always safe). Evicted cache pages are
+not spilled (they would never be removed), boot sweeps nothing, and a manifest another
+engine saved is adopted (``adopt_manifest``) when this engine first looks it up.
+Unreferenced page files are swept by the next engine that opens the folder alone.
 """
 
 from __future__ import annotations
@@ -91,7 +100,8 @@ class DiskTier:
     def __init__(self, files: PageFiles, pool: PagePool, max_cache_pages: int) -> None:
         self.files = files
         self.view = TierView(pool)
-        self.max_cache_pages = max_cache_pages
+        self.shared = files.shared
+        self.max_cache_pages = 0 if files.shared else max_cache_pages
         self.index: dict[PageHash, DiskPage] = {}
         self.cache: OrderedDict[PageHash, None] = OrderedDict()  # refs == 0, LRU first
         # Pages manifests list whose file is gone (found at boot) or was found damaged (and
@@ -131,6 +141,8 @@ class DiskTier:
                 page.refs += 1
         swept = 0
         for h in on_disk.keys() - self.index.keys():
+            if self.shared:
+                break  # another engine's save may be writing them (see the docstring)
             self.files.remove(self.files.page_path(h), durable=False)
             swept += 1
         for h in [h for h in self.index if h not in on_disk]:
@@ -204,6 +216,23 @@ class DiskTier:
                 self.index[h] = DiskPage(self.page_bytes, refs=self.missing.pop(h, 0))
                 self._count_write(self.page_bytes)
 
+    def adopt_manifest(self, head: ManifestHead) -> None:
+        """A shared folder: list the pages of a manifest another engine saved (as ``boot``
+        does for every manifest): each counts one more reference, and a file that is not
+        there makes the snapshot's open fail, naming it."""
+        for h in map(PageHash, head.pages):
+            page = self.index.get(h)
+            if page is None and h not in self.missing:
+                path = self.files.page_path(h)
+                if path.exists():
+                    page = self.index[h] = DiskPage(path.stat().st_size)
+            if page is None:
+                self.missing[h] = self.missing.get(h, 0) + 1
+                continue
+            page.refs += 1
+            page.durable = True
+            self.cache.pop(h, None)
+
     def add_refs(self, hashes: Iterable[int]) -> None:
         """A durable manifest now lists these pages (all on disk)."""
         for h in hashes:
@@ -248,8 +277,8 @@ class DiskTier:
         A file a save in flight is writing stays until that save ends (``end_writes``)."""
         self.index.pop(h, None)
         self.cache.pop(h, None)
-        if h in self.pending:
-            return
+        if h in self.pending or self.shared:
+            return  # (shared: another engine may use the file; see the docstring)
         try:
             self.files.remove(self.files.page_path(h), durable=False)
         except StorageError as err:
@@ -364,7 +393,8 @@ class DiskTier:
         """
         on_disk = self.files.page_files()
         lost = set(self.index) - set(on_disk)
-        orphans = set(on_disk) - set(self.index) - set(self.pending)  # (pending: being saved)
+        orphans = set() if self.shared else (  # (shared: other engines' files are there)
+            set(on_disk) - set(self.index) - set(self.pending))  # (pending: being saved)
         if lost or orphans:
             raise RuntimeError(f"disk tier: index != files (lost {sorted(lost)[:3]}, "
                                f"orphans {sorted(orphans)[:3]})")

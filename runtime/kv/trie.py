@@ -90,7 +90,7 @@ class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
     __slots__ = ("pool", "root_hash", "by_hash", "lru", "num_nodes", "num_pinned",
-                 "num_evictions", "pages_of", "on_evict")
+                 "num_evictions", "pages_of", "on_evict", "on_event")
 
     def __init__(self, pool: PagePool, on_evict: Callable[[Node], None] | None = None) -> None:
         """Create an empty trie that frees evicted pages into ``pool``.
@@ -109,6 +109,9 @@ class PageTrie:
         self.num_pinned = 0
         self.num_evictions = 0
         self.pages_of: dict[Any, int] = {}  # owner -> distinct committed pages it pins
+        # KV events (runtime.kv.events.KVEventLog): told of every registered page and every
+        # eviction, in order. None: nobody listens.
+        self.on_event: Any = None
 
     @property
     def num_cached(self) -> int:
@@ -177,6 +180,8 @@ class PageTrie:
         self.num_nodes += 1
         if registered:
             self.by_hash[h] = node
+            if self.on_event is not None:
+                self.on_event.stored(h, None if tip is None else tip.page_hash, node.tokens)
         if tip is not None:
             tip.num_children += 1
         self.add_holder(node, owner)
@@ -331,6 +336,8 @@ class PageTrie:
             if self.on_evict is not None:
                 self.on_evict(node)
             del self.by_hash[node.page_hash]
+            if self.on_event is not None:
+                self.on_event.removed(node.page_hash)
             self._unlink(node)
             evicted.append(node.page_id)
             parent = node.parent

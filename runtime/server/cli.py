@@ -144,6 +144,15 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--disk-cache-gb", type=float, default=4.0,
                        help="with a snapshot directory: disk space for evicted cache pages "
                             "that prefix matching can load back (default 4)")
+    serve.add_argument("--shared-snapshots", action="store_true",
+                       help="the snapshot directory is shared with other engines of the same "
+                            "model (a fleet on one folder, docs/scale-out.md)")
+    serve.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                       help="publish KV events (pages stored/removed) in vLLM's schema on "
+                            "this ZeroMQ address: tcp://*:5557 binds, tcp://HOST:PORT "
+                            "connects (needs pyzmq: pip install 'pie-ctx[ray]')")
+    serve.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                       help="with --kv-events: a ROUTER address that replays missed batches")
     serve.add_argument("--inferlets", default=None, metavar="DIR",
                        help="a folder of inferlet files (NAME.py) that clients may launch "
                             "inside the server by name (`pie-ctx launch NAME`, rt.spawn); "
@@ -170,6 +179,9 @@ def default_snapshot_dir() -> Path:
 def _snapshot_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments for the snapshot directory."""
     if args.memory_snapshots:
+        if args.shared_snapshots:
+            raise PieError("--shared-snapshots needs a snapshot directory, not "
+                           "--memory-snapshots")
         return {}
     folder = args.snapshot_dir
     if folder is None:
@@ -179,7 +191,8 @@ def _snapshot_options(args: argparse.Namespace) -> dict[str, Any]:
         except OSError as e:
             raise StorageError(f"cannot create the snapshot directory {folder}: {e}; pass "
                                "--snapshot-dir DIR or --memory-snapshots") from None
-    return {"snapshot_dir": folder, "disk_cache_gb": args.disk_cache_gb}
+    return {"snapshot_dir": folder, "disk_cache_gb": args.disk_cache_gb,
+            "shared_snapshots": args.shared_snapshots}
 
 
 def _listen_address(args: argparse.Namespace) -> Address:
@@ -234,8 +247,11 @@ def serve_main(args: argparse.Namespace) -> int:
         if mcp and http is None:
             raise PieError("--mcp needs --http (its tools serve /v1/responses)")
         folder = None if args.inferlets is None else InferletFolder(args.inferlets)
+        if args.kv_events_replay is not None and args.kv_events is None:
+            raise PieError("--kv-events-replay needs --kv-events")
         engine = boot_engine(args.model, **engine_options(args), **_snapshot_options(args),
-                             owner_share=None if args.client_share >= 1 else args.client_share)
+                             owner_share=None if args.client_share >= 1 else args.client_share,
+                             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay)
         if folder is not None:
             host_inferlets(engine, folder.path)
     except PieError as err:
@@ -257,6 +273,10 @@ def serve_main(args: argparse.Namespace) -> int:
             names = engine.host.folder.names()
             _say(f"inferlets: {len(names)} in {engine.host.folder.path}"
                  f"{': ' + ', '.join(names) if names else ''}")
+        if engine.kv_events is not None:
+            _say(f"kv events on {engine.kv_events.endpoint}"
+                 + (f", replay on {engine.kv_events.replay_endpoint}"
+                    if engine.kv_events.replay_endpoint else ""))
         if token_file is not None:
             _say(f"clients need the token in {token_file}")
 
@@ -277,5 +297,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C while shutting down
         pass
+    finally:
+        if engine.kv_events is not None:
+            engine.kv_events.close()
     _say("stopped")
     return 0

@@ -6,6 +6,7 @@ benchmark without ``--smoke``, fails here."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ HELPERS = {
 }
 # Benchmarks whose smoke runs without the default model.
 NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
+# Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
+FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
 KEYS = {
     "agents.py": {"react_tput_vs_http", "react_hosted_tput_vs_http",
@@ -40,6 +43,9 @@ KEYS = {
                        "ppl_h2o", "ppl_streaming", "ppl_truncate", "compaction_decode_speedup",
                        "attention_scores_overhead"},
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
+    "fleet.py": {"fleet_computed_vs_round_robin", "fleet_computed_vs_single",
+                 "fleet_router_ms_p50", "fleet_router_ms_p99", "fleet_failover_s",
+                 "fleet_failover_recomputed_saved_tokens"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
     "kv_pages.py": {"kv_int8_decode_ratio", "kv_pages_ratio"},
     "lora.py": {"lora_same_over_base", "lora_mixed_over_base", "adapter_load_ms",
@@ -60,9 +66,16 @@ KEYS = {
 }
 
 
+def _marks(name: str) -> list:
+    marks = [] if name in NO_DEFAULT_MODEL else [pytest.mark.real_model]
+    if name in FLEET:
+        marks.append(pytest.mark.skipif(os.environ.get("PIE_CTX_TEST_FLEET") != "1",
+                                        reason="starts a Ray cluster: make test-fleet"))
+    return marks
+
+
 def _benchmarks() -> list:
-    return [pytest.param(p.name, id=p.stem, marks=() if p.name in NO_DEFAULT_MODEL
-                         else pytest.mark.real_model)
+    return [pytest.param(p.name, id=p.stem, marks=_marks(p.name))
             for p in sorted(BENCHMARKS.glob("*.py")) if p.name not in HELPERS]
 
 
@@ -91,6 +104,9 @@ def test_benchmark_smoke(name: str):
         assert result["snapshots_saved"] == result["snapshots_reopened"]
     if name == "agents.py":
         check_agents(result)
+    if name == "fleet.py":  # (figures of a smoke mean little; these hold at any size)
+        assert result["fleet_failover_recomputed_saved_tokens"] == 0
+        assert result["computed_session"] <= result["computed_round_robin"]
 
 
 def check_agents(result: dict) -> None:

@@ -68,3 +68,21 @@ async def test_a_crash_leaves_old_or_new_never_torn(tmp_path) -> None:
     reopened = InferletStore(root)
     assert reopened.get("ns", "a") == (b"old", False)
     assert reopened.get("ns", "b") is None
+
+
+async def test_a_shared_store_sees_what_another_engine_set_and_deleted(tmp_path) -> None:
+    # Two engines on one shared snapshot folder (a fleet): each reads the files.
+    root = tmp_path / "store"
+    a, b = InferletStore(root, shared=True), InferletStore(root, shared=True)
+    assert b.get("ns", "k") is None and b.keys("ns") == []  # b loads the namespace first
+    await a.set("ns", "k", b"one", False)
+    await a.set("ns", "other", b"x", True)
+    assert b.get("ns", "k") == (b"one", False)
+    assert b.keys("ns") == ["k", "other"]
+    await b.set("ns", "k", b"two", False)  # the last writer's value, whole
+    assert a.get("ns", "k") == (b"two", False)
+    assert await a.delete("ns", "other")
+    assert b.get("ns", "other") is None and b.keys("ns") == ["k"]
+    alone = InferletStore(root)  # an unshared store keeps its own index (as before)
+    await a.set("ns", "late", b"z", True)
+    assert alone.keys("ns") == ["k", "late"]  # (it loaded the namespace after the set)

@@ -29,9 +29,10 @@ def fingerprint(page_size: int = 4, **kw: Any) -> Fingerprint:
 
 
 def disk_store(root: Path, num_pages: int = 16, page_size: int = 4, *, ops: FileOps | None = None,
-               cache_pages: int = 64, **fp: Any) -> PageStore:
-    """A tiny store (2 layers, 1 KV head, head_dim 2) on the snapshot directory ``root``."""
-    files = PageFiles(root, fingerprint(page_size, **fp), ops)
+               cache_pages: int = 64, shared: bool = False, **fp: Any) -> PageStore:
+    """A tiny store (2 layers, 1 KV head, head_dim 2) on the snapshot directory ``root``
+    (``shared``: beside other engines, as in a fleet)."""
+    files = PageFiles(root, fingerprint(page_size, **fp), ops, shared=shared)
     return PageStore(num_pages, page_size, num_layers=2, num_kv_heads=1, head_dim=2,
                      files=files, max_disk_cache_pages=cache_pages)
 

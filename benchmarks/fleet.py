@@ -1,0 +1,250 @@
+"""What the fleet's routing decides: prompt tokens computed, router latency, failover.
+
+    python benchmarks/fleet.py [--conversations 16] [--turns 6] [--model REF] [--smoke]
+
+On 2 CPU cores a second replica adds no throughput, so this measures what routing
+decides, on a local Ray instance with 2 engine replicas (``runtime.fleet``):
+
+1. **Computed prompt tokens.** ``--conversations`` multi-turn chats (each turn re-sends
+   the whole history, as a stateless chat client does) are played three ways, each with
+   its own prompts so no way reuses another's pages: through the fleet's front with a
+   session header per conversation (session routing), round-robin over the two replicas
+   directly (turn t of conversation c to replica (c + t) mod 2: each conversation's turns
+   alternate, as they do under a router that knows nothing of sessions), and all on one
+   replica (one engine alone). Tokens computed = ``prompt_tokens - cached_tokens`` of
+   every reply. A fourth way, the front without a session header, shows prefix routing
+   (the replicas' KV events) alone. ``fleet_computed_vs_round_robin`` (goal <= 0.5) and
+   ``fleet_computed_vs_single`` (goal <= 1.05).
+2. **Router latency.** The time ``FleetRouter.choose_replicas`` takes per call
+   (``fleet_router_ms_p50``, goal <= 2, and ``_p99``), from the front's ``/fleet/stats``;
+   also the front's own reading of a request (JSON, prompt tokens: ``fleet_front_ms_p50``)
+   and a whole hop through Ray Serve against calling the replica directly
+   (``fleet_hop_ms_p50``).
+3. **Failover.** Responses conversations (stored: a snapshot per response in the shared
+   folder); the replica holding the first is killed (SIGKILL); ``fleet_failover_s`` is the
+   time from the kill until that conversation's next turn is answered (by the other
+   replica), and ``fleet_failover_recomputed_saved_tokens`` the tokens of its saved context
+   that were computed again (goal 0: every page comes from the folder).
+
+The last line is a JSON object with these keys. Without Ray (``pip install
+'pie-ctx[ray]'``) it prints ``{"skipped": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, parse_args, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    data = sorted(values)
+    return data[min(len(data) - 1, int(len(data) * q))]
+
+
+class Play:
+    """Plays conversations against some HTTP endpoints; counts prompt tokens."""
+
+    def __init__(self, model: str, turns: int, max_tokens: int) -> None:
+        self.model, self.turns, self.max_tokens = model, turns, max_tokens
+        self.ways: dict[str, int] = {}
+
+    def run(self, way: str, n: int, url_for, headers_for) -> dict[str, int]:
+        import httpx
+
+        prompt = computed = 0
+        # Each way's prompts differ (no way reuses another's pages) by one digit, so every
+        # way's prompts have the same number of tokens.
+        run = self.ways.setdefault(way, len(self.ways))
+        histories = [[{"role": "system", "content": f"[run {run} chat {c}] You are assistant "
+                       f"number {c}; answer briefly and stay on topic. " * 2}]
+                     for c in range(n)]
+        with httpx.Client(timeout=600) as client:
+            for turn in range(self.turns):
+                for c in range(n):
+                    h = histories[c]
+                    h.append({"role": "user", "content": f"Question {turn} of chat {c}: what "
+                                                         f"comes after {turn * 7 + c}?"})
+                    r = client.post(url_for(c, turn) + "/v1/chat/completions",
+                                    headers=headers_for(c), json={
+                                        "model": self.model, "messages": h, "temperature": 0,
+                                        "max_tokens": self.max_tokens})
+                    r.raise_for_status()
+                    body = r.json()
+                    usage = body["usage"]
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    prompt += usage["prompt_tokens"]
+                    computed += usage["prompt_tokens"] - cached
+                    h.append({"role": "assistant",
+                              "content": body["choices"][0]["message"]["content"]})
+        return {"prompt": prompt, "computed": computed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", default=None, help="model reference (default: the default)")
+    parser.add_argument("--hops", type=int, default=50, help="calls timed for the hop")
+    args = parse_args(parser, conversations=3, turns=3, max_tokens=3, hops=5)
+    try:
+        import httpx
+        import ray
+        from ray import serve
+    except ImportError as e:
+        emit({"skipped": f"needs Ray Serve (pip install 'pie-ctx[ray]'): {e}"})
+        return
+    sys.path.insert(0, str(ROOT))
+    from runtime.fleet.app import FLEET_APP, build_app
+
+    engine_args = ["--num-pages", "4096"] + (["--model", args.model] if args.model else [])
+    folder = Path(tempfile.mkdtemp(prefix="pie-ctx-fleet-bench-"))
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": {
+                 "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data")}})
+    port = _free_port()
+    front = f"http://127.0.0.1:{port}"
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.monotonic()
+        serve.run(build_app(engine_args, folder, replicas=2), name=FLEET_APP, route_prefix="/")
+        boot_s = time.monotonic() - t0
+        reps = _replicas(httpx, front, 2)
+        urls = [r["url"] for r in reps.values()]
+        model = httpx.get(urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+        play = Play(model, args.turns, args.max_tokens)
+        n = args.conversations
+        # warm both engines (first requests pay one-time costs)
+        for u in urls:
+            httpx.post(u + "/v1/chat/completions", timeout=600, json={
+                "model": model, "messages": [{"role": "user", "content": "warm up"}],
+                "max_tokens": 1})
+        session = play.run("session", n, lambda c, t: front,
+                           lambda c: {"x-session-id": f"conv-{c}"})
+        # (c + t): each turn of a conversation on the other replica, each turn's load even
+        round_robin = play.run("round-robin", n, lambda c, t: urls[(c + t) % 2], lambda c: {})
+        single = play.run("single", n, lambda c, t: urls[0], lambda c: {})
+        time.sleep(1.0)  # the replicas' KV events reach the router
+        prefix = play.run("prefix", n, lambda c, t: front, lambda c: {})
+        stats = httpx.get(front + "/fleet/stats", timeout=60).json()
+        hop = _hop(httpx, front, urls[0], model, args.hops)
+        failover = _failover(httpx, front, model, max(2, n // 4))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result = {
+        "fleet_computed_vs_round_robin": session["computed"] / max(1, round_robin["computed"]),
+        "fleet_computed_vs_single": session["computed"] / max(1, single["computed"]),
+        "fleet_prefix_computed_vs_round_robin": prefix["computed"] / max(1, round_robin["computed"]),
+        "fleet_router_ms_p50": stats["routing_ms"]["p50"],
+        "fleet_router_ms_p99": stats["routing_ms"]["p99"],
+        "fleet_front_ms_p50": stats["front_ms"]["p50"],
+        "fleet_hop_ms_p50": hop,
+        **failover,
+        "prompt_tokens": session["prompt"], "prompt_tokens_round_robin": round_robin["prompt"],
+        "computed_session": session["computed"], "computed_round_robin": round_robin["computed"],
+        "computed_single": single["computed"], "computed_prefix": prefix["computed"],
+        "conversations": n, "turns": args.turns, "replicas_boot_s": boot_s,
+    }
+    table([(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()])
+    emit(result)
+
+
+def _replicas(httpx, front: str, n: int, without: str | None = None,
+              timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = {r["replica"]: r for r in httpx.get(front + "/fleet/replicas", timeout=60)
+               .json()["replicas"]}
+        if len(got) == n and without not in got:
+            return got
+        time.sleep(0.5)
+    raise RuntimeError(f"the fleet did not reach {n} replicas")
+
+
+def _hop(httpx, front: str, direct: str, model: str, n: int) -> float:
+    """Median extra ms of a 1-token call through the front over the same call direct."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hop"}], "max_tokens": 1,
+            "temperature": 0}
+    times: dict[str, list[float]] = {"front": [], "direct": []}
+    with httpx.Client(timeout=600) as client:
+        for _ in range(n):
+            for name, url in (("front", front), ("direct", direct)):
+                headers = {"x-session-id": "hop"} if name == "front" else {}
+                t = time.perf_counter()
+                client.post(url + "/v1/chat/completions", json=body, headers=headers)
+                times[name].append((time.perf_counter() - t) * 1000)
+    return _quantile(times["front"], 0.5) - _quantile(times["direct"], 0.5)
+
+
+def _failover(httpx, front: str, model: str, n: int) -> dict[str, float]:
+    """Stored conversations; kill the first one's replica; time its next turn."""
+    with httpx.Client(timeout=600) as client:
+        def turn(text: str, prev: str | None) -> httpx.Response:
+            r = client.post(front + "/v1/responses", json={
+                "model": model, "input": text, "previous_response_id": prev,
+                "max_output_tokens": 4, "temperature": 0})
+            r.raise_for_status()
+            return r
+
+        last: list[dict] = []
+        where: list[str] = []
+        for c in range(n):
+            prev = None
+            for t in range(2):
+                r = turn(f"Conversation {c}, turn {t}: remember the number {c * 10 + t}. " * 3,
+                         prev)
+                prev = r.json()["id"]
+            last.append(r.json())
+            where.append(r.headers["x-pie-replica"])
+        # A healthy follow-up (not the victim's) shows what "nothing recomputed" reads as.
+        healthy = _recomputed(turn, last[-1])
+        victim = where[0]
+        pid = next(r["pid"] for r in client.get(front + "/fleet/replicas").json()["replicas"]
+                   if r["replica"] == victim)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            try:
+                recomputed = _recomputed(turn, last[0])
+                break
+            except httpx.HTTPError:
+                if time.monotonic() - killed > 120:
+                    raise
+                time.sleep(0.2)
+        failover_s = time.monotonic() - killed
+        _replicas(httpx, front, 2, without=victim)
+        back_s = time.monotonic() - killed
+    return {"fleet_failover_s": failover_s,
+            "fleet_failover_recomputed_saved_tokens": recomputed,
+            "fleet_healthy_recomputed_saved_tokens": healthy,
+            "fleet_replica_replaced_s": back_s}
+
+
+def _recomputed(turn, prev: dict) -> int:
+    """Tokens of ``prev``'s saved context computed again by a follow-up: the context is
+    its input and output less the last sampled token (written by the next pass)."""
+    saved = prev["usage"]["input_tokens"] + prev["usage"]["output_tokens"] - 1
+    r = turn("And the number was?", prev["id"])
+    cached = r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    return max(0, saved - cached)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""``build_app`` and ``pie-ctx fleet``: N engine replicas on Ray Serve behind one front.
+
+Owns: the two deployments' settings (``EngineReplica`` with ``FleetRouter`` as its request
+router; ``FleetIngress`` as the HTTP front) and the command line. For your own Ray app::
+
+    from runtime.fleet.app import build_app
+    app = build_app(["--model", "/models/qwen3", "--page-size", "16"],
+                    snapshot_dir="/shared/pie-ctx", replicas=4)
+    # serve run my_module:app    (or serve.run(app, route_prefix="/"))
+
+docs/scale-out.md has the picture, the routing rules and the limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pie_ctx.proto.errors import InvalidArgument, PieError
+
+__all__ = ["build_app", "register", "engine_args_of"]
+
+FLEET_APP = "pie-ctx"
+
+
+def build_app(engine_args: list[str], snapshot_dir: str | Path, *, replicas: int = 2,
+              max_ongoing_requests: int = 16, prefix_routing: bool = True,
+              host: str = "127.0.0.1", model: str | None = None) -> Any:
+    """The fleet as a Ray Serve application (``serve.run(app)`` / ``serve run``).
+
+    Args:
+        engine_args: ``pie-ctx serve`` engine options for every replica (``--model``...).
+        snapshot_dir: the folder the replicas share (it must exist; a network file system
+            on a cluster of several machines).
+        replicas: engine replicas.
+        max_ongoing_requests: a replica's queue bound: past it the router sends a call to
+            the next replica in its order.
+        prefix_routing: route prompts without a session by the pages replicas hold.
+        host: where replicas bind their engine (``"node"``: the node's address, for a
+            cluster of several machines; see ``EngineReplica``).
+        model: the model reference, for the front's tokenizer (default: ``--model`` in
+            ``engine_args``).
+
+    Raises:
+        InvalidArgument: ``replicas`` or ``max_ongoing_requests`` is not positive, or the
+            snapshot folder does not exist.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from runtime.fleet.ingress import FleetIngress
+    from runtime.fleet.replica import EngineReplica
+
+    if not isinstance(replicas, int) or replicas < 1:
+        raise InvalidArgument(f"replicas must be a positive int, got {replicas!r}")
+    if not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
+        raise InvalidArgument("max_ongoing_requests must be a positive int, got "
+                              f"{max_ongoing_requests!r}")
+    folder = Path(snapshot_dir).expanduser().resolve()
+    if not folder.is_dir():
+        raise InvalidArgument(f"snapshot folder {folder} does not exist: create it (every "
+                              "replica must see it: a shared file system on a cluster)")
+    if model is None and "--model" in engine_args:
+        model = engine_args[engine_args.index("--model") + 1]
+    engines = serve.deployment(
+        EngineReplica, name="engine", num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        # The engine's threads are the engine process's, outside Ray's accounting.
+        ray_actor_options={"num_cpus": 0},
+        health_check_period_s=1, health_check_timeout_s=30, graceful_shutdown_timeout_s=10,
+        request_router_config=RequestRouterConfig(
+            request_router_class="runtime.fleet.router.FleetRouter",
+            request_routing_stats_period_s=1,
+            request_routing_stats_timeout_s=5),
+    ).bind(list(engine_args), str(folder), host)
+    front = serve.deployment(FleetIngress, name="ingress", num_replicas=1,
+                             max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+    return front.bind(engines, model, prefix_routing)
+
+
+def engine_args_of(args: argparse.Namespace) -> list[str]:
+    """``pie-ctx serve`` engine options from ``add_engine_arguments``' parsed values."""
+    out: list[str] = []
+    if args.model is not None:
+        out += ["--model", args.model]
+    out += ["--page-size", str(args.page_size), "--weights", args.weights,
+            "--kv-dtype", args.kv_dtype, "--backend", args.backend]
+    if args.num_pages is not None:
+        out += ["--num-pages", str(args.num_pages)]
+    if args.dtype is not None:
+        out += ["--dtype", args.dtype]
+    if args.tensor_parallel != 1:
+        out += ["--tensor-parallel", str(args.tensor_parallel)]
+    for name, path in args.adapter or []:
+        out += ["--adapter", f"{name}={path}"]
+    return out
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``fleet`` subcommand."""
+    from runtime.server.cli import add_engine_arguments, default_snapshot_dir
+
+    fleet = subparsers.add_parser(
+        "fleet", help="run N engine replicas on Ray Serve behind one HTTP front",
+        description="Engine replicas on Ray Serve (pip install 'pie-ctx[ray]'), routed by "
+                    "session and by prefix, sharing one snapshot folder (docs/scale-out.md).")
+    add_engine_arguments(fleet)
+    fleet.add_argument("--replicas", type=int, default=2, metavar="N", help="engine replicas")
+    fleet.add_argument("--http", default="127.0.0.1:8000", metavar="[HOST:]PORT",
+                       help="the front's HTTP address (default 127.0.0.1:8000)")
+    fleet.add_argument("--address", default=None,
+                       help="join this Ray cluster (ray://... or HOST:PORT; 'auto': the "
+                            "local one); default: start a Ray instance here")
+    fleet.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                       help="the snapshot folder every replica shares (default: "
+                            f"{default_snapshot_dir()}); on several machines, a shared "
+                            "file system")
+    fleet.add_argument("--max-ongoing", type=int, default=16, metavar="N",
+                       help="calls one replica takes at once before the router sends the "
+                            "next elsewhere (default 16)")
+    fleet.add_argument("--no-prefix-routing", action="store_true",
+                       help="route prompts without a session to two random replicas")
+    fleet.add_argument("--replica-host", default="127.0.0.1",
+                       help="where replicas bind their engines: 127.0.0.1 (default, one "
+                            "machine) or 'node' (each node's address, a cluster)")
+    fleet.set_defaults(func=fleet_main)
+
+
+def fleet_main(args: argparse.Namespace) -> int:
+    """Run ``pie-ctx fleet`` until SIGINT/SIGTERM."""
+    from runtime.server.cli import default_snapshot_dir
+    from runtime.server.http.app import parse_http_address
+
+    def say(text: str) -> None:
+        print(f"pie-ctx: {text}", file=sys.stderr, flush=True)
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        say("error: pie-ctx fleet needs Ray Serve: pip install 'pie-ctx[ray]'")
+        return 2
+    try:
+        http = parse_http_address(args.http)
+        folder = Path(args.snapshot_dir or default_snapshot_dir())
+        folder.mkdir(parents=True, exist_ok=True)
+        app = build_app(engine_args_of(args), folder, replicas=args.replicas,
+                        max_ongoing_requests=args.max_ongoing,
+                        prefix_routing=not args.no_prefix_routing, host=args.replica_host)
+    except (PieError, OSError) as err:
+        say(f"error: {err}")
+        return 2
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 p for p in (os.environ.get("PYTHONPATH"), str(Path(__file__).parents[2]))
+                 if p)}})
+    serve.start(http_options={"host": http.host, "port": http.port})
+    serve.run(app, name=FLEET_APP, route_prefix="/")
+    say(f"serving HTTP on http://{http.host}:{http.port} ({args.replicas} engine replicas "
+        f"on Ray Serve, snapshots shared in {folder})")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.delete(FLEET_APP)
+    serve.shutdown()
+    ray.shutdown()
+    say("stopped")
+    return 0
