@@ -27,7 +27,7 @@ from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig
-from runtime.model.loader import load_model, resolve_model
+from runtime.model.loader import load_blocks, load_model, resolve_model
 from runtime.model.loader.hf import read_config
 from runtime.model.matmul import adopt_kernel_choices, kernel_choices
 from runtime.model.quant import WEIGHT_FORMATS, calibration_tokens
@@ -132,8 +132,11 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         progress: progress bars while fetching/converting.
         owner_share: the fraction of the pool one owner (client) may hold, in (0, 1];
             None = no limit (see docs/scheduling.md).
-        weights: ``"fp32"`` (unquantized, in ``dtype``) or ``"int8"`` (smoothed int8
-            projections, CPU; see docs/models.md).
+        weights: ``"fp32"`` (unquantized, in ``dtype``), ``"int8"`` (smoothed int8
+            projections, CPU; see docs/models.md) or ``"gguf"`` (CPU: the projections,
+            lm_head and embedding on the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, bit for bit
+            the file's weights; an HF folder gets Q4_1 blocks made at load; see
+            docs/performance.md).
         kv_dtype: ``"fp32"`` (KV pages unquantized, in ``dtype``) or ``"int8"`` (int8 entries
             with a scale per token and KV head: 3.8x the pages in the same memory at head dim
             64; see docs/forward.md).
@@ -274,7 +277,9 @@ def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRun
 
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        blocks = load_blocks(loaded.path) if weights == "gguf" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
-                           weight_format=weights, calibration=calibration, dtype=m.dtype)
+                           weight_format=weights, calibration=calibration, dtype=m.dtype,
+                           blocks=blocks)
 
     return m, make_runner
