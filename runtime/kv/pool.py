@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runtime.kv.layout import KV_DTYPES, entry_width
+from runtime.kv.layout import KV_DTYPES, entry_width, storage_dtype
 from runtime.kv.types import PageId
 
 __all__ = ["PagePool"]
@@ -73,7 +73,7 @@ class PagePool:
             dtype: the compute dtype: K/V are written and read back in it.
             device: device of the KV tensor.
             kv_dtype: how entries are stored: ``"fp32"`` (unquantized, in ``dtype``) or
-                ``"int8"`` (per-entry scales; see ``runtime.kv.layout``).
+                ``"int8"`` (per-entry scales) or ``"bf16"`` (see ``runtime.kv.layout``).
 
         Raises:
             ValueError: a size is not a positive integer, or an unknown ``kv_dtype``.
@@ -95,10 +95,10 @@ class PagePool:
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         # [num_pages, page_size, num_layers, 2, num_kv_heads, width]; width = head_dim for
-        # fp32, head_dim + 4 (values, then the scale's bytes) for int8
+        # fp32 and bf16, head_dim + 4 (values, then the scale's bytes) for int8
         self.kv = torch.zeros(
             (num_pages, page_size, num_layers, 2, num_kv_heads, entry_width(kv_dtype, head_dim)),
-            dtype=torch.int8 if kv_dtype == "int8" else dtype,
+            dtype=storage_dtype(kv_dtype, dtype),
             device=device,
         )
         # A stack: the end of the list is handed out next.

@@ -50,9 +50,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "Q4_0/Q4_1/Q8_0 blocks, bit for bit the file's weights, CPU only "
                              "(an HF folder gets Q4_1 blocks made at load; "
                              "docs/performance.md)")
-    parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
-                        help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
-                             "token and head; ~3.8x the pages per GB; docs/forward.md)")
+    parser.add_argument("--kv-dtype", choices=("fp32", "int8", "bf16"), default="fp32",
+                        help="KV pages: fp32 (unquantized, in --dtype), int8 (a scale per "
+                             "token and head; ~3.8x the pages per GB) or bf16 (entries rounded "
+                             "to bfloat16, read back in fp32; 2x the pages; docs/forward.md)")
     parser.add_argument("--backend", type=_backend_option, default="auto",
                         metavar="{native,transformers,auto}",
                         help="native: pie-ctx's own layers (Llama, Qwen2, Qwen3); transformers: "
