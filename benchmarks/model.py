@@ -1,13 +1,14 @@
 """Our ModelRunner vs HF transformers on the default model, side by side in one process.
 
 Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]
-[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8] [--smoke]``.
+[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8] [--no-q4] [--smoke]``.
 Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
 int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
 the same run; and for each format a profiled decode step: ops_per_layer_decode,
-decode_ms_per_step and decode_profile, int8_ the same for int8; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
+decode_ms_per_step and decode_profile, int8_ the same for int8, q4_ for the GGUF's own
+blocks (weights="gguf": q4_decode_ms_per_step, q4_decode_tok_s, q4_prefill_tok_s...); see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -156,6 +157,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-weights rows")
+    ap.add_argument("--no-q4", action="store_true",
+                    help="skip the q4 rows (weights='gguf': the GGUF's own blocks)")
     ap.add_argument("--quality-prompts", type=int, default=20)
     args = parse_args(ap, prompt_len=16, new_tokens=4, repeats=1, quality_prompts=1)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -168,6 +171,7 @@ def main() -> None:
     int8 = None
     if device.type == "cpu" and not args.no_int8:
         int8 = Ours(loaded, 4096, weights="int8")
+    q4 = Ours(loaded, 4096, weights="gguf") if device.type == "cpu" and not args.no_q4 else None
 
     chat = tok.render_chat([{"role": "system", "content": "You are a helpful assistant."},
                             {"role": "user", "content": "Explain paged attention in two sentences."}],
@@ -182,7 +186,8 @@ def main() -> None:
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]
-    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {})
+    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {}) | (
+        {"q4_": q4} if q4 is not None else {})
     rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec")}
     for _ in range(args.repeats):  # interleave so machine noise hits every side alike
         for p, side in sides.items():
@@ -215,6 +220,13 @@ def main() -> None:
         "ops_per_layer_decode": round(profiles[""]["ops_per_layer"], 2),
         "decode_ms_per_step": round(1e3 / best["dec"], 3),
         "decode_profile": {k: round(v, 3) for k, v in profiles[""].items()}}
+    if q4 is not None:  # the file's own blocks (docs/performance.md)
+        extra |= {"q4_decode_tok_s": round(best["q4_dec"], 2),
+                  "q4_decode_ms_per_step": round(1e3 / best["q4_dec"], 3),
+                  "q4_ops_per_layer_decode": round(profiles["q4_"]["ops_per_layer"], 2),
+                  "q4_decode_profile": {k: round(v, 3) for k, v in profiles["q4_"].items()},
+                  "q4_prefill_tok_s": round(best["q4_pf"], 2),
+                  "q4_weight_bytes": q4.runner.weight_bytes}
     if int8 is not None:
         ids = text_ids(tok)[:256 if args.smoke else None]
         quality = agreement(ours, int8, tok, args.quality_prompts, checked)
