@@ -98,46 +98,78 @@ inline void widen(const _Float16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// out[r, n] = sum_k x[r, k] * W[n, k] for R rows of x and one output row n.
-template <class F, int R>
-inline void dot_rows(const float* x, int64_t xs, const uint8_t* q, const float* d,
-                     const float* m, int64_t nb, float* out, int64_t os) {
-  v16 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
+// out[r, n + j] = sum_k x[r, k] * W[n + j, k] for R rows of x and NO output rows from n.
+// Each (r, j) has its own accumulators, summed block after block in the same order whatever
+// R and NO are: a row's result does not depend on its batch. Several output rows at once
+// give one activation row independent chains (a lone row's single chain is latency bound).
+template <class F, int R, int NO>
+inline void dot_rows(const float* x, int64_t xs, const uint8_t* q, int64_t qrow,
+                     const float* d, const float* m, int64_t nb, float* out, int64_t os) {
+  v16 acc[R][NO][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO; ++j) acc[r][j][0] = acc[r][j][1] = v16{};
   for (int64_t b = 0; b < nb; ++b) {
-    v16 lo, hi;
-    F::weights(q + b * F::BYTES, d[b], m ? m[b] : 0.f, lo, hi);
+    v16 lo[NO], hi[NO];
+    for (int j = 0; j < NO; ++j)
+      F::weights(q + j * qrow + b * F::BYTES, d[j * nb + b], m ? m[j * nb + b] : 0.f, lo[j],
+                 hi[j]);
     for (int r = 0; r < R; ++r) {
-      acc[r][0] += load(x + r * xs + b * 32) * lo;
-      acc[r][1] += load(x + r * xs + b * 32 + 16) * hi;
+      const v16 x0 = load(x + r * xs + b * 32), x1 = load(x + r * xs + b * 32 + 16);
+      for (int j = 0; j < NO; ++j) {
+        acc[r][j][0] += x0 * lo[j];
+        acc[r][j][1] += x1 * hi[j];
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r][0] + acc[r][1]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO; ++j) out[r * os + j] = hsum(acc[r][j][0] + acc[r][j][1]);
+}
+
+constexpr int WIDE = 4;  // output rows per pass for batches of fewer than 4 rows
+
+template <class F, int NO>
+inline void rows_of(const float* x, int64_t M, int64_t xs, const uint8_t* q, int64_t qrow,
+                    const float* d, const float* m, int64_t nb, float* out, int64_t N) {
+  if (NO == WIDE) {  // M < 4
+    switch (M) {
+      case 1: dot_rows<F, 1, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+      case 2: dot_rows<F, 2, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+      default: dot_rows<F, 3, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+    }
+    return;
+  }
+  int64_t r = 0;
+  for (; r + TILE <= M; r += TILE)
+    dot_rows<F, TILE, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N);
+  switch (M - r) {  // the rows left over, in one pass
+    case 0: break;
+    case 1: dot_rows<F, 1, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 2: dot_rows<F, 2, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 3: dot_rows<F, 3, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 4: dot_rows<F, 4, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 5: dot_rows<F, 5, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 6: dot_rows<F, 6, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    default: dot_rows<F, 7, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+  }
 }
 
 template <class F>
 void block_mm_impl(const float* x, int64_t M, int64_t xs, const uint8_t* qs,
                    const _Float16* dp, const _Float16* mp, int64_t N, int64_t nb, float* out) {
+  const int64_t qrow = nb * F::BYTES;
+  const bool wide = M < 4;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> dbuf(nb), mbuf(mp ? nb : 0);
-    for (int64_t n = begin; n < end; ++n) {
-      widen(dp + n * nb, dbuf.data(), nb);
-      if (mp) widen(mp + n * nb, mbuf.data(), nb);
+    std::vector<float> dbuf(WIDE * nb), mbuf(mp ? WIDE * nb : 0);
+    for (int64_t n = begin; n < end;) {
+      const int64_t no = wide && n + WIDE <= end ? WIDE : 1;
+      widen(dp + n * nb, dbuf.data(), no * nb);
+      if (mp) widen(mp + n * nb, mbuf.data(), no * nb);
       const float* m = mp ? mbuf.data() : nullptr;
-      const uint8_t* q = qs + n * nb * F::BYTES;
-      int64_t r = 0;
-      for (; r + TILE <= M; r += TILE)
-        dot_rows<F, TILE>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N);
-      switch (M - r) {  // the rows left over, in one pass
-        case 0: break;
-        case 1: dot_rows<F, 1>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        case 2: dot_rows<F, 2>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        case 3: dot_rows<F, 3>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        case 4: dot_rows<F, 4>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        case 5: dot_rows<F, 5>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        case 6: dot_rows<F, 6>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-        default: dot_rows<F, 7>(x + r * xs, xs, q, dbuf.data(), m, nb, out + r * N + n, N); break;
-      }
+      if (no == WIDE)
+        rows_of<F, WIDE>(x, M, xs, qs + n * qrow, qrow, dbuf.data(), m, nb, out + n, N);
+      else
+        rows_of<F, 1>(x, M, xs, qs + n * qrow, qrow, dbuf.data(), m, nb, out + n, N);
+      n += no;
     }
   });
 }
