@@ -241,6 +241,13 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
   return out;
 }
 
+// Also a dispatcher op, for C++ callers in other extensions (a fused decode step):
+// c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "") or, from
+// Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits).
+TORCH_LIBRARY(pie_ctx_blocks, m) {
+  m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q8_0)");
   m.def("block_rows", &block_rows, "rows of a GGUF block weight, dequantized to float32");
