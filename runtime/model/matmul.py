@@ -140,7 +140,7 @@ class Int4Weight:
 
     @staticmethod
     def _scales_and_zeros(w: BlockWeight) -> torch.Tensor | None:
-        if w.bits != 4:
+        if w.bits != 4 or w.out_features % 16:  # (the packing takes N in 16s)
             return None
         d, zero = w.d.float(), w.m.float() + 8 * w.d.float()  # q d + m = (q - 8) d + zero
         sz = torch.stack([d.t(), zero.t()], dim=2)  # [nb, out, 2]
@@ -152,7 +152,7 @@ class Int4Weight:
     @classmethod
     def fits(cls, w: BlockWeight) -> bool:
         """Whether bf16 scales and zeros hold ``w``'s weights exactly (a GGUF's float16
-        scales in general do not)."""
+        scales in general do not) and its shape suits the kernel (out in 16s)."""
         return cls._scales_and_zeros(w) is not None
 
     @classmethod

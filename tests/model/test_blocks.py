@@ -190,13 +190,14 @@ def test_int4pack_is_offered_only_where_bf16_holds_the_weights():
     file_weight, _ = _file_weight("Q4_1", seed=6)
     assert "int4pack" not in Projection(file_weight).candidate_names()
     torch.manual_seed(7)
-    out_f, in_f = 24, 64
+    out_f, in_f = 32, 64
     qs = torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8)
     d = (2.0 ** -torch.randint(3, 8, (out_f, in_f // 32))).to(torch.float16)
     m = (torch.randint(-16, 16, (out_f, in_f // 32)) / 64).to(torch.float16)
     exact = BlockWeight(4, qs, d, m, out_f, in_f, "Q4_1")
     proj = Projection(exact)
     assert "int4pack" in proj.candidate_names()
+    assert "int4pack" not in Projection(exact.take_rows(torch.arange(24))).candidate_names()
     x = torch.randn(5, in_f)
     ref = F.linear(x.bfloat16().float(), exact.dequantize())  # only activations rounded
     got = proj._kernel("int4pack")(x)
