@@ -16,6 +16,10 @@ ggml dequantizes it, then multiplies fp32 activations: the computed weights are 
 dequantized values bit for bit, and the activations are not rounded at all. Without the
 compiled kernels the same weights are dequantized per call and go through ``F.linear``.
 
+:class:`Int4Weight` is the same 4-bit weight in the layout of torch's groupwise int4 CPU
+kernel, made only where bf16 scales and zeros hold it exactly (``runtime.model.matmul``
+offers it as a kernel candidate then).
+
 K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
 formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
 Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives its cost.
@@ -31,7 +35,7 @@ import torch
 from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 
-__all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP"]
+__all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight"]
 
 GROUP = 32  # weights per block in every supported format
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -177,3 +181,53 @@ class BlockEmbedding:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tensor[T] ids -> Tensor[T, hidden] in ``dtype``."""
         return self.table.dequantize(tokens.to(torch.int64)).to(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A 4-bit weight in the layout of torch's groupwise int4 CPU kernel.
+
+    ``y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed,
+    group_size, scales_and_zeros)`` computes ``x @ W.T`` with ``W = (q - 8) * scale + zero``
+    per group of ``group_size`` inputs, in bf16 (then cast back to the compute dtype).
+    """
+
+    packed: torch.Tensor  # from _convert_weight_to_int4pack_for_cpu
+    scales_and_zeros: torch.Tensor  # bf16 [in / group_size, out, 2]
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @staticmethod
+    def _scales_and_zeros(w: BlockWeight) -> torch.Tensor | None:
+        if w.bits != 4 or w.out_features % 16:  # (the packing takes N in 16s)
+            return None
+        d, zero = w.d.float(), w.m.float() + 8 * w.d.float()  # q d + m = (q - 8) d + zero
+        sz = torch.stack([d.t(), zero.t()], dim=2)  # [nb, out, 2]
+        if not torch.equal(sz.to(torch.bfloat16).float(), sz) or not torch.equal(
+                zero - 8 * d, w.m.float()):
+            return None
+        return sz
+
+    @classmethod
+    def fits(cls, w: BlockWeight) -> bool:
+        """Whether bf16 scales and zeros hold ``w``'s weights exactly (a GGUF's float16
+        scales in general do not) and its shape suits the kernel (out in 16s)."""
+        return cls._scales_and_zeros(w) is not None
+
+    @classmethod
+    def from_blocks(cls, w: BlockWeight) -> Int4Weight | None:
+        """The same weights as the 4-bit ``w``, or None where they do not :meth:`fit`."""
+        sz = cls._scales_and_zeros(w)
+        if sz is None:
+            return None
+        b = w.qs.view(w.out_features, -1, 16).to(torch.int32)
+        q = torch.cat([b & 15, b >> 4], dim=2).reshape(w.out_features, w.in_features)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        return cls(packed, sz.to(torch.bfloat16).contiguous(), GROUP, w.out_features,
+                   w.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                       self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import kernels
-from runtime.model.blocks import GROUP, BlockWeight
+from runtime.model.blocks import BlockWeight, Int4Weight
 
 __all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
            "kernel_choices", "should_pack"]
@@ -121,56 +121,6 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
-
-
-@dataclass(frozen=True, slots=True)
-class Int4Weight:
-    """A 4-bit weight in the layout of torch's groupwise int4 CPU kernel.
-
-    ``y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed,
-    group_size, scales_and_zeros)`` computes ``x @ W.T`` with ``W = (q - 8) * scale + zero``
-    per group of ``group_size`` inputs, in bf16 (then cast back to the compute dtype).
-    """
-
-    packed: torch.Tensor  # from _convert_weight_to_int4pack_for_cpu
-    scales_and_zeros: torch.Tensor  # bf16 [in / group_size, out, 2]
-    group_size: int
-    out_features: int
-    in_features: int
-
-    @staticmethod
-    def _scales_and_zeros(w: BlockWeight) -> torch.Tensor | None:
-        if w.bits != 4 or w.out_features % 16:  # (the packing takes N in 16s)
-            return None
-        d, zero = w.d.float(), w.m.float() + 8 * w.d.float()  # q d + m = (q - 8) d + zero
-        sz = torch.stack([d.t(), zero.t()], dim=2)  # [nb, out, 2]
-        if not torch.equal(sz.to(torch.bfloat16).float(), sz) or not torch.equal(
-                zero - 8 * d, w.m.float()):
-            return None
-        return sz
-
-    @classmethod
-    def fits(cls, w: BlockWeight) -> bool:
-        """Whether bf16 scales and zeros hold ``w``'s weights exactly (a GGUF's float16
-        scales in general do not) and its shape suits the kernel (out in 16s)."""
-        return cls._scales_and_zeros(w) is not None
-
-    @classmethod
-    def from_blocks(cls, w: BlockWeight) -> Int4Weight | None:
-        """The same weights as the 4-bit ``w``, or None where they do not :meth:`fit`."""
-        sz = cls._scales_and_zeros(w)
-        if sz is None:
-            return None
-        b = w.qs.view(w.out_features, -1, 16).to(torch.int32)
-        q = torch.cat([b & 15, b >> 4], dim=2).reshape(w.out_features, w.in_features)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        return cls(packed, sz.to(torch.bfloat16).contiguous(), GROUP, w.out_features,
-                   w.in_features)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
-                                                       self.group_size, self.scales_and_zeros)
-        return y.to(x.dtype)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
