@@ -89,7 +89,7 @@ class HF:
 
 
 PROJECTION_OPS = ("aten::_int_mm", "aten::linear", "aten::addmm", "aten::mm", "mkldnn::",
-                  "quantized::", "aten::matmul")
+                  "quantized::", "aten::matmul", "pie::block_mm", "aten::_weight_int4pack_mm")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "pie::paged_attention")
 
 
@@ -124,9 +124,11 @@ def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
     logits = side.prefill(prompt)
     token, pos = int(logits[0].argmax()), len(prompt)
     side.forward([token], pos, [0])  # warm
-    built = kernels.ops()
+    built, blocks = kernels.ops(), kernels.block_ops()
     if built is not None:
         kernels._module = _ProfiledKernels(built)
+    if blocks is not None:  # weights="gguf": the block kernels (runtime/model/blocks.py)
+        kernels._block_module = _ProfiledKernels(blocks)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -135,6 +137,8 @@ def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
     finally:
         if built is not None:
             kernels._module = built
+        if blocks is not None:
+            kernels._block_module = blocks
     ops = [(e.name, e.cpu_time_total / 1e6) for e in prof.events() if e.cpu_parent is None
            and "::" in e.name]
     share = {"projections": 0.0, "attention": 0.0, "glue": 0.0}
