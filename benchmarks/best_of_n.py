@@ -2,13 +2,16 @@
 
     python benchmarks/best_of_n.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
                                    [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                   [--weights fp32|int8] [--kv-dtype fp32|int8] [--smoke]
+                                   [--weights fp32|int8|gguf] [--kv-dtype fp32|int8|bf16]
+                                   [--smoke]
 
 Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping early) after a
 1,024-token prompt, on the same weights (default fp32 on CPU) and threads. HF prefills the prompt once per
 sequence and stores it 8 times; pie-ctx prefills it once and shares its pages. With
 ``--weights int8`` (or ``--kv-dtype int8``) pie-ctx runs that format against the same fp32 HF
-baseline, and the JSON line also carries ``int8_speedup_vs_hf`` (``kv_int8_speedup_vs_hf``).
+baseline, and the JSON line also carries ``int8_speedup_vs_hf`` (``kv_int8_speedup_vs_hf``);
+``--weights gguf`` (the GGUF's own Q4_1 blocks) adds ``q4_speedup_vs_hf``, ``--kv-dtype bf16``
+``kv_bf16_speedup_vs_hf``.
 """
 
 from __future__ import annotations
@@ -84,10 +87,10 @@ async def main_async(args):
            ("HF KV bytes", f"{hf_kv / 2**20:.1f} MiB")])
     speedup = h["median"] / o["median"]
     extra = {}
-    if args.weights == "int8":
-        extra["int8_speedup_vs_hf"] = speedup
-    if args.kv_dtype == "int8":
-        extra["kv_int8_speedup_vs_hf"] = speedup
+    if args.weights in ("int8", "gguf"):
+        extra[f"{'q4' if args.weights == 'gguf' else 'int8'}_speedup_vs_hf"] = speedup
+    if args.kv_dtype in ("int8", "bf16"):
+        extra[f"kv_{args.kv_dtype}_speedup_vs_hf"] = speedup
     emit({"wall_s": o["median"], "hf_wall_s": h["median"],
           "speedup_vs_hf": speedup, **extra,
           "speedup_range": [min(theirs) / max(ours), max(theirs) / min(ours)],
@@ -113,8 +116,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8"))
-    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8", "gguf"))
+    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8", "bf16"))
     anyio.run(main_async, parse_args(ap, prompt_len=32, n=2, new_tokens=4, repeats=1))
 
 

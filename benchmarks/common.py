@@ -41,6 +41,7 @@ class Ours:
     def __init__(self, loaded: Any, max_tokens: int, page_size: int = 16,
                  weights: str = "fp32", kv_dtype: str = "fp32") -> None:
         from runtime.kv.pool import PagePool, PoolShape
+        from runtime.model.loader import load_blocks
         from runtime.model.quant import calibration_tokens
         from runtime.model.runner import ModelRunner
 
@@ -50,8 +51,9 @@ class Ours:
         pool = PagePool(PoolShape(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
                         dtype=w.dtype, device=w.device, kv_dtype=kv_dtype))
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        blocks = load_blocks(loaded.path) if weights == "gguf" else None
         self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
-                                  calibration=calibration, dtype=w.dtype)
+                                  calibration=calibration, dtype=w.dtype, blocks=blocks)
         self.pages = list(range(num_pages))
 
     def forward(self, tokens: list[int], start: int, rows: list[int]) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """Our ModelRunner vs HF transformers on the default model, side by side in one process.
 
 Run: ``.venv/bin/python benchmarks/model.py [--prompt-len 512] [--new-tokens 128]
-[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8] [--smoke]``.
+[--device cpu|cuda] [--dtype float32|bfloat16|float16] [--no-int8] [--no-q4] [--smoke]``.
 Prints a table and, as its last line, one JSON object (max_abs_logit_diff,
 greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwidth_gbs,
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
 int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
 the same run; and for each format a profiled decode step: ops_per_layer_decode,
-decode_ms_per_step and decode_profile, int8_ the same for int8; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
+decode_ms_per_step and decode_profile, int8_ the same for int8, q4_ for the GGUF's own
+blocks (weights="gguf": q4_decode_ms_per_step, q4_decode_tok_s, q4_prefill_tok_s...); see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -88,7 +89,7 @@ class HF:
 
 
 PROJECTION_OPS = ("aten::_int_mm", "aten::linear", "aten::addmm", "aten::mm", "mkldnn::",
-                  "quantized::", "aten::matmul")
+                  "quantized::", "aten::matmul", "pie::block_mm", "aten::_weight_int4pack_mm")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "pie::paged_attention")
 
 
@@ -123,9 +124,11 @@ def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
     logits = side.prefill(prompt)
     token, pos = int(logits[0].argmax()), len(prompt)
     side.forward([token], pos, [0])  # warm
-    built = kernels.ops()
+    built, blocks = kernels.ops(), kernels.block_ops()
     if built is not None:
         kernels._module = _ProfiledKernels(built)
+    if blocks is not None:  # weights="gguf": the block kernels (runtime/model/blocks.py)
+        kernels._block_module = _ProfiledKernels(blocks)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -134,6 +137,8 @@ def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
     finally:
         if built is not None:
             kernels._module = built
+        if blocks is not None:
+            kernels._block_module = blocks
     ops = [(e.name, e.cpu_time_total / 1e6) for e in prof.events() if e.cpu_parent is None
            and "::" in e.name]
     share = {"projections": 0.0, "attention": 0.0, "glue": 0.0}
@@ -156,6 +161,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-weights rows")
+    ap.add_argument("--no-q4", action="store_true",
+                    help="skip the q4 rows (weights='gguf': the GGUF's own blocks)")
     ap.add_argument("--quality-prompts", type=int, default=20)
     args = parse_args(ap, prompt_len=16, new_tokens=4, repeats=1, quality_prompts=1)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -168,6 +175,7 @@ def main() -> None:
     int8 = None
     if device.type == "cpu" and not args.no_int8:
         int8 = Ours(loaded, 4096, weights="int8")
+    q4 = Ours(loaded, 4096, weights="gguf") if device.type == "cpu" and not args.no_q4 else None
 
     chat = tok.render_chat([{"role": "system", "content": "You are a helpful assistant."},
                             {"role": "user", "content": "Explain paged attention in two sentences."}],
@@ -182,7 +190,8 @@ def main() -> None:
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]
-    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {})
+    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {}) | (
+        {"q4_": q4} if q4 is not None else {})
     rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec")}
     for _ in range(args.repeats):  # interleave so machine noise hits every side alike
         for p, side in sides.items():
@@ -215,6 +224,13 @@ def main() -> None:
         "ops_per_layer_decode": round(profiles[""]["ops_per_layer"], 2),
         "decode_ms_per_step": round(1e3 / best["dec"], 3),
         "decode_profile": {k: round(v, 3) for k, v in profiles[""].items()}}
+    if q4 is not None:  # the file's own blocks (docs/performance.md)
+        extra |= {"q4_decode_tok_s": round(best["q4_dec"], 2),
+                  "q4_decode_ms_per_step": round(1e3 / best["q4_dec"], 3),
+                  "q4_ops_per_layer_decode": round(profiles["q4_"]["ops_per_layer"], 2),
+                  "q4_decode_profile": {k: round(v, 3) for k, v in profiles["q4_"].items()},
+                  "q4_prefill_tok_s": round(best["q4_pf"], 2),
+                  "q4_weight_bytes": q4.runner.weight_bytes}
     if int8 is not None:
         ids = text_ids(tok)[:256 if args.smoke else None]
         quality = agreement(ours, int8, tok, args.quality_prompts, checked)

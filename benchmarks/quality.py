@@ -1,8 +1,8 @@
 """How far a cheaper variant of the default model (half precision, int8 weights, int8 KV
 pages) is from fp32.
 
-    python benchmarks/quality.py [--dtype bfloat16|float16|float32] [--weights fp32|int8]
-                                 [--kv-dtype fp32|int8] [--prompts 20] [--tokens 64] [--smoke]
+    python benchmarks/quality.py [--dtype bfloat16|float16|float32] [--weights fp32|int8|gguf]
+                                 [--kv-dtype fp32|int8|bf16] [--prompts 20] [--tokens 64] [--smoke]
 
 Two measures, the quality gate of every such variant (docs/models.md, docs/forward.md):
 
@@ -105,8 +105,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8"))
-    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"))
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8", "gguf"))
+    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8", "bf16"))
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
     args = parse_args(ap, prompts=1, tokens=8)

@@ -1,19 +1,20 @@
-"""pie-ctx (fp32 and int8 weights) vs llama.cpp on the same GGUF, side by side in one process.
+"""pie-ctx (fp32, int8 and q4 weights) vs llama.cpp on the same GGUF, side by side in one process.
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--repeats 3] [--prompt-len 512]
         [--new-tokens 128] [--bon-prompt-len 1024] [--n 8] [--bon-new-tokens 64]
-        [--no-int8] [--skip-bon] [--decode8-n 8] [--decode8-prompt-len 1024]
+        [--no-int8] [--no-q4] [--skip-bon] [--decode8-n 8] [--decode8-prompt-len 1024]
         [--decode8-new-tokens 32] [--skip-decode8] [--smoke]
 
 llama.cpp runs through llama-cpp-python (``pip install llama-cpp-python==0.3.36``; without it
 the script prints how to install it and skips, exit status 0). Both sides read the default
 GGUF (SmolLM2-135M-Instruct Q4_1): llama.cpp computes on the Q4_1 blocks as stored, pie-ctx
-on its dequantized copy (fp32, or re-quantized to int8 with ``weights="int8"``). Same token
+on its dequantized copy (fp32, or re-quantized to int8 with ``weights="int8"``) or, in the
+q4 rows, on the same blocks as stored (``weights="gguf"``). Same token
 ids on both sides (pie-ctx's tokenizer; the script checks that llama.cpp's vocab agrees),
 same thread count (torch's, for llama.cpp's n_threads and n_threads_batch), flash attention
 off in llama.cpp, batch 1 unless stated.
 
-Rows, for llama.cpp, pie-ctx fp32 and pie-ctx int8:
+Rows, for llama.cpp, pie-ctx fp32, pie-ctx int8 and pie-ctx q4:
 
 1. prefill of a --prompt-len prompt, tok/s (including reading the first token's logits);
 2. greedy decode after that prompt, tok/s over the --new-tokens - 1 decode steps only;
@@ -43,6 +44,11 @@ thread, then alternate llama.cpp and pie-ctx repeat by repeat; the engine's thre
 (and its team with it) before the next phase boots. llama.cpp is measured in every phase
 and its samples are pooled.
 
+The q4 quality keys compare pie-ctx q4 with pie-ctx fp32 (the same file, dequantized) on
+the quality benchmark's text (benchmarks/data/alice_chapter_1.txt, teacher-forced, its
+first --quality-tokens tokens): ``q4_max_abs_logit_diff_vs_fp32`` and
+``q4_greedy_agreement_vs_fp32`` (the fraction of positions whose argmax is the same).
+
 Prints a table (best and median over the repeats; ratios pie-ctx / llama.cpp for tok/s and
 llama.cpp / pie-ctx for wall seconds, so > 1 means pie-ctx is faster) and, as its last line,
 one JSON object. Its numbers are the best repeat (highest tok/s, lowest wall seconds).
@@ -69,6 +75,8 @@ from pie_ctx import Context, Runtime, Sampler, gather
 
 INSTALL = ".venv/bin/pip install llama-cpp-python==0.3.36"
 PAGE_SIZE = 16
+WEIGHTS = {"q4": "gguf"}  # row label -> boot_engine's weights (others: the same name)
+QUALITY_TEXT = Path(__file__).resolve().parent / "data" / "alice_chapter_1.txt"
 TEMPERATURE, TOP_P = 0.8, 0.95  # as best_of_n.run_ours samples
 
 
@@ -309,6 +317,18 @@ async def decode_many_ours(engine: Any, prompts: list[list[int]], new_tokens: in
     return len(prompts) * (new_tokens - 1) / wall
 
 
+def quality_ids(tokenizer: Any, n: int) -> list[int]:
+    """The first ``n`` tokens of the quality benchmark's text."""
+    return tokenizer.encode(QUALITY_TEXT.read_text())[:n]
+
+
+def compare_logits(q4: torch.Tensor, fp32: torch.Tensor) -> dict[str, float]:
+    """The q4 quality keys: q4 logits against fp32's over the same teacher-forced text."""
+    return {"q4_max_abs_logit_diff_vs_fp32": float((q4 - fp32).abs().max()),
+            "q4_greedy_agreement_vs_fp32": float((q4.argmax(-1) == fp32.argmax(-1))
+                                                 .float().mean())}
+
+
 def leading_run(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)))
@@ -324,7 +344,8 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                             "decode8": "skipped" if args.skip_decode8 else None}
     llama: LlamaCpp | None = None
     try:
-        for weights in formats:
+        for fmt in formats:
+            weights = WEIGHTS.get(fmt, fmt)
             engine = boot_engine(None, page_size=PAGE_SIZE, kv_memory_gb=1.0, weights=weights,
                                  progress=False)
             on_model = engine.run_on_model_thread  # every torch and llama.cpp call goes here
@@ -355,7 +376,12 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                     if why:
                         print(f"llama.cpp: {args.decode8_n} sequences together: {why}; "
                               "skipping that row")
-            ours = on_model(make_ours, weights, args.prompt_len + args.new_tokens + PAGE_SIZE)
+            ours = on_model(make_ours, weights, max(args.prompt_len + args.new_tokens + PAGE_SIZE,
+                                                    args.quality_tokens + PAGE_SIZE))
+            if fmt in ("fp32", "q4") and "fp32" in formats and "q4" in formats:
+                info[f"logits_{fmt}"] = on_model(ours.logits, quality_ids(tok, args.quality_tokens))
+                if fmt == "q4":
+                    info.update(compare_logits(info.pop("logits_q4"), info.pop("logits_fp32")))
             async with engine:
                 warm = prompt[:64]  # warm both sides (and this thread's OpenMP team)
                 on_model(llama.generate, warm, 4)
@@ -368,7 +394,7 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                     on_model(llama.decode_many, [warm, warm], 4)
                     await decode_many_ours(engine, [warm, [7] + warm[1:]], 4)
                 for r in range(args.repeats):  # interleaved: machine noise hits both alike
-                    for name, side in (("llamacpp", llama), (weights, ours)):
+                    for name, side in (("llamacpp", llama), (fmt, ours)):
                         out, pf, dec = on_model(side.generate, prompt, args.new_tokens)
                         rows[name]["pf"].append(len(prompt) / pf)
                         rows[name]["dec"].append((args.new_tokens - 1) / dec)
@@ -378,13 +404,13 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                         rows["llamacpp"]["bon"].append(
                             on_model(llama.best_of, salted, args.n, args.bon_new_tokens, r))
                         wall, _ = await run_ours(engine, salted, args.n, args.bon_new_tokens, r)
-                        rows[weights]["bon"].append(wall)
+                        rows[fmt]["bon"].append(wall)
                     if many:  # distinct first tokens: no page shared between them or repeats
                         prompts = [[2000 + 64 * r + s] + many_prompt[1:]
                                    for s in range(args.decode8_n)]
                         rows["llamacpp"]["d8"].append(
                             on_model(llama.decode_many, prompts, args.decode8_new_tokens))
-                        rows[weights]["d8"].append(
+                        rows[fmt]["d8"].append(
                             await decode_many_ours(engine, prompts, args.decode8_new_tokens))
             # The engine shut its thread down on exit; wait for it, so that its OpenMP team
             # is gone before the next engine's thread starts one.
@@ -406,6 +432,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--bon-new-tokens", type=int, default=64)
     ap.add_argument("--no-int8", action="store_true", help="skip the pie-ctx int8 rows")
+    ap.add_argument("--no-q4", action="store_true",
+                    help="skip the pie-ctx q4 rows (weights='gguf': the file's own blocks)")
+    ap.add_argument("--quality-tokens", type=int, default=1024,
+                    help="tokens of the quality text the q4 quality keys are measured on")
     ap.add_argument("--skip-bon", action="store_true", help="skip the best-of-n rows")
     ap.add_argument("--decode8-n", type=int, default=8,
                     help="independent contexts decoding together (the decode8 row)")
@@ -414,7 +444,7 @@ def main() -> None:
     ap.add_argument("--skip-decode8", action="store_true", help="skip the decode8 row")
     args = parse_args(ap, repeats=1, prompt_len=16, new_tokens=4, bon_prompt_len=32, n=2,
                       bon_new_tokens=4, decode8_n=2, decode8_prompt_len=32,
-                      decode8_new_tokens=4)
+                      decode8_new_tokens=4, quality_tokens=64)
     assert args.new_tokens >= 2 and args.bon_new_tokens >= 1 and args.n >= 1
 
     try:
@@ -438,7 +468,7 @@ def main() -> None:
         from runtime.model.loader import resolve_model
 
         resolve_model(None, progress=True)
-    formats = ["fp32"] + ([] if args.no_int8 else ["int8"])
+    formats = ["fp32"] + ([] if args.no_int8 else ["int8"]) + ([] if args.no_q4 else ["q4"])
     rows, info = anyio.run(measure, args, llama_cpp, gguf, formats)
 
     def best(side: str, key: str) -> float | None:
@@ -483,12 +513,14 @@ def main() -> None:
         result[f"{side}_decode_tok_s"] = best(side, "dec")
         result[f"{side}_bon_wall_s"] = best(side, "bon")
         result[f"{side}_decode8_tok_s"] = best(side, "d8")
-    for fmt in ("int8", "fp32"):
+    for fmt in ("q4", "int8", "fp32"):
         for key, name, wall in (("dec", "decode", False), ("pf", "prefill", False),
                                 ("bon", "bon", True), ("d8", "decode8", False)):
             result[f"{fmt}_{name}_vs_llamacpp"] = ratio(best(fmt, key), best("llamacpp", key),
                                                        wall)
-    for fmt in ("int8",):  # absent when --no-int8: keep the keys, as null
+    result["q4_max_abs_logit_diff_vs_fp32"] = info.get("q4_max_abs_logit_diff_vs_fp32")
+    result["q4_greedy_agreement_vs_fp32"] = info.get("q4_greedy_agreement_vs_fp32")
+    for fmt in ("int8", "q4"):  # absent when --no-int8 / --no-q4: keep the keys, as null
         for name in ("prefill_tok_s", "decode_tok_s", "bon_wall_s", "decode8_tok_s"):
             result.setdefault(f"{fmt}_{name}", None)
     result.update({"threads": torch.get_num_threads(), "gguf": gguf.name,

@@ -27,7 +27,13 @@ from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig
-from runtime.model.loader import load_model, resolve_model
+from runtime.model.loader import (
+    gguf_source,
+    load_blocks,
+    load_model,
+    resolve_device,
+    resolve_model,
+)
 from runtime.model.loader.hf import read_config
 from runtime.model.matmul import adopt_kernel_choices, kernel_choices
 from runtime.model.quant import WEIGHT_FORMATS, calibration_tokens
@@ -37,6 +43,17 @@ from runtime.model.transformers_backend import TransformersRunner, load_transfor
 log = logging.getLogger("pie_ctx.engine")
 
 BACKENDS = ("native", "transformers", "auto")
+
+
+def default_weights(kind: str, model: str | None, device: Any, tp: int, *,
+                    progress: bool = True) -> str:
+    """What ``weights="auto"`` (``run`` and ``serve``'s default) means for this engine:
+    ``"gguf"`` for a model read from a GGUF on the native backend, on CPU, on one rank (the
+    file's own weights, and the fastest on CPU: docs/performance.md), else ``"fp32"``."""
+    if kind != "native" or tp != 1 or resolve_device(device).type != "cpu":
+        return "fp32"
+    _, folder = resolve_model(model, progress=progress)
+    return "gguf" if gguf_source(folder) is not None else "fp32"
 
 
 def page_bytes_for(config: Any, page_size: int, dtype: torch.dtype,
@@ -133,8 +150,12 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         progress: progress bars while fetching/converting.
         owner_share: the fraction of the pool one owner (client) may hold, in (0, 1];
             None = no limit (see docs/scheduling.md).
-        weights: ``"fp32"`` (unquantized, in ``dtype``) or ``"int8"`` (smoothed int8
-            projections, CPU; see docs/models.md).
+        weights: ``"fp32"`` (unquantized, in ``dtype``), ``"int8"`` (smoothed int8
+            projections, CPU; see docs/models.md) or ``"gguf"`` (CPU: the projections,
+            lm_head and embedding on the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, bit for bit
+            the file's weights; an HF folder gets Q4_1 blocks made at load; see
+            docs/performance.md); ``"auto"`` (``run`` and ``serve``'s default): ``"gguf"``
+            for a model read from a GGUF on CPU, else ``"fp32"`` (:func:`default_weights`).
         kv_dtype: ``"fp32"`` (KV pages unquantized, in ``dtype``) or ``"int8"`` (int8 entries
             with a scale per token and KV head: 3.8x the pages in the same memory at head dim
             64; see docs/forward.md).
@@ -169,8 +190,9 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     if num_pages is not None:
         checks.positive(num_pages, "num_pages")
     checks.positive(max_step_tokens, "max_step_tokens")
-    if weights not in WEIGHT_FORMATS:
-        raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights not in (*WEIGHT_FORMATS, "auto"):
+        raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or auto, "
+                              f"got {weights!r}")
     if kv_dtype not in KV_DTYPES:
         raise InvalidArgument(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if owner_share is not None and not 0 < checks.finite(owner_share, "owner_share") <= 1:
@@ -179,6 +201,9 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise InvalidArgument(f"disk_cache_gb must be >= 0, got {disk_cache_gb!r}")
 
     kind = choose_backend(backend, model, progress=progress)
+    if weights == "auto":
+        weights = default_weights(kind, model, device, tp, progress=progress)
+        log.info("weights: %s (weights='auto')", weights)
     if kind == "transformers" and weights != "fp32":
         raise InvalidArgument(
             f"weights={weights!r} is a format of the native runner; the transformers backend "
@@ -290,7 +315,9 @@ def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRun
 
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        blocks = load_blocks(loaded.path) if weights == "gguf" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
-                           weight_format=weights, calibration=calibration, dtype=m.dtype)
+                           weight_format=weights, calibration=calibration, dtype=m.dtype,
+                           blocks=blocks)
 
     return m, make_runner

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.kv.layout import KV_DTYPES, entry_width
+from runtime.kv.layout import KV_DTYPES, entry_width, storage_dtype
 from runtime.kv.types import PageId
 
 __all__ = ["PagePool", "PoolShape"]
@@ -53,7 +53,7 @@ class PoolShape:
         dtype: the compute dtype: K/V are written and read back in it.
         device: device of the KV tensor.
         kv_dtype: how entries are stored: ``"fp32"`` (unquantized, in ``dtype``) or
-            ``"int8"`` (per-entry scales; see ``runtime.kv.layout``).
+            ``"int8"`` (per-entry scales) or ``"bf16"`` (see ``runtime.kv.layout``).
 
     Raises:
         ValueError: a size is not a positive integer, or an unknown ``kv_dtype``.
@@ -99,11 +99,11 @@ class PagePool:
         self.dtype = shape.dtype
         self.kv_dtype = shape.kv_dtype
         # [num_pages, page_size, num_layers, 2, num_kv_heads, width]; width = head_dim for
-        # fp32, head_dim + 4 (values, then the scale's bytes) for int8
+        # fp32 and bf16, head_dim + 4 (values, then the scale's bytes) for int8
         self.kv = torch.zeros(
             (shape.num_pages, shape.page_size, shape.num_layers, 2, shape.num_kv_heads,
              entry_width(shape.kv_dtype, shape.head_dim)),
-            dtype=torch.int8 if shape.kv_dtype == "int8" else shape.dtype,
+            dtype=storage_dtype(shape.kv_dtype, shape.dtype),
             device=shape.device,
         )
         # A stack: the end of the list is handed out next.

@@ -25,12 +25,19 @@ __all__ = ["FlatBatch", "check_pool", "flatten"]
 def check_pool(pool_kv: torch.Tensor, page_size: int, num_layers: int, num_kv_heads: int,
                head_dim: int, dtype: torch.dtype | None) -> str:
     """Check that ``pool_kv`` fits a model of this shape (``dtype``: the model's compute
-    dtype, None = not fixed yet) and return its format, ``"fp32"`` or ``"int8"``.
+    dtype, None = not fixed yet) and return its format, ``"fp32"``, ``"int8"`` or
+    ``"bf16"`` (a bfloat16 pool under a model of another dtype; with ``dtype`` None a
+    bfloat16 pool is taken as unquantized, for a bfloat16 model).
 
     Raises:
         InvalidArgument: the pool's shape, or an unquantized pool's dtype, does not fit.
     """
-    kv_dtype = "int8" if is_quantized(pool_kv) else "fp32"
+    if is_quantized(pool_kv):
+        kv_dtype = "int8"
+    elif pool_kv.dtype == torch.bfloat16 and dtype is not None and dtype != torch.bfloat16:
+        kv_dtype = "bf16"
+    else:
+        kv_dtype = "fp32"
     want = (page_size, num_layers, 2, num_kv_heads, entry_width(kv_dtype, head_dim))
     if pool_kv.dim() != 6 or tuple(pool_kv.shape[1:]) != want:
         raise InvalidArgument(

@@ -22,6 +22,14 @@ on the AVX-512 Xeon the stored one was 1.4x faster at 8 rows) and ``fbgemm`` (on
 only: fbgemm's int8 linear with fp32 output, fed that row's own scale and the zero point
 128 that makes its uint8 input the same integers).
 
+Block candidates (CPU, a :class:`runtime.model.blocks.BlockWeight`: a GGUF file's Q4_0,
+Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
+``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
+then ``F.linear``: for many rows) and ``int4pack`` (torch's groupwise int4 kernel,
+``_weight_int4pack_mm_for_cpu`` on bf16 activations, see :class:`Int4Weight`), offered only
+where it computes the same weights: when every scale and zero is exact in bf16, which a
+file's float16 scales are not in general.
+
 Invariants: every candidate of a projection computes the same projection (checked at load
 against the first candidate); results may differ in the last bits, never more.
 """
@@ -41,8 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import kernels
+from runtime.model.blocks import BlockWeight, Int4Weight
 
-__all__ = ["Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
+__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
            "kernel_choices", "should_pack"]
 
 log = logging.getLogger(__name__)
@@ -127,7 +136,8 @@ class Projection:
     """``x @ W.T + b`` for ``x`` of shape ``[rows, in]``.
 
     Args:
-        weight: Tensor[out, in] in the compute dtype, or an :class:`Int8Weight`.
+        weight: Tensor[out, in] in the compute dtype, an :class:`Int8Weight` or a
+            :class:`runtime.model.blocks.BlockWeight` (a GGUF's blocks).
         bias: Tensor[out] or None.
         pack: a float weight may get a oneDNN-packed copy (if chosen, see module doc).
         buckets: how many of ROW_BUCKETS to time (the lm_head, which rarely sees many
@@ -139,7 +149,7 @@ class Projection:
 
     __slots__ = ("weight", "bias", "pack", "buckets", "kernel_names", "_kernels", "_layouts")
 
-    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None, *,
+    def __init__(self, weight: torch.Tensor | Int8Weight | BlockWeight, bias: torch.Tensor | None = None, *,
                  pack: bool = False, buckets: int = len(ROW_BUCKETS)) -> None:
         self.weight = weight
         self.bias = bias
@@ -157,19 +167,36 @@ class Projection:
         return isinstance(self.weight, Int8Weight)
 
     @property
+    def is_blocks(self) -> bool:
+        return isinstance(self.weight, BlockWeight)
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if isinstance(self.weight, BlockWeight):
+            return self.weight.out_features, self.weight.in_features
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return int(w.shape[0]), int(w.shape[1])
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.weight, BlockWeight):
+            return self.weight.device
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return w.device
 
     @property
+    def form(self) -> str:
+        """``"int8"``, ``"q4"`` / ``"q8"`` (blocks) or the float dtype."""
+        if isinstance(self.weight, BlockWeight):
+            return f"q{self.weight.bits}"
+        return "int8" if self.is_int8 else str(self.weight.dtype)
+
+    @property
     def signature(self) -> tuple:
         """Projections with equal signatures get the same kernels."""
-        dtype = "int8" if self.is_int8 else str(self.weight.dtype)  # type: ignore[union-attr]
+        dtype = self.form
+        if isinstance(self.weight, BlockWeight) and not Int4Weight.fits(self.weight):
+            dtype += "-f16"  # scales bf16 cannot hold: int4pack is not a candidate
         return (dtype, self.shape, self.bias is not None, self.pack, self.buckets,
                 str(self.device))
 
@@ -177,11 +204,18 @@ class Projection:
     def nbytes(self) -> int:
         """Bytes of the weight (one layout) and bias a call reads."""
         w = self.weight
-        n = w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+        n = w.nbytes if isinstance(w, (Int8Weight, BlockWeight)) else w.numel() * w.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def candidate_names(self) -> list[str]:
         """Kernels that can run this projection here, the reference one first."""
+        if self.is_blocks:
+            if self.device.type != "cpu":
+                return ["blocks_f32"]
+            names = ["blocks", "blocks_f32"]
+            if "-f16" not in self.signature[0]:
+                names.append("int4pack")
+            return names
         if self.device.type != "cpu":
             return ["mkl"] if not self.is_int8 else ["int_mm"]
         if self.is_int8:
@@ -214,6 +248,8 @@ class Projection:
             if packed is None:
                 packed = self._layouts[name] = reorder(w, _PACK_HINT)  # type: ignore[operator]
             return lambda x: linear(x, packed, b, "none", [], "")  # type: ignore[operator]
+        if isinstance(w, BlockWeight):
+            return self._block_kernel(name, w, b)
         assert isinstance(w, Int8Weight)
         if name == "int_mm":
             qt = w.q.t()  # a view of W as stored, [out, in] row-major
@@ -230,6 +266,24 @@ class Projection:
             return lambda x: _int8_fbgemm(x, packed)
         raise ValueError(f"unknown projection kernel {name!r}")
 
+    def _block_kernel(self, name: str, w: BlockWeight, b: torch.Tensor | None) -> Kernel:
+        if name == "blocks":
+            if b is None:
+                return lambda x: _as(w.matmul(_f32(x)), x)
+            return lambda x: _as(w.matmul(_f32(x)).add_(b), x)
+        if name == "blocks_f32":
+            return lambda x: _as(F.linear(_f32(x), w.dequantize(), b), x)
+        if name == "int4pack":
+            i4 = self._layouts.get(name)
+            if i4 is None:
+                i4 = self._layouts[name] = Int4Weight.from_blocks(w)
+            if i4 is None:
+                raise ValueError("int4pack cannot hold these weights exactly")
+            if b is None:
+                return i4  # type: ignore[return-value]
+            return lambda x: i4(x).add_(b)  # type: ignore[operator]
+        raise ValueError(f"unknown projection kernel {name!r}")
+
     def use(self, names: list[str]) -> None:
         """Route each bucket to the named kernel; drop layouts no bucket uses."""
         self._kernels = [self._kernel(n) for n in names]
@@ -240,6 +294,14 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor[rows, in] -> Tensor[rows, out]."""
         return self._kernels[min(_bucket(x.shape[0]), self.buckets - 1)](x)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _as(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _int8_int_mm(x: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
@@ -336,7 +398,8 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
         names = rep.candidate_names()
         if len(names) == 1:
             continue
-        dtype = torch.float32 if rep.is_int8 else rep.weight.dtype  # type: ignore[union-attr]
+        dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
+                 else rep.weight.dtype)  # type: ignore[union-attr]
         probe = torch.randn(_PACK_HINT, in_f, generator=gen).to(dtype=dtype, device=rep.device)
         want = rep._kernel(names[0])(probe)
         for n in names[1:]:
@@ -364,7 +427,7 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
                           + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()) + " ms)")
         for p in members:
             p.use(chosen)
-        line = (f"{len(members)} x {out_f}x{in_f} {'int8' if rep.is_int8 else dtype}: "
+        line = (f"{len(members)} x {out_f}x{in_f} {rep.form}: "
                 + "; ".join(report))
         log.info("projection kernels: %s", line)
         _CHOSEN[sig] = (chosen, line)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from runtime.model import kernels
 from runtime.model.adapters.delta import LoraBatch
+from runtime.model.blocks import BlockWeight
 from runtime.model.config import ModelConfig
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
@@ -81,7 +82,9 @@ class Transformer:
         self.rotary = RotaryEmbedding(c, device)
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
-        self.weight_format = "fp32"  # "int8" once runtime.model.quant has quantized it
+        # "int8" once runtime.model.quant has quantized it, "gguf" on GGUF blocks
+        # (runtime.model.gguf_weights)
+        self.weight_format = "fp32"
         # Tensor parallelism (runtime.distributed): sums a row-parallel projection's partial
         # output over the ranks, in place, after o_proj and down. None: one rank.
         self.reduce: Callable[[torch.Tensor], None] | None = None
@@ -102,7 +105,7 @@ class Transformer:
         total += sum(p.nbytes for p in projections)
         table = getattr(self.embed, "table", self.embed)  # int8: the QuantEmbedding's
         if table is not projections[-1].weight:
-            total += (table.nbytes if isinstance(table, Int8Weight)
+            total += (table.nbytes if isinstance(table, (Int8Weight, BlockWeight))
                       else table.numel() * table.element_size())
         return total
 

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from runtime.kv.layout import decode, encode
+from runtime.kv.layout import decode, encode, storage_dtype
 from runtime.model.model import Transformer
 
 __all__ = ["dense_forward", "causal_mask"]
@@ -37,7 +37,7 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
         tokens: the full sequence.
         positions: rotary positions (default ``0..n-1``).
         mask: bool [n, n], row i = token i, column = KV index; True = attend; default causal.
-        kv_dtype: how the paged path under test stores K/V (``"fp32"`` or ``"int8"``).
+        kv_dtype: how the paged path under test stores K/V (``"fp32"``, ``"int8"``, ``"bf16"``).
         weights: if given, each layer's softmax weights are appended to it, float32
             Tensor[H, n, n] (row = query, column = key): the oracle of attention scores.
 
@@ -53,10 +53,10 @@ def dense_forward(model: Transformer, tokens: list[int], positions: list[int] | 
     group = c.num_heads // c.num_kv_heads
     scale = 1.0 / math.sqrt(c.head_dim)
 
-    storage = torch.empty(0, dtype=torch.int8 if kv_dtype == "int8" else model.dtype)
+    storage = torch.empty(0, dtype=storage_dtype(kv_dtype, model.dtype))
 
     def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        kv = decode(encode(kv, storage), kv.dtype)  # [n, 2, KVH, D]; identity unless int8
+        kv = decode(encode(kv, storage), kv.dtype)  # [n, 2, KVH, D]; rounded as the pool stores it
         k = kv[:, 0].repeat_interleave(group, dim=1)  # [n, H, D]
         v = kv[:, 1].repeat_interleave(group, dim=1)  # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, n, n]

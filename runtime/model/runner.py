@@ -21,10 +21,12 @@ from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, l
 from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
 from runtime.model.batch import SeqInput
+from runtime.model.blocks import BlockWeight
 from runtime.model.config import ModelConfig
 from runtime.model.cuda_graphs import DecodeGraphs
 from runtime.model.cuda_graphs import wanted as graphs_wanted
 from runtime.model.flatten import check_pool, flatten
+from runtime.model.gguf_weights import use_blocks
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 from runtime.model.scores import Scoring
@@ -48,9 +50,12 @@ class ModelRunner:
             int8 (width = head_dim + 4); on the model's device.
         page_size: tokens per page.
         backend: attention backend; default: ``select_backend``'s choice (``PIE_CTX_ATTENTION``).
-        weight_format: ``"fp32"`` (unquantized, in the compute dtype) or ``"int8"`` (see
-            ``runtime.model.quant``; needs ``calibration``).
+        weight_format: ``"fp32"`` (unquantized, in the compute dtype), ``"int8"`` (see
+            ``runtime.model.quant``; needs ``calibration``) or ``"gguf"`` (a GGUF's own
+            blocks, see ``runtime.model.gguf_weights``; ``blocks``).
         calibration: token ids int8 measures activation ranges on.
+        blocks: with ``"gguf"``, the block weights of the model's GGUF
+            (``runtime.model.loader.load_blocks``); None: Q4_1 blocks made at load.
         dtype: the compute dtype; default: the pool's, or float32 for an int8 pool.
 
     Raises:
@@ -65,7 +70,8 @@ class ModelRunner:
                  pool_kv: torch.Tensor, page_size: int,
                  backend: AttentionBackend | None = None, *, weight_format: str = "fp32",
                  calibration: list[int] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 blocks: dict[str, BlockWeight] | None = None) -> None:
         c: ModelConfig = config
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
@@ -83,6 +89,8 @@ class ModelRunner:
                                  choose=weight_format == "fp32")
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
+        elif weight_format == "gguf":
+            use_blocks(self.model, blocks)
         self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.score_heads = c.num_heads
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
@@ -124,7 +132,7 @@ class ModelRunner:
 
     @property
     def weight_format(self) -> str:
-        """``"fp32"`` or ``"int8"`` (see ``runtime.model.quant``)."""
+        """``"fp32"``, ``"int8"`` or ``"gguf"`` (see ``runtime.model.quant``)."""
         return self.model.weight_format
 
     @property

@@ -22,7 +22,7 @@ class Runner(Protocol):
     """A model runner as the engine uses it."""
 
     kind: str  # EngineInfo.backend: "native" | "transformers"
-    weight_format: str  # "fp32" | "int8"
+    weight_format: str  # "fp32" | "int8" | "gguf"
     backend: Any  # the attention backend (its ``name`` is shown in EngineInfo)
     adapters: dict[str, Any]  # loaded LoRA adapters by name
 

@@ -44,12 +44,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    parser.add_argument("--weights", choices=("fp32", "int8"), default="fp32",
-                        help="fp32: unquantized weights (in --dtype); int8: smoothed int8 "
-                             "weights, CPU only (docs/models.md)")
-    parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
-                        help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
-                             "token and head; ~3.8x the pages per GB; docs/forward.md)")
+    parser.add_argument("--weights", choices=("auto", "fp32", "int8", "gguf"), default="auto",
+                        help="auto (default): gguf for a model read from a GGUF on CPU, else "
+                             "fp32; fp32: unquantized weights (in --dtype); int8: smoothed int8 "
+                             "weights, CPU only (docs/models.md); gguf: the GGUF's own "
+                             "Q4_0/Q4_1/Q8_0 blocks, bit for bit the file's weights, CPU only "
+                             "(an HF folder gets Q4_1 blocks made at load; "
+                             "docs/performance.md)")
+    parser.add_argument("--kv-dtype", choices=("fp32", "int8", "bf16"), default="fp32",
+                        help="KV pages: fp32 (unquantized, in --dtype), int8 (a scale per "
+                             "token and head; ~3.8x the pages per GB) or bf16 (entries rounded "
+                             "to bfloat16, read back in fp32; 2x the pages; docs/forward.md)")
     parser.add_argument("--backend", type=_backend_option, default="auto",
                         metavar="{native,transformers,auto}",
                         help="native: pie-ctx's own layers (Llama, Qwen2, Qwen3); transformers: "

@@ -62,7 +62,9 @@ KEYS = {
     "throughput.py": {"tokens_per_s", "scheduler_overhead_fraction"},
     "vs_llamacpp.py": {"int8_decode_vs_llamacpp", "fp32_decode_vs_llamacpp",
                        "int8_prefill_vs_llamacpp", "int8_bon_vs_llamacpp",
-                       "int8_decode8_vs_llamacpp"},
+                       "int8_decode8_vs_llamacpp", "q4_decode_vs_llamacpp",
+                       "q4_decode8_vs_llamacpp", "q4_prefill_vs_llamacpp", "q4_bon_vs_llamacpp",
+                       "q4_max_abs_logit_diff_vs_fp32", "q4_greedy_agreement_vs_fp32"},
 }
 
 

@@ -113,11 +113,14 @@ def gguf_name(hf: str) -> str:
 
 def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
                     meta_overrides: dict[str, Any] | None = None,
-                    extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+                    extra_tensors: dict[str, np.ndarray] | None = None,
+                    formats: dict[str, str] | None = None) -> Path:
     """Write ``hf`` as a llama.cpp-style GGUF (Q/K permuted for llama; some tensors Q8_0).
 
     ``meta_overrides`` maps keys to ``(value, GGUFValueType)``; ``extra_tensors`` are written
-    under their llama.cpp names as given (e.g. ``rope_freqs.weight``).
+    under their llama.cpp names as given (e.g. ``rope_freqs.weight``); ``formats`` maps
+    llama.cpp name suffixes to a block format (``{"attn_q.weight": "Q4_1"}``) instead of
+    :data:`QUANTIZED`'s Q8_0.
     """
     spec = tiny_spec()
     w = gguf.GGUFWriter(str(path), arch)
@@ -147,9 +150,11 @@ def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
             array = permute_qk(array, HEADS)
         elif arch == "llama" and ".attn_k." in gname:
             array = permute_qk(array, KV_HEADS)
-        if gname.endswith(QUANTIZED):
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = next((k for suffix, k in (formats or {}).items() if gname.endswith(suffix)),
+                    None if formats is not None else "Q8_0" if gname.endswith(QUANTIZED) else None)
+        if kind is not None:
+            fmt = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, gguf.quants.quantize(array, fmt), raw_dtype=fmt)
         else:
             w.add_tensor(gname, np.ascontiguousarray(array))
     for gname, array in (extra_tensors or {}).items():

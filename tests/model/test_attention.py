@@ -1,8 +1,9 @@
 """Paged equivalences: any chunking, page size, batch mix or mask == the dense reference.
 
-Every test runs on unquantized pages and on int8 pages (``kv_dtype``); for int8 the dense
-reference quantizes each K/V entry the same way, and the tolerance allows for an entry
-whose fp32 rounding lands it on the other side of an int8 step (``TOL_INT8``).
+Every test runs on unquantized pages, on int8 pages and on bf16 pages (``kv_dtype``); for
+int8 and bf16 the dense reference rounds each K/V entry the same way, and the tolerance
+allows for an entry whose fp32 rounding lands it on the other side of an int8 (or bf16)
+step (``TOL_INT8``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "ENABLED", False)
 
 
-@pytest.fixture(autouse=True, params=["fp32", "int8"], ids=["kv_fp32", "kv_int8"])
+@pytest.fixture(autouse=True, params=["fp32", "int8", "bf16"],
+                ids=["kv_fp32", "kv_int8", "kv_bf16"])
 def kv_dtype(request: pytest.FixtureRequest) -> str:
     KV["kv_dtype"] = request.param
     return request.param

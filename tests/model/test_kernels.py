@@ -95,6 +95,16 @@ def test_paged_attention_equals_sdpa_over_gathered_pages(ops, order, case):
     assert (out - ref).abs().max().item() < 2e-6
 
 
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_paged_attention_over_a_bf16_pool_is_the_fp32_kernel_over_its_widened_copy(ops, case):
+    """kv_dtype="bf16": entries are widened to fp32 as read, every sum stays fp32, so the
+    result is bit for bit the fp32 kernel's over the same values held in fp32."""
+    pool = _pool("token-major").to(torch.bfloat16)
+    out, q, *_ = _call(ops, pool, CASES[case])
+    same, *_ = _call(ops, pool.float(), CASES[case])
+    assert torch.equal(out, same)
+
+
 def test_a_row_gets_the_same_bits_in_any_batch_and_on_any_threads(ops):
     """Forks sharing a prompt, each alone, all together, and on one thread: the same bits
     (keys are cut into splits at fixed positions, whatever the batch)."""

@@ -1,5 +1,6 @@
-"""Engines with int8 weights or int8 KV pages: what the SDK and the CLI see (the numerics
-are tested in tests/model/test_int8*.py and, for KV pages, tests/model/test_attention.py)."""
+"""Engines with int8 or GGUF-block weights, int8 or bf16 KV pages: what the SDK and the CLI
+see (the numerics are tested in tests/model/test_int8*.py, tests/model/test_blocks.py and,
+for KV pages, tests/model/test_attention.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,36 @@ async def test_int8_pages_fork_snapshot_and_prefix_reuse(tiny_folder, transport)
         engine.store.check_invariants()
 
 
+@pytest.mark.no_tp("GGUF block weights run on one device")
+@pytest.mark.native_only("GGUF block weights are a format of the native runner")
+async def test_gguf_weights_and_bf16_pages_serve_forks_and_snapshots(tiny_folder, transport):
+    """An HF folder with weights="gguf" runs on Q4_1 blocks made at load; with bf16 pages a
+    fork, a reused prefix and a snapshot continue exactly as a fresh context does."""
+    async with sdk_runtime(tiny_folder, transport, weights="gguf",
+                           kv_dtype="bf16") as (rt, engine):
+        assert rt.info.weights == "gguf" and rt.info.kv_dtype == "bf16"
+        assert engine.store.pool.kv.dtype == torch.bfloat16
+        prompt = "tell me about pages " * 6
+
+        async def continuation(ctx):
+            return await ctx.generate(Sampler.greedy(), max_tokens=8, ignore_eos=True).tokens()
+
+        base = Context(rt).user(prompt).cue()
+        await base.flush()
+        await base.save("prompt")
+        outs = [await continuation(base.fork()) for _ in range(2)]
+        fresh = await continuation(Context(rt).user(prompt).cue())
+        opened = await continuation(await Context.open(rt, "prompt"))
+        assert outs[0] == outs[1] == fresh == opened and len(fresh) == 8
+        engine.store.check_invariants()
+
+
+def test_bf16_pages_fit_twice_the_fp32_pages(tiny_folder):
+    cfg = load_model(str(tiny_folder), progress=False).config
+    fp32 = pool_pages_for(cfg, 16, torch.float32, 1.0)
+    assert pool_pages_for(cfg, 16, torch.float32, 1.0, "bf16") == pytest.approx(2 * fp32, abs=1)
+
+
 def test_int8_pages_fit_more_in_the_same_memory(tiny_folder):
     cfg = load_model(str(tiny_folder), progress=False).config
     fp32 = pool_pages_for(cfg, 16, torch.float32, 1.0)
@@ -64,9 +95,9 @@ def test_int8_pages_fit_more_in_the_same_memory(tiny_folder):
 
 
 def test_unknown_formats_are_refused(tiny_folder):
-    with pytest.raises(InvalidArgument, match="weights must be one of fp32, int8"):
+    with pytest.raises(InvalidArgument, match="weights must be one of fp32, int8, gguf"):
         boot_engine(str(tiny_folder), weights="int4", progress=False)
-    with pytest.raises(InvalidArgument, match="kv_dtype must be one of fp32, int8"):
+    with pytest.raises(InvalidArgument, match="kv_dtype must be one of fp32, int8, bf16"):
         boot_engine(str(tiny_folder), kv_dtype="fp8", progress=False)
 
 

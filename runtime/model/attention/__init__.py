@@ -76,7 +76,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
 
     flash_ok = kv_dtype == "fp32" and flash_available(device, dtype, head_dim)
     if choice == "torch":
-        return TorchAttention()
+        return TorchAttention(bf16_pool=kv_dtype == "bf16")
     if choice == "flex":
         log.info("attention backend: flex (%s=flex)", ENV)
         return FlexAttention(page_size)
@@ -93,7 +93,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
     if kv_dtype != "fp32":
         log.info("attention backend: torch (flash-attn and flex do not read %s KV pages)",
                  kv_dtype)
-        return TorchAttention()
+        return TorchAttention(bf16_pool=kv_dtype == "bf16")
     if device.type == "cuda":
         if flash_ok:
             backend: AttentionBackend = FlashAttention(page_size)

@@ -120,15 +120,19 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, *, cascade: bool = True, kernels: bool = True) -> None:
+    def __init__(self, *, cascade: bool = True, kernels: bool = True,
+                 bf16_pool: bool = False) -> None:
         """Args:
             cascade: attend a shared prefix once for all decodes that share it
                 (``runtime.model.attention.cascade``).
             kernels: attend decodes and drafts over an fp32 CPU pool with pie-ctx's own
                 kernel when it is built (``runtime.model.kernels``).
+            bf16_pool: the pool holds bf16 entries of an fp32 model (``kv_dtype="bf16"``):
+                the kernel reads them too, widened to fp32.
         """
         self.cascade = cascade
         self.kernels = kernels
+        self.bf16_pool = bf16_pool
 
     def prepare(self, meta: AttentionMetadata, pool_kv: torch.Tensor) -> None:
         """Precompute gather indices, query layouts and masks for this forward.
@@ -178,8 +182,11 @@ class TorchAttention:
     def _kernel_group(self, meta: AttentionMetadata, pool_kv: torch.Tensor,
                       seqs: list[int]) -> KernelGroup | None:
         """A group for pie-ctx's own kernel (``runtime.model.kernels``) of ``seqs`` over an
-        fp32 CPU pool; None if the kernel cannot serve them."""
-        if not seqs or not self.kernels or pool_kv.dtype != torch.float32 \
+        fp32 (or bf16, widened to fp32 as read) CPU pool; None if the kernel cannot serve
+        them."""
+        readable = pool_kv.dtype == torch.float32 or (self.bf16_pool
+                                                      and pool_kv.dtype == torch.bfloat16)
+        if not seqs or not self.kernels or not readable \
                 or pool_kv.device.type != "cpu" or pool_kv.shape[-1] % 16:
             return None
         ops = kernels.ops()

@@ -20,6 +20,10 @@ The kernels (docs/forward.md):
   positions (so a row's bits do not depend on its batch);
 * ``rms_norm``, ``quantize_rows``, ``rope_``, ``write_kv`` and ``silu_mul``: one pass each
   instead of 2-6 eager ops, bit for bit the eager results.
+
+:func:`block_ops` is a second module from ``block_mm.cpp`` (built the same way, with
+``-ffp-contract=fast``): projections over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks
+(``runtime.model.blocks``); its eager twin is dequantizing the blocks and ``F.linear``.
 """
 
 from __future__ import annotations
@@ -38,14 +42,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ops", "enabled", "build", "folder"]
+__all__ = ["ops", "block_ops", "enabled", "build", "folder"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
+_block_module: Any = None
+_block_tried = False
 
 
 # Read once: ops() runs several times a layer. Tests flip it with monkeypatch.setattr.
@@ -67,22 +74,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def folder() -> Path:
-    """Where this machine's build lives."""
+def folder(source: Path = SOURCE) -> Path:
+    """Where this machine's build of ``source`` lives."""
     digest = hashlib.blake2b(digest_size=8)
     # (this file too: it holds the compiler flags)
-    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), torch.__version__.encode(),
+    for part in (source.read_bytes(), Path(__file__).read_bytes(), torch.__version__.encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         digest.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "pie-ctx" / "kernels" / digest.hexdigest()
 
 
-def build(verbose: bool = False) -> Any:
-    """Compile (or load the cached build of) the kernels; raise if that fails."""
+def build(verbose: bool = False, source: Path = SOURCE) -> Any:
+    """Compile (or load the cached build of) the kernels of ``source``; raise if that fails."""
     from torch.utils.cpp_extension import load
 
-    where = folder()
+    where = folder(source)
     where.mkdir(parents=True, exist_ok=True)
     if shutil.which("ninja") is None:  # the ninja wheel's binary, beside this interpreter
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
@@ -92,6 +99,8 @@ def build(verbose: bool = False) -> Any:
     if platform.machine() in ("x86_64", "AMD64"):
         # the CPU's own instructions; with AVX-512, its full-width registers too
         flags += ["-march=native", "-mprefer-vector-width=512"]
+    if source != SOURCE:  # block_mm.cpp: a * b + c as one fma (exact where it matters there)
+        flags.append("-ffp-contract=fast")
     elif platform.machine() in ("aarch64", "arm64"):
         flags.append("-mcpu=native")
     # torch's own lock is a file that a process killed mid-build leaves behind, and every
@@ -100,7 +109,8 @@ def build(verbose: bool = False) -> Any:
     with open(where / "pie-ctx.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (where / "lock").unlink(missing_ok=True)
-        return load(name=f"pie_ctx_cpu_ops_{where.name}", sources=[str(SOURCE)],
+        stem = "cpu_ops" if source == SOURCE else source.stem
+        return load(name=f"pie_ctx_{stem}_{where.name}", sources=[str(source)],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(where), verbose=verbose)
 
@@ -124,3 +134,24 @@ def ops() -> Any:
                             "instead (slower decode)", err)
     return _module
 
+
+
+def block_ops() -> Any:
+    """The compiled block-weight kernels (``block_mm.cpp``), or None (turned off, or the
+    build failed: logged once)."""
+    global _block_module, _block_tried
+    if not enabled():
+        return None
+    if _block_module is not None or _block_tried:
+        return _block_module
+    with _lock:
+        if not _block_tried:
+            _block_tried = True
+            t0 = time.perf_counter()
+            try:
+                _block_module = build(source=BLOCK_SOURCE)
+                log.info("block-weight kernels ready (%.1f s)", time.perf_counter() - t0)
+            except Exception as err:
+                log.warning("pie-ctx's block-weight kernels did not build (%s); GGUF block "
+                            "weights run dequantized, through PyTorch (slower)", err)
+    return _block_module

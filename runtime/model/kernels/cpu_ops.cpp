@@ -17,6 +17,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -96,8 +99,9 @@ inline v16 exp_neg(v16 x) {
 
 constexpr int64_t PREFETCH = 32;  // keys asked for ahead of the one being read
 
-inline void prefetch_kv(const float* key, int64_t v_off, int64_t d) {
-  for (int64_t c = 0; c < d; c += 16) {  // one 64-byte line per 16 floats
+template <typename KV>
+inline void prefetch_kv(const KV* key, int64_t v_off, int64_t d) {
+  for (int64_t c = 0; c < d; c += 64 / sizeof(KV)) {  // one 64-byte line at a time
     __builtin_prefetch(key + c, 0, 3);
     __builtin_prefetch(key + v_off + c, 0, 3);
   }
@@ -135,11 +139,32 @@ struct Task {
 //     sequence i sees KV entries 0 .. num_cached[i] + j).
 //   scale: the softmax scale (1 / sqrt(D)).
 // Returns: [T, H * D] float32.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
-                              torch::Tensor page_tables, torch::Tensor seq_start,
-                              torch::Tensor num_cached, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && pool.dtype() == torch::kFloat32,
-              "paged_attention: float32 queries and pool");
+// KV entries of a bf16 pool, widened to fp32 (exact: the bf16 bits are the top half).
+inline v16 load_kv(const float* p) { return load(p); }
+inline v16 load_kv(const at::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+#else
+  uint16_t h[W];
+  std::memcpy(h, p, sizeof h);
+  v16i bits;
+  for (int i = 0; i < W; ++i) bits[i] = static_cast<int32_t>(h[i]) << 16;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+
+// KV: float (an fp32 pool) or at::BFloat16 (kv_dtype "bf16": read widened, every sum and
+// the softmax in fp32).
+template <typename KV>
+torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t layer,
+                                   torch::Tensor page_tables, torch::Tensor seq_start,
+                                   torch::Tensor num_cached, double scale) {
   TORCH_CHECK(pool.dim() == 6 && pool.stride(5) == 1, "paged_attention: pool layout");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q [T, H, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -155,7 +180,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
   const int32_t* cached = num_cached.data_ptr<int32_t>();
   const float* qp = q.data_ptr<float>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const float* base = pool.data_ptr<float>();
+  const KV* base = pool.data_ptr<KV>();
   // Strides of the pool's dims [P, S, L, 2, KVH, D], whatever its physical order.
   const int64_t page_stride = pool.stride(0), slot_stride = pool.stride(1);
   const int64_t kv_off = layer * pool.stride(2);  // this layer's K of head 0
@@ -218,7 +243,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
         prefetch_kv(key_at(idx), v_off, D);
       for (int64_t k0 = lo; k0 < hi; k0 += BLOCK) {
         const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);
-        const float* keys[BLOCK];
+        const KV* keys[BLOCK];
         for (int64_t k = 0; k < kb; ++k) keys[k] = key_at(k0 + k);
         for (int64_t idx = k0 + PREFETCH; idx < std::min(hi, k0 + PREFETCH + BLOCK); ++idx)
           prefetch_kv(key_at(idx), v_off, D);
@@ -234,7 +259,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
             v16 dots[BLOCK];
             for (int64_t k = 0; k < kb; ++k) {
               v16 d{};
-              for (int64_t c = 0; c < nv; ++c) d += load(qv + c * W) * load(keys[k] + c * W);
+              for (int64_t c = 0; c < nv; ++c) d += load(qv + c * W) * load_kv(keys[k] + c * W);
               dots[k] = d;
             }
             for (int64_t k = kb; k < BLOCK; ++k) dots[k] = v16{};
@@ -270,8 +295,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
             for (int64_t k = 0; k < kb; ++k) {
               const float wk = wa[k];
               if (wk == 0.f) continue;
-              const float* val = keys[k] + v_off + c0 * W;
-              for (int64_t c = 0; c < cn; ++c) ac[c] += load(val + c * W) * wk;
+              const KV* val = keys[k] + v_off + c0 * W;
+              for (int64_t c = 0; c < cn; ++c) ac[c] += load_kv(val + c * W) * wk;
             }
             for (int64_t c = 0; c < cn; ++c) acc[a * nv + c0 + c] = ac[c];
           }
@@ -327,6 +352,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
     });
   }
   return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
+                              torch::Tensor page_tables, torch::Tensor seq_start,
+                              torch::Tensor num_cached, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
+              (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16),
+              "paged_attention: float32 queries, a float32 or bfloat16 pool");
+  if (pool.dtype() == torch::kBFloat16)
+    return paged_attention_impl<at::BFloat16>(q, pool, layer, page_tables, seq_start,
+                                              num_cached, scale);
+  return paged_attention_impl<float>(q, pool, layer, page_tables, seq_start, num_cached, scale);
 }
 
 // RMSNorm of each row: x / sqrt(mean(x^2) + eps) * weight, in float32.

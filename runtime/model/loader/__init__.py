@@ -11,6 +11,8 @@ Owner: this package owns the on-disk model cache (see :mod:`.cache`) and produce
 
 A GGUF is dequantized to float32 once, at conversion; the requested dtype is applied when
 the converted folder is loaded (float32 on CPU, bfloat16 on CUDA, unless ``dtype`` says).
+:func:`load_blocks` reads the same GGUF's block-format matrices as they are stored, for
+``weights="gguf"`` (``runtime.model.blocks``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "LoadedModel", "CachedModel", "load_model", "resolve_model", "resolve_device",
     "resolve_dtype", "list_cached_models",
     "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
+    "load_blocks", "gguf_source",
 ]
 
 # Short names -> cache entry of a model pie-ctx knows how to fetch.
@@ -161,6 +164,39 @@ def load_model(
     tokenizer = load_tokenizer(folder, config_dict)
     return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
                        tokenizer=tokenizer, path=folder)
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF a cached folder was converted from (None: an HF folder).
+
+    Raises:
+        ModelError: the folder was converted from a GGUF that is no longer there.
+    """
+    manifest = cache.read_manifest(Path(folder))
+    source = (manifest or {}).get("source", {}).get("gguf")
+    if not source:
+        return None
+    path = Path(source)
+    if not path.is_file():
+        raise ModelError(f"model {folder} was converted from {path}, which is gone; weights='gguf' "
+                         "computes on that file's blocks: put it back, or use --weights fp32 "
+                         "or int8")
+    return path
+
+
+def load_blocks(folder: Path) -> dict[str, Any] | None:
+    """The block-format matrices of the GGUF ``folder`` was converted from, by HF name
+    (``runtime.model.blocks.BlockWeight``), or None for an HF folder.
+
+    Raises:
+        ModelError: the GGUF is gone, or uses a block format weights='gguf' does not run.
+    """
+    from .gguf_file import GGUFModel
+
+    path = gguf_source(folder)
+    if path is None:
+        return None
+    return dict(GGUFModel(path).iter_blocks())
 
 
 def pull_default(*, force: bool = False, progress: bool = True) -> Path:

@@ -6,6 +6,9 @@ llama.cpp names (``blk.0.attn_q.weight``) to Hugging Face names
 (``model.layers.0.self_attn.q_proj.weight``). For the Llama family, llama.cpp's converter
 permuted the rows of Q and K (it stores each head's rotary halves interleaved, for its
 "normal" RoPE); :func:`unpermute_qk` restores HF's layout. Qwen2/Qwen3 are stored unpermuted.
+
+:meth:`GGUFModel.iter_blocks` reads the matrices stored in a block format as they are
+(``runtime.model.blocks.BlockWeight``), for ``weights="gguf"``.
 """
 
 from __future__ import annotations
@@ -246,6 +249,34 @@ class GGUFModel:
     def num_tensors(self) -> int:
         """How many tensors :meth:`iter_tensors` yields (at most)."""
         return len(self._reader.tensors)
+
+    def iter_blocks(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, BlockWeight)`` for every weight matrix stored in a block format,
+        Q/K rows un-permuted where needed. Float tensors (F32, F16, BF16) are skipped: the
+        converted folder holds them exactly.
+
+        Raises:
+            ModelError: a matrix uses a block format ``weights="gguf"`` does not run
+                (K-quants, IQ formats), or an unknown tensor name.
+        """
+        from runtime.model.blocks import BlockWeight
+
+        heads = self.config["num_attention_heads"]
+        kv_heads = self.config["num_key_value_heads"]
+        for t in self._reader.tensors:
+            name = hf_tensor_name(t.name)
+            kind = t.tensor_type.name
+            if name is None or kind in ("F32", "F16", "BF16") or len(t.shape) != 2:
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            w = BlockWeight.from_gguf(t.data, kind, shape)  # (refuses other formats)
+            if self.arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
+                n = heads if ".attn_q." in t.name else kv_heads
+                rows = unpermute_qk(np.arange(shape[0]), n)
+                import torch
+
+                w = w.take_rows(torch.from_numpy(rows))
+            yield name, w
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed.

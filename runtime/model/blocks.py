@@ -1,0 +1,233 @@
+"""Weights kept in a GGUF file's own block formats (``weights="gguf"``): Q4_0, Q4_1, Q8_0.
+
+Owner: the model's projections, lm_head and embedding table when the model runs on the
+blocks its GGUF stores (or, for a Hugging Face folder, on Q4_1 blocks made at load).
+:class:`BlockWeight` holds one weight matrix as the file's bytes, regrouped into three
+arrays (quants, scales, minimums) so the kernel reads them with aligned vector loads:
+
+* Q4_1: a scale ``d`` and a minimum ``m`` (float16) per group of 32, 4-bit ``q``:
+  ``w = q * d + m``;
+* Q4_0: ``w = (q - 8) * d``: stored as Q4_1 with ``m = -8 d`` (exact in float16, and
+  ``q * d - 8 d`` rounds to the same float32 as ``(q - 8) * d``);
+* Q8_0: ``w = q * d`` with 8-bit ``q``.
+
+The product (``runtime/model/kernels/block_mm.cpp``) forms each weight in float32 exactly as
+ggml dequantizes it, then multiplies fp32 activations: the computed weights are the file's
+dequantized values bit for bit, and the activations are not rounded at all. Without the
+compiled kernels the same weights are dequantized per call and go through ``F.linear``.
+
+:class:`Int4Weight` is the same 4-bit weight in the layout of torch's groupwise int4 CPU
+kernel, made only where bf16 scales and zeros hold it exactly (``runtime.model.matmul``
+offers it as a kernel candidate then).
+
+K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
+formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
+Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives its cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pie_ctx.proto.errors import ModelError
+from runtime.model import kernels
+
+__all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight"]
+
+GROUP = 32  # weights per block in every supported format
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWeight:
+    """One weight [out_features, in_features] in GGUF blocks of 32 along ``in_features``.
+
+    Fields:
+        bits: 4 (Q4_0 / Q4_1) or 8 (Q8_0).
+        qs: uint8 [out, in / 2] (4 bits, ggml's nibble order) or int8 [out, in] (8 bits).
+        d: float16 [out, in / 32] scales.
+        m: float16 [out, in / 32] minimums (4 bits; Q4_0 has ``-8 d``), empty for 8 bits.
+        source: the format it came from (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``).
+    """
+
+    bits: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    out_features: int
+    in_features: int
+    source: str
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, kind: str, shape: tuple[int, int]) -> BlockWeight:
+        """The weight of a GGUF tensor's raw bytes ``raw`` (uint8, [out, row bytes]).
+
+        Raises:
+            ModelError: ``kind`` is not a supported block format, or the bytes do not fit.
+        """
+        if kind not in _BLOCK_BYTES:
+            raise ModelError(f"GGUF block format {kind} is not supported by weights='gguf' "
+                             f"(it runs {', '.join(BLOCK_FORMATS)}); use --weights fp32 or "
+                             "int8, which dequantize the file at load")
+        out_f, in_f = shape
+        nb = in_f // GROUP
+        if in_f % GROUP or raw.size != out_f * nb * _BLOCK_BYTES[kind]:
+            raise ModelError(f"GGUF {kind} tensor of shape {shape} has {raw.size} bytes; the "
+                             "file is corrupt")
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(out_f, nb, -1))
+        d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(out_f, nb)
+        if kind == "Q8_0":
+            qs = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_f, in_f)
+            return cls(8, qs, d, torch.empty(0, dtype=torch.float16), out_f, in_f, kind)
+        if kind == "Q4_1":
+            m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(out_f, nb)
+            qs = blocks[:, :, 4:].reshape(out_f, nb * 16).contiguous()
+        else:  # Q4_0: (q - 8) d == q d + (-8 d), and -8 d is exact in float16
+            m = (d.float() * -8).to(torch.float16)
+            qs = blocks[:, :, 2:].reshape(out_f, nb * 16).contiguous()
+        return cls(4, qs, d, m, out_f, in_f, kind)
+
+    @classmethod
+    def quantize_q4_1(cls, weight: torch.Tensor) -> BlockWeight:
+        """Q4_1 blocks of a float ``weight`` [out, in] (llama.cpp's reference quantizer:
+        ``d = (max - min) / 15``, ``m = min`` per group of 32, ``q = round((w - min) / d)``).
+
+        Raises:
+            ModelError: ``in`` is not a multiple of 32.
+        """
+        out_f, in_f = weight.shape
+        if in_f % GROUP:
+            raise ModelError(f"a weight with {in_f} input features cannot be split into groups "
+                             f"of {GROUP}; use --weights fp32 or int8 for this model")
+        g = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((g - lo[..., None]) * inv[..., None] + 0.5).to(torch.int32).clamp_(0, 15)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8).reshape(out_f, in_f // 2)
+        return cls(4, packed.contiguous(), d.to(torch.float16), lo.to(torch.float16), out_f,
+                   in_f, "Q4_1")
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight | None:
+        """The weights stacked along the output rows (a fused qkv / gate_up), or None when
+        their bit widths differ (the caller keeps that projection in float)."""
+        if len({p.bits for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
+            return None
+        first = parts[0]
+        m = torch.cat([p.m for p in parts]) if first.bits == 4 else first.m
+        kinds = sorted({p.source for p in parts})
+        return BlockWeight(first.bits, torch.cat([p.qs for p in parts]),
+                           torch.cat([p.d for p in parts]), m,
+                           sum(p.out_features for p in parts), first.in_features,
+                           "+".join(kinds))
+
+    def take_rows(self, index: torch.Tensor) -> BlockWeight:
+        """The weight of output rows ``index`` (Q/K row un-permutation, tensor-parallel
+        shards)."""
+        return BlockWeight(self.bits, self.qs[index].contiguous(), self.d[index].contiguous(),
+                           self.m[index].contiguous() if self.bits == 4 else self.m,
+                           int(index.numel()), self.in_features, self.source)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: quants and float16 scales (and minimums)."""
+        return self.qs.numel() + 2 * self.d.numel() + 2 * self.m.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [R, in] weights of output ``rows`` (None: all): ggml's values exactly."""
+        index = rows if rows is not None else torch.arange(self.out_features)
+        ops = kernels.block_ops()
+        if ops is not None:
+            return ops.block_rows(self.qs, self.d, self.m, self.bits, index)
+        qs, d = self.qs[index], self.d[index].float()
+        nb = self.in_features // GROUP
+        if self.bits == 8:
+            q = qs.view(-1, nb, GROUP).float()
+            return (q * d[..., None]).reshape(-1, self.in_features)
+        b = qs.view(-1, nb, 16).to(torch.int32)
+        q = torch.cat([b & 15, b >> 4], dim=2).float()  # element j, then j + 16
+        # q * d is exact in float32, so one rounding of the sum, as ggml's q * d + m
+        return (q * d[..., None] + self.m[index].float()[..., None]).reshape(-1, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 ``x`` [M, in] @ W.T -> [M, out] (the compiled kernel, or the eager twin)."""
+        ops = kernels.block_ops()
+        if ops is not None and x.device.type == "cpu":
+            return ops.block_mm(x if x.stride(-1) == 1 else x.contiguous(), self.qs, self.d,
+                                self.m, self.bits)
+        return torch.nn.functional.linear(x, self.dequantize())
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEmbedding:
+    """An embedding table in GGUF blocks: the rows looked up are dequantized (exactly)."""
+
+    table: BlockWeight  # [vocab, hidden]
+    dtype: torch.dtype = torch.float32
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tensor[T] ids -> Tensor[T, hidden] in ``dtype``."""
+        return self.table.dequantize(tokens.to(torch.int64)).to(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A 4-bit weight in the layout of torch's groupwise int4 CPU kernel.
+
+    ``y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed,
+    group_size, scales_and_zeros)`` computes ``x @ W.T`` with ``W = (q - 8) * scale + zero``
+    per group of ``group_size`` inputs, in bf16 (then cast back to the compute dtype).
+    """
+
+    packed: torch.Tensor  # from _convert_weight_to_int4pack_for_cpu
+    scales_and_zeros: torch.Tensor  # bf16 [in / group_size, out, 2]
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @staticmethod
+    def _scales_and_zeros(w: BlockWeight) -> torch.Tensor | None:
+        if w.bits != 4 or w.out_features % 16:  # (the packing takes N in 16s)
+            return None
+        d, zero = w.d.float(), w.m.float() + 8 * w.d.float()  # q d + m = (q - 8) d + zero
+        sz = torch.stack([d.t(), zero.t()], dim=2)  # [nb, out, 2]
+        if not torch.equal(sz.to(torch.bfloat16).float(), sz) or not torch.equal(
+                zero - 8 * d, w.m.float()):
+            return None
+        return sz
+
+    @classmethod
+    def fits(cls, w: BlockWeight) -> bool:
+        """Whether bf16 scales and zeros hold ``w``'s weights exactly (a GGUF's float16
+        scales in general do not) and its shape suits the kernel (out in 16s)."""
+        return cls._scales_and_zeros(w) is not None
+
+    @classmethod
+    def from_blocks(cls, w: BlockWeight) -> Int4Weight | None:
+        """The same weights as the 4-bit ``w``, or None where they do not :meth:`fit`."""
+        sz = cls._scales_and_zeros(w)
+        if sz is None:
+            return None
+        b = w.qs.view(w.out_features, -1, 16).to(torch.int32)
+        q = torch.cat([b & 15, b >> 4], dim=2).reshape(w.out_features, w.in_features)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        return cls(packed, sz.to(torch.bfloat16).contiguous(), GROUP, w.out_features,
+                   w.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                       self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype)

@@ -1,0 +1,85 @@
+"""Put a model's projections, lm_head and embedding on GGUF blocks (``weights="gguf"``).
+
+Owner: the model runner, once at load, on a model built in float. With the blocks of the
+GGUF the model was converted from (``runtime.model.loader.load_blocks``) every matrix the
+file stores in Q4_0, Q4_1 or Q8_0 runs on those blocks as they are (a fused qkv or gate_up
+stacks its parts' blocks; parts of different bit widths, and matrices the file stores as
+floats, stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
+Face folder) the float weights are quantized here as llama.cpp's Q4_1 files are: the
+projections to Q4_1, the embedding table (and lm_head) to Q8_0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pie_ctx.proto.errors import InvalidArgument
+from runtime.model.blocks import GROUP, BlockEmbedding, BlockWeight
+from runtime.model.matmul import Projection, choose_kernels
+
+__all__ = ["use_blocks", "quantize_q8_0"]
+
+_PARTS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Q8_0 blocks of a float ``weight`` [out, in] (llama.cpp's reference quantizer:
+    ``d = max|w| / 127`` per group of 32, ``q = round(w / d)``)."""
+    out_f, in_f = weight.shape
+    g = weight.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    d = g.abs().amax(dim=2) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_f, in_f)
+    return BlockWeight(8, q.contiguous(), d.to(torch.float16), torch.empty(0, dtype=torch.float16),
+                       out_f, in_f, "Q8_0")
+
+
+def _fused(blocks: dict[str, BlockWeight], layer: int, kind: str) -> BlockWeight | None:
+    parts = [blocks.get(f"model.layers.{layer}.{p}.weight") for p in _PARTS[kind]]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else BlockWeight.cat(parts)  # type: ignore[arg-type]
+
+
+def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
+    """Replace ``model``'s float projections, lm_head and embedding with block weights, in
+    place (see the module docstring), then choose their kernels.
+
+    Args:
+        model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
+        blocks: HF-named block weights of its GGUF; None: quantize the float weights now.
+
+    Raises:
+        InvalidArgument: the model is not on CPU or not float.
+    """
+    if model.device.type != "cpu":
+        raise InvalidArgument("weights='gguf' runs on CPU; on a GPU use dtype bfloat16")
+    if model.weight_format != "fp32":
+        raise InvalidArgument(f"the model is already {model.weight_format}")
+    for i, lw in enumerate(model.layers):
+        for kind in _PARTS:
+            proj: Projection = getattr(lw, kind)
+            w = (_fused(blocks, i, kind) if blocks is not None
+                 else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
+            if w is not None:
+                setattr(lw, kind, Projection(w, proj.bias))
+    tied = model.lm_head.weight is model.embed
+    if blocks is not None:
+        table = blocks.get("model.embed_tokens.weight")
+        head = table if tied else blocks.get("lm_head.weight")
+    else:
+        table = quantize_q8_0(model.embed)
+        head = table if tied else quantize_q8_0(model.lm_head.weight)
+    if head is not None:
+        model.lm_head = Projection(head, buckets=2)
+    if table is not None:
+        model.embed = BlockEmbedding(table, model.dtype)
+    model.weight_format = "gguf"
+    model.kernel_report = choose_kernels(model.projections())

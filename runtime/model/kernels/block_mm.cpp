@@ -1,0 +1,254 @@
+// pie-ctx CPU kernels for weights kept in a GGUF file's own block formats (Q4_0, Q4_1, Q8_0).
+//
+// Built at first use by runtime/model/kernels/__init__.py (block_ops()), like cpu_ops.cpp.
+// Layouts (runtime/model/blocks.py makes them from the file's blocks, byte for byte):
+//
+//   4-bit (Q4_0, Q4_1): qs uint8 [N, nb * 16]: block b of output row n is the 16 bytes at
+//     qs[n, 16 b:]: byte j holds element 32 b + j in its low nibble and 32 b + j + 16 in its
+//     high nibble (ggml's order); d, m float16 [N, nb]: the weight is q * d + m (Q4_0 is
+//     stored with m = -8 d, which is the same value as ggml's (q - 8) * d).
+//   8-bit (Q8_0): qs int8 [N, nb * 32], element 32 b + j at qs[n, 32 b + j]; d float16
+//     [N, nb]; the weight is q * d.
+//
+// Every weight is formed in fp32 as q * d + m with one rounding, which is exactly ggml's
+// dequantized value (q * d is exact in fp32: an 11-bit mantissa times a 4- or 8-bit integer),
+// then multiplied with fp32 activations: no activation rounding at all. A row's result
+// depends only on that row (the sums run in a fixed order whatever the batch).
+//
+// Vectors: GCC vector extensions of 16 floats (one AVX-512 register, two AVX2 ones).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef _Float16 v16h __attribute__((vector_size(32)));
+
+constexpr int TILE = 8;  // activation rows that share one pass over a weight row
+
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline v16 splat(float x) { return v16{} + x; }
+
+inline float hsum(v16 v) {
+  float s[16];
+  std::memcpy(s, &v, sizeof s);
+  float a = 0.f;  // a fixed order: the same bits for a row whatever its batch
+  for (int i = 0; i < 16; ++i) a += s[i];
+  return a;
+}
+
+// 16 bytes -> 16 int32 lanes (GCC 12 scalarizes __builtin_convertvector from bytes: the
+// sign- or zero-extending loads are spelled out where the CPU has them).
+template <bool SIGNED>
+inline v16i widen_bytes(const uint8_t* p) {
+  v16i r;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i w = SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&r, &w, sizeof r);
+#elif defined(__AVX2__)
+  const __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  const __m256i w0 = SIGNED ? _mm256_cvtepi8_epi32(b0) : _mm256_cvtepu8_epi32(b0);
+  const __m256i w1 = SIGNED ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
+  std::memcpy(&r, &w0, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &w1, 32);
+#else
+  for (int i = 0; i < 16; ++i)
+    r[i] = SIGNED ? static_cast<int32_t>(static_cast<int8_t>(p[i])) : static_cast<int32_t>(p[i]);
+#endif
+  return r;
+}
+
+// The weights of one block of 32 (two vectors), formed exactly as ggml dequantizes them.
+struct Q4 {
+  static constexpr int64_t BYTES = 16;
+  static inline void weights(const uint8_t* q, float d, float m, v16& lo, v16& hi) {
+    const v16i qi = widen_bytes<false>(q);
+    lo = __builtin_convertvector(qi & 15, v16) * d + m;
+    hi = __builtin_convertvector(qi >> 4, v16) * d + m;
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t BYTES = 32;
+  static inline void weights(const uint8_t* q, float d, float, v16& lo, v16& hi) {
+    lo = __builtin_convertvector(widen_bytes<true>(q), v16) * d;
+    hi = __builtin_convertvector(widen_bytes<true>(q + 16), v16) * d;
+  }
+};
+
+// Scales of one output row, float16 -> float32 (exact), 16 at a time.
+inline void widen(const _Float16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16h h;
+    std::memcpy(&h, src + i, sizeof h);
+    const v16 f = __builtin_convertvector(h, v16);
+    std::memcpy(dst + i, &f, sizeof f);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// out[r, n + j] = sum_k x[r, k] * W[n + j, k] for R rows of x and NO output rows from n.
+// Each (r, j) has its own accumulators, summed block after block in the same order whatever
+// R and NO are: a row's result does not depend on its batch. Several output rows at once
+// give one activation row independent chains (a lone row's single chain is latency bound).
+template <class F, int R, int NO>
+inline void dot_rows(const float* x, int64_t xs, const uint8_t* q, int64_t qrow,
+                     const float* d, const float* m, int64_t nb, float* out, int64_t os) {
+  v16 acc[R][NO][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO; ++j) acc[r][j][0] = acc[r][j][1] = v16{};
+  for (int64_t b = 0; b < nb; ++b) {
+    v16 lo[NO], hi[NO];
+    for (int j = 0; j < NO; ++j)
+      F::weights(q + j * qrow + b * F::BYTES, d[j * nb + b], m ? m[j * nb + b] : 0.f, lo[j],
+                 hi[j]);
+    for (int r = 0; r < R; ++r) {
+      const v16 x0 = load(x + r * xs + b * 32), x1 = load(x + r * xs + b * 32 + 16);
+      for (int j = 0; j < NO; ++j) {
+        acc[r][j][0] += x0 * lo[j];
+        acc[r][j][1] += x1 * hi[j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NO; ++j) out[r * os + j] = hsum(acc[r][j][0] + acc[r][j][1]);
+}
+
+constexpr int WIDE = 4;  // output rows per pass for batches of fewer than 4 rows
+
+template <class F, int NO>
+inline void rows_of(const float* x, int64_t M, int64_t xs, const uint8_t* q, int64_t qrow,
+                    const float* d, const float* m, int64_t nb, float* out, int64_t N) {
+  if (NO == WIDE) {  // M < 4
+    switch (M) {
+      case 1: dot_rows<F, 1, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+      case 2: dot_rows<F, 2, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+      default: dot_rows<F, 3, NO>(x, xs, q, qrow, d, m, nb, out, N); break;
+    }
+    return;
+  }
+  int64_t r = 0;
+  for (; r + TILE <= M; r += TILE)
+    dot_rows<F, TILE, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N);
+  switch (M - r) {  // the rows left over, in one pass
+    case 0: break;
+    case 1: dot_rows<F, 1, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 2: dot_rows<F, 2, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 3: dot_rows<F, 3, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 4: dot_rows<F, 4, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 5: dot_rows<F, 5, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    case 6: dot_rows<F, 6, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+    default: dot_rows<F, 7, 1>(x + r * xs, xs, q, qrow, d, m, nb, out + r * N, N); break;
+  }
+}
+
+template <class F>
+void block_mm_impl(const float* x, int64_t M, int64_t xs, const uint8_t* qs,
+                   const _Float16* dp, const _Float16* mp, int64_t N, int64_t nb, float* out) {
+  const int64_t qrow = nb * F::BYTES;
+  const bool wide = M < 4;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> dbuf(WIDE * nb), mbuf(mp ? WIDE * nb : 0);
+    for (int64_t n = begin; n < end;) {
+      const int64_t no = wide && n + WIDE <= end ? WIDE : 1;
+      widen(dp + n * nb, dbuf.data(), no * nb);
+      if (mp) widen(mp + n * nb, mbuf.data(), no * nb);
+      const float* m = mp ? mbuf.data() : nullptr;
+      if (no == WIDE)
+        rows_of<F, WIDE>(x, M, xs, qs + n * qrow, qrow, dbuf.data(), m, nb, out + n, N);
+      else
+        rows_of<F, 1>(x, M, xs, qs + n * qrow, qrow, dbuf.data(), m, nb, out + n, N);
+      n += no;
+    }
+  });
+}
+
+void check(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+           int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_mm: bits must be 4 or 8");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.element_size() == 1,
+              "block_mm: qs [N, bytes] of 1-byte elements");
+  TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 2 && d.is_contiguous() &&
+              d.size(0) == qs.size(0), "block_mm: d float16 [N, nb]");
+  TORCH_CHECK(qs.size(1) == d.size(1) * (bits == 4 ? 16 : 32), "block_mm: qs/d sizes");
+  TORCH_CHECK(bits == 8 || (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 &&
+                            m.is_contiguous()), "block_mm: m float16 [N, nb] for 4 bits");
+}
+
+}  // namespace
+
+// x [M, K] float32 (rows may be strided) times the block weight [N, K]^T -> [M, N] float32.
+torch::Tensor block_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                       int64_t bits) {
+  check(qs, d, m, bits);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "block_mm: x float32 [M, K]");
+  const int64_t M = x.size(0), N = qs.size(0), nb = d.size(1);
+  TORCH_CHECK(x.size(1) == nb * 32, "block_mm: x has ", x.size(1), " columns, weight ", nb * 32);
+  auto out = torch::empty({M, N}, x.options());
+  const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
+  if (bits == 4)
+    block_mm_impl<Q4>(x.data_ptr<float>(), M, x.stride(0), q, dp,
+                      reinterpret_cast<const _Float16*>(m.data_ptr()), N, nb,
+                      out.data_ptr<float>());
+  else
+    block_mm_impl<Q8>(x.data_ptr<float>(), M, x.stride(0), q, dp, nullptr, N, nb,
+                      out.data_ptr<float>());
+  return out;
+}
+
+// The fp32 weights of output rows ``rows`` (int64 [R]) -> [R, K]: ggml's dequantized values.
+torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t bits,
+                         torch::Tensor rows) {
+  check(qs, d, m, bits);
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "block_rows: rows int64 [R]");
+  const int64_t R = rows.size(0), N = qs.size(0), nb = d.size(1);
+  auto out = torch::empty({R, nb * 32}, d.options().dtype(torch::kFloat32));
+  const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
+  const auto* mp = bits == 4 ? reinterpret_cast<const _Float16*>(m.data_ptr()) : nullptr;
+  const int64_t bytes = bits == 4 ? Q4::BYTES : Q8::BYTES;
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "block_rows: row ", rp[i], " out of range");
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = rp[i];
+      for (int64_t b = 0; b < nb; ++b) {
+        const float db = static_cast<float>(dp[n * nb + b]);
+        const float mb = mp ? static_cast<float>(mp[n * nb + b]) : 0.f;
+        v16 lo, hi;
+        if (bits == 4) Q4::weights(q + (n * nb + b) * bytes, db, mb, lo, hi);
+        else Q8::weights(q + (n * nb + b) * bytes, db, mb, lo, hi);
+        std::memcpy(op + i * nb * 32 + b * 32, &lo, sizeof lo);
+        std::memcpy(op + i * nb * 32 + b * 32 + 16, &hi, sizeof hi);
+      }
+    }
+  });
+  return out;
+}
+
+// Also a dispatcher op, for C++ callers in other extensions (a fused decode step):
+// c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "") or, from
+// Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits).
+TORCH_LIBRARY(pie_ctx_blocks, m) {
+  m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q8_0)");
+  m.def("block_rows", &block_rows, "rows of a GGUF block weight, dequantized to float32");
+}
