@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from runtime.model import kernels
 
-__all__ = ["Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
+__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
            "kernel_choices", "should_pack"]
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,30 @@ class Int8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
 
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A weight as torch's groupwise int4 CPU layout (a scale and a zero per group of
+    ``group_size`` input channels), run as ``_weight_int4pack_mm_for_cpu`` on bf16
+    activations (kernel ``int4pack``)."""
+
+    packed: torch.Tensor  # _convert_weight_to_int4pack_for_cpu's output
+    scales_and_zeros: torch.Tensor  # [in / group_size, out, 2] bf16
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+
+
+def _int4_mm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), w.packed, w.group_size, w.scales_and_zeros).to(x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of fp32 ``x`` [m, k]: (q [m, k] int8, scale [m, 1] fp32)."""
     ops = kernels.ops()
@@ -158,18 +182,23 @@ class Projection:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if isinstance(self.weight, Int4Weight):
+            return self.weight.out_features, self.weight.in_features
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return int(w.shape[0]), int(w.shape[1])
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.weight, Int4Weight):
+            return self.weight.packed.device
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return w.device
 
     @property
     def signature(self) -> tuple:
         """Projections with equal signatures get the same kernels."""
-        dtype = "int8" if self.is_int8 else str(self.weight.dtype)  # type: ignore[union-attr]
+        dtype = ("int8" if self.is_int8 else "int4" if isinstance(self.weight, Int4Weight)
+                 else str(self.weight.dtype))  # type: ignore[union-attr]
         return (dtype, self.shape, self.bias is not None, self.pack, self.buckets,
                 str(self.device))
 
@@ -177,11 +206,13 @@ class Projection:
     def nbytes(self) -> int:
         """Bytes of the weight (one layout) and bias a call reads."""
         w = self.weight
-        n = w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+        n = w.nbytes if isinstance(w, (Int8Weight, Int4Weight)) else w.numel() * w.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def candidate_names(self) -> list[str]:
         """Kernels that can run this projection here, the reference one first."""
+        if isinstance(self.weight, Int4Weight):
+            return ["int4pack"]
         if self.device.type != "cpu":
             return ["mkl"] if not self.is_int8 else ["int_mm"]
         if self.is_int8:
@@ -214,6 +245,9 @@ class Projection:
             if packed is None:
                 packed = self._layouts[name] = reorder(w, _PACK_HINT)  # type: ignore[operator]
             return lambda x: linear(x, packed, b, "none", [], "")  # type: ignore[operator]
+        if name == "int4pack":
+            assert isinstance(w, Int4Weight)
+            return lambda x: _int4_mm(x, w, b)
         assert isinstance(w, Int8Weight)
         if name == "int_mm":
             qt = w.q.t()  # a view of W as stored, [out, in] row-major

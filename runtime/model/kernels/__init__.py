@@ -19,7 +19,9 @@ The kernels (docs/forward.md):
   straight over the paged pool, no gather, split over the keys of long contexts at fixed
   positions (so a row's bits do not depend on its batch);
 * ``rms_norm``, ``quantize_rows``, ``rope_``, ``write_kv`` and ``silu_mul``: one pass each
-  instead of 2-6 eager ops, bit for bit the eager results.
+  instead of 2-6 eager ops, bit for bit the eager results;
+* ``DecodeStep`` (``decode_step.cpp``): every layer of a small decode batch in one call,
+  with grouped LoRA deltas (``runtime.model.fused_step`` prepares and runs it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ __all__ = ["ops", "enabled", "build", "folder"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# the decode step (runtime/model/fused_step.py), built into the same module
+SOURCES = (SOURCE, Path(__file__).with_name("decode_step.cpp"))
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -71,7 +75,7 @@ def folder() -> Path:
     """Where this machine's build lives."""
     digest = hashlib.blake2b(digest_size=8)
     # (this file too: it holds the compiler flags)
-    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES), Path(__file__).read_bytes(), torch.__version__.encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         digest.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -100,7 +104,7 @@ def build(verbose: bool = False) -> Any:
     with open(where / "pie-ctx.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (where / "lock").unlink(missing_ok=True)
-        return load(name=f"pie_ctx_cpu_ops_{where.name}", sources=[str(SOURCE)],
+        return load(name=f"pie_ctx_cpu_ops_{where.name}", sources=[str(s) for s in SOURCES],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(where), verbose=verbose)
 
