@@ -27,7 +27,10 @@ the oracle of tests/model/test_fused_step.py):
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
   (decodes, drafts, short chunks), no attention scores asked for, and no custom mask
   other than one that equals causal attention (a mask the paged kernel cannot express
-  runs eagerly); adapters of any mix.
+  runs eagerly); adapters of any mix;
+* forks whose shared pages the eager cascade would read once, where the fused step reads
+  them once per fork, share at most :data:`MAX_SHARED_PAGES` extra page reads (best-of-8
+  over a long prompt stays on the cascade).
 
 Numerics: the projections, norms, RoPE and K/V writes are the eager ops' bits. Attention
 is the paged kernel for every sequence, where the eager forward attends forks through the
@@ -47,6 +50,7 @@ import torch
 from runtime.model import kernels
 from runtime.model.adapters.delta import FusedAdapter
 from runtime.model.attention.base import AttentionMetadata
+from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.matmul import Int4Weight, Int8Weight, Projection
@@ -58,6 +62,10 @@ log = logging.getLogger(__name__)
 # Read once; tests flip it with monkeypatch.setattr.
 ENABLED = os.environ.get("PIE_CTX_DECODE_STEP", "1").lower() not in ("0", "false", "no", "off")
 MAX_ROWS = 8  # new tokens of a step it takes (matmul's 1-row and batch buckets)
+# Forks' pages read again by the paged kernel (one per fork beyond the first, per shared
+# page) beyond which the eager cascade runs the step: each costs ~0.07 ms a step on
+# SmolLM2 (16 tokens x 30 layers x 1.5 KB at ~10 GB/s) against ~4-8 ms of dispatch saved.
+MAX_SHARED_PAGES = 16
 
 # matmul.py's kernel names -> decode_step.cpp's Kind
 _KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
@@ -138,6 +146,9 @@ class FusedStep:
         ops = kernels.ops()
         self.ops = ops
         self.steps = 0  # steps run (tests and benchmarks check it ran)
+        # adapter key (a 64-bit digest) -> the small id the C++ step knows it by (1, 2, ...)
+        self._ids: dict[int, int] = {}
+        self._next_id = 1
         self.step = ops.DecodeStep(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
         for lw in model.layers:
             specs = [[_spec(p, n) for n in p.kernel_names[:2]]
@@ -146,7 +157,7 @@ class FusedStep:
 
     def register(self, adapter: FusedAdapter) -> None:
         """Hand the C++ step bf16 copies of ``adapter``'s fused pairs (once per key)."""
-        if self.step.has_adapter(adapter.key):
+        if adapter.key in self._ids:
             return
         layers = []
         for pairs, blocks in zip(adapter.layers, adapter.blocks, strict=True):
@@ -161,11 +172,19 @@ class FusedStep:
                          for lo, hi, c0, c1 in blocks[name] if c1 > c0]
                 entries.append((a.to(torch.bfloat16).contiguous(), parts))
             layers.append(entries)
-        self.step.add_adapter(adapter.key, layers)
+        self._ids[adapter.key] = self._next_id
+        self.step.add_adapter(self._next_id, layers)
+        self._next_id += 1
+
+    def has(self, key: int) -> bool:
+        """Whether the step holds copies of adapter ``key``."""
+        return key in self._ids
 
     def drop(self, key: int) -> None:
         """Forget an unloaded adapter's copies."""
-        self.step.drop_adapter(key)
+        slot = self._ids.pop(key, None)
+        if slot is not None:
+            self.step.drop_adapter(slot)
 
     @staticmethod
     def takes(batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
@@ -180,6 +199,15 @@ class FusedStep:
                 return False
             if mask is not None and not _causal(mask, cached):
                 return False
+        if len(batch) > 1 and getattr(backend, "cascade", False):
+            # forks: the paged kernel reads a shared prefix once per fork, the eager
+            # cascade once for all of them; past MAX_SHARED_PAGES extra page reads the
+            # cascade saves more than the step's dispatch
+            decodes = [i for i, n in enumerate(meta.query_lens)
+                       if n == 1 and meta.masks[i] is None]
+            clusters, _ = shared_prefix_clusters(meta, decodes)
+            if sum((len(seqs) - 1) * shared for seqs, shared in clusters) > MAX_SHARED_PAGES:
+                return False
         return True
 
     def run(self, model: Any, tokens: torch.Tensor, meta: AttentionMetadata,
@@ -192,7 +220,8 @@ class FusedStep:
         if any(row_keys):
             for key in set(row_keys) - {0}:
                 self.register(adapters[key])
-            rows = torch.tensor(row_keys, dtype=torch.int64)
+            rows = torch.tensor([self._ids[k] if k else 0 for k in row_keys],
+                                dtype=torch.int64)
         else:
             rows = _NONE
         group = KernelGroup.build(self.ops, meta, list(range(len(batch))))
