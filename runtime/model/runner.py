@@ -115,6 +115,8 @@ class ModelRunner:
         adapter = load_peft(name, path, self.config, model_name)
         if adapter.key not in self._fused:  # the same weights under two names: one copy
             self._fused[adapter.key] = fuse(adapter, self.model)
+            if isinstance(self._step, FusedStep):  # its bf16 copies now, not in a step
+                self._step.register(self._fused[adapter.key])
         self.adapters[name] = adapter
         return adapter
 
@@ -199,6 +201,8 @@ class ModelRunner:
                 self._step = False
                 return None
             self._step = FusedStep(self.model)
+            for fused in self._fused.values():
+                self._step.register(fused)
         return self._step  # type: ignore[return-value]
 
     def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:

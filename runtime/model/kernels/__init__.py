@@ -88,8 +88,12 @@ def build(verbose: bool = False) -> Any:
 
     where = folder()
     where.mkdir(parents=True, exist_ok=True)
-    if shutil.which("ninja") is None:  # the ninja wheel's binary, beside this interpreter
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    # Always the same ninja (the wheel's, beside this interpreter, when there is one): two
+    # ninja versions hash a command line differently, so a process that found the
+    # system's after one that found the wheel's rebuilt everything (minutes), and back.
+    beside = Path(sys.executable).parent
+    if (beside / "ninja").exists() or shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ['PATH']}"
     # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, serial without it
     # (libgomp.so.1, the team library torch itself loaded).
     flags = ["-O3", "-std=c++17", "-fopenmp"]
