@@ -275,3 +275,17 @@ def test_adapters_in_the_step_follow_peft(tmp_path: Path) -> None:
         ref = oracle(torch.tensor([tokens])).logits[0, -1]
     err = (got - ref).abs().max().item()
     assert err <= PEFT_TOL * ref.abs().max().item(), err
+
+
+def test_forks_of_a_long_shared_prefix_stay_on_the_cascade() -> None:
+    hf = make_hf_model("llama3", seed=9)
+    fused, eager = _pair(lambda: make_runner(hf, page_size=4, num_pages=96))
+    twin = _Twin(fused, eager)
+    a = twin.add()
+    twin.step({a: random_tokens(72, seed=4)})  # 18 full pages
+    forks = [twin.add(fork_of=a, shared_pages=18) for _ in range(2)]
+    twin.step({f: [i + 1] for i, f in enumerate(forks)} | {a: [3]})  # 36 re-reads: eager
+    assert _steps(fused) == 0
+    short = [twin.add(fork_of=a, shared_pages=3) for _ in range(2)]
+    twin.step({f: [i + 1] for i, f in enumerate(short)})  # 3 re-reads: fused
+    assert _steps(fused) == 1
