@@ -12,7 +12,7 @@ final norm and the lm_head stay in Python (a handful of ops a step, not a layer)
 the C++ object every layer's norms and projection kernels (their weights in the layouts
 the chosen kernels read). LoRA adapters are registered on first use as bf16 copies of
 their fused pairs (``runtime.model.adapters.delta``), each target's B as its own dense
-block (no block-diagonal zeros), and their deltas run as one grouped kernel per projection
+block (no block-diagonal zeros, transposed), and their deltas run as one grouped kernel per projection
 for every adapter in the batch.
 
 When it runs (:meth:`FusedStep.takes`; everything else runs the eager forward, which stays
@@ -168,7 +168,8 @@ class FusedStep:
                     entries.append(None)
                     continue
                 a, b = pair
-                parts = [(lo, hi, c0, c1, b[lo:hi, c0:c1].to(torch.bfloat16).contiguous())
+                # each block transposed, [rank, out]: the kernel runs 16 outputs at once
+                parts = [(lo, hi, c0, c1, b[lo:hi, c0:c1].t().to(torch.bfloat16).contiguous())
                          for lo, hi, c0, c1 in blocks[name] if c1 > c0]
                 entries.append((a.to(torch.bfloat16).contiguous(), parts))
             layers.append(entries)

@@ -94,7 +94,7 @@ struct Kernel {
 
 struct LoraBlock {
   int64_t out_lo, out_hi, col_lo, col_hi;
-  torch::Tensor b;  // [out_hi - out_lo, col_hi - col_lo] bf16
+  torch::Tensor b;  // B's block transposed: [col_hi - col_lo, out_hi - out_lo] bf16
 };
 
 struct LoraProj {
@@ -195,7 +195,7 @@ class DecodeStep {
   }
 
   // layers[i]: 4 entries (qkv, o, gate_up, down), each None or
-  // (A bf16 [R, in], [(out_lo, out_hi, col_lo, col_hi, B bf16), ...]).
+  // (A bf16 [R, in], [(out_lo, out_hi, col_lo, col_hi, B's block transposed, bf16), ...]).
   void add_adapter(int64_t key, py::list layers) {
     TORCH_CHECK(static_cast<size_t>(layers.size()) == layers_.size(),
                 "decode step: an adapter needs every layer");
@@ -214,9 +214,9 @@ class DecodeStep {
           LoraBlock blk{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(),
                         t[3].cast<int64_t>(), t[4].cast<torch::Tensor>()};
           TORCH_CHECK(blk.b.scalar_type() == at::kBFloat16 && blk.b.is_contiguous() &&
-                      blk.b.size(0) == blk.out_hi - blk.out_lo &&
-                      blk.b.size(1) == blk.col_hi - blk.col_lo,
-                      "decode step: adapter B blocks must be contiguous bf16");
+                      blk.b.size(0) == blk.col_hi - blk.col_lo &&
+                      blk.b.size(1) == blk.out_hi - blk.out_lo,
+                      "decode step: adapter B blocks must be contiguous bf16 [rank, out]");
           lp.blocks.push_back(std::move(blk));
         }
       }
@@ -351,15 +351,28 @@ class DecodeStep {
           b_tasks.push_back({&blk, &groups[gi], lp.a.size(0), lo,
                              std::min(lo + CHUNK, blk.out_hi - blk.out_lo), xa_off[gi]});
     }
+    // B is stored transposed ([w, out]): 16 outputs at a time, one FMA per rank column
     at::parallel_for(0, static_cast<int64_t>(b_tasks.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t ti = b; ti < e; ++ti) {
         const BTask& t = b_tasks[ti];
         const int64_t w = t.blk->col_hi - t.blk->col_lo;
-        const uint16_t* bp = reinterpret_cast<const uint16_t*>(t.blk->b.data_ptr<at::BFloat16>());
+        const int64_t width = t.blk->out_hi - t.blk->out_lo;
+        const uint16_t* bt = reinterpret_cast<const uint16_t*>(t.blk->b.data_ptr<at::BFloat16>());
         for (size_t j = 0; j < t.g->rows.size(); ++j) {
           const float* v = xa.data() + t.off + j * t.R + t.blk->col_lo;
           float* dst = op + t.g->rows[j] * os + t.blk->out_lo;
-          for (int64_t o = t.lo; o < t.hi; ++o) dst[o] += dot_bf16(v, bp + o * w, w);
+          int64_t o = t.lo;
+          for (; o + 16 <= t.hi; o += 16) {
+            f16v acc{};
+            for (int64_t c = 0; c < w; ++c) acc += load_bf16(bt + c * width + o) * v[c];
+            const f16v sum = loadf(dst + o) + acc;
+            std::memcpy(dst + o, &sum, sizeof sum);
+          }
+          for (; o < t.hi; ++o) {
+            float acc = 0.f;
+            for (int64_t c = 0; c < w; ++c) acc += bf16(bt[c * width + o]) * v[c];
+            dst[o] += acc;
+          }
         }
       }
     });
