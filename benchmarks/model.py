@@ -7,8 +7,12 @@ greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwi
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
 int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
 the same run; and for each format a profiled decode step: ops_per_layer_decode,
-decode_ms_per_step and decode_profile, int8_ the same for int8, q4_ for the GGUF's own
-blocks (weights="gguf": q4_decode_ms_per_step, q4_decode_tok_s, q4_prefill_tok_s...); see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
+decode_ms_per_step, python_share_decode (the share of the step's wall time outside any
+operation Python called: Python itself; goal <= 10%) and decode_profile, int8_ the same
+for int8, q4_ for the GGUF's own blocks (weights="gguf": q4_decode_ms_per_step,
+q4_decode_tok_s, q4_prefill_tok_s...); each also with the fused decode step off, suffixed
+``_eager`` (runtime/model/fused_step.py; see benchmarks/quality.py for the quality
+measures). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -17,6 +21,7 @@ folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -89,7 +94,9 @@ class HF:
 
 
 PROJECTION_OPS = ("aten::_int_mm", "aten::linear", "aten::addmm", "aten::mm", "mkldnn::",
-                  "quantized::", "aten::matmul", "pie::block_mm", "aten::_weight_int4pack_mm")
+                  "quantized::", "aten::matmul", "pie::block_mm", "pie::proj_",
+                  "aten::_weight_int4pack")
+STEP_RANGE = "pie::decode_step"  # decode_step.cpp's range around a whole fused step
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "pie::paged_attention")
 
 
@@ -139,18 +146,47 @@ def decode_profile(side: Ours, prompt: list[int]) -> dict[str, float]:
             kernels._module = built
         if blocks is not None:
             kernels._block_module = blocks
-    ops = [(e.name, e.cpu_time_total / 1e6) for e in prof.events() if e.cpu_parent is None
-           and "::" in e.name]
+    top = [e for e in prof.events() if e.cpu_parent is None and "::" in e.name]
+    # the fused decode step (runtime/model/fused_step.py) is one call from Python: its
+    # operations are the ranges it opens, one level down
+    ops = [(e.name, e.cpu_time_total / 1e6) for t in top
+           for e in (t.cpu_children if t.name == STEP_RANGE else [t])]
     share = {"projections": 0.0, "attention": 0.0, "glue": 0.0}
     for name, t in ops:
         kind = ("projections" if name.startswith(PROJECTION_OPS) else
                 "attention" if name.startswith(ATTENTION_OPS) else "glue")
         share[kind] += t
     layers = side.runner.config.num_layers
+    # outside any operation Python called: Python itself (and the profiler's own cost);
+    # the step's inside is C++ whatever its ranges cover
+    outside = 1 - sum(e.cpu_time_total / 1e6 for e in top) / wall
+    per: dict[str, float] = {}
+    for name, t in ops:
+        per[name] = per.get(name, 0.0) + t
     return {"ops_per_layer": len(ops) / layers,
             "us_per_op": sum(t for _, t in ops) / len(ops) * 1e6,
             **{f"{k}_share": v / wall for k, v in share.items()},
-            "unaccounted_share": max(0.0, 1 - sum(share.values()) / wall)}
+            "unaccounted_share": max(0.0, 1 - sum(share.values()) / wall),
+            "python_share": max(0.0, outside),
+            "fused": STEP_RANGE in {e.name for e in top},
+            "us_by_op": {n: round(t * 1e6, 1) for n, t in
+                         sorted(per.items(), key=lambda kv: -kv[1])}}
+
+
+@contextlib.contextmanager
+def step_off():
+    """The fused decode step off for a while (as ``PIE_CTX_DECODE_STEP=0`` would)."""
+    from runtime.model import fused_step
+
+    was, fused_step.ENABLED = fused_step.ENABLED, False
+    try:
+        yield
+    finally:
+        fused_step.ENABLED = was
+
+
+def _rounded(prof: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in prof.items()}
 
 
 def main() -> None:
@@ -192,15 +228,22 @@ def main() -> None:
     prompt = tok.encode(text)[: args.prompt_len]
     sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {}) | (
         {"q4_": q4} if q4 is not None else {})
-    rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec")}
+    rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec", "eager_dec")}
     for _ in range(args.repeats):  # interleave so machine noise hits every side alike
         for p, side in sides.items():
             _, pf, dec = side.generate(prompt, args.new_tokens)
             rows[p + "pf"].append(len(prompt) / pf)
             rows[p + "dec"].append((args.new_tokens - 1) / dec)
-    best = {k: max(v) for k, v in rows.items()}
-    med = {k: statistics.median(v) for k, v in rows.items()}
+            if p != "hf_":  # the same decode with the fused step off (PIE_CTX_DECODE_STEP=0)
+                with step_off():
+                    _, _, dec = side.generate(prompt, args.new_tokens)
+                rows[p + "eager_dec"].append((args.new_tokens - 1) / dec)
+    best = {k: max(v) for k, v in rows.items() if v}
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
     profiles = {p: decode_profile(side, prompt) for p, side in sides.items() if p != "hf_"}
+    with step_off():
+        profiles |= {p + "eager_": decode_profile(side, prompt)
+                     for p, side in sides.items() if p != "hf_"}
     bw = max(bw_start, mem_bandwidth_gbs(device))
     wbytes = ours.runner.weight_bytes
     roofline = bw * 1e9 / wbytes
@@ -216,19 +259,23 @@ def main() -> None:
     print(f"decode step, profiled ({args.prompt_len} tokens of context; shares of one "
           "step's wall time, the profiler's own cost counted as unaccounted):")
     for p, prof in profiles.items():
-        print(f"  {p.rstrip('_') or 'fp32':5} {1e3 / best[p + 'dec']:6.1f} ms/step "
+        print(f"  {p.rstrip('_') or 'fp32':11} {1e3 / best[p + 'dec']:6.1f} ms/step "
               f"{prof['ops_per_layer']:5.1f} ops/layer {prof['us_per_op']:6.1f} us/op  "
               + "  ".join(f"{k.removesuffix('_share')} {v:.0%}" for k, v in prof.items()
                           if k.endswith("_share")))
-    extra: dict[str, object] = {
-        "ops_per_layer_decode": round(profiles[""]["ops_per_layer"], 2),
-        "decode_ms_per_step": round(1e3 / best["dec"], 3),
-        "decode_profile": {k: round(v, 3) for k, v in profiles[""].items()}}
+    extra: dict[str, object] = {}
+    for p in [p for p in sides if p != "hf_"]:  # fp32, then int8
+        extra |= {f"{p}ops_per_layer_decode": round(profiles[p]["ops_per_layer"], 2),
+                  f"{p}decode_ms_per_step": round(1e3 / best[p + "dec"], 3),
+                  f"{p}python_share_decode": round(profiles[p]["python_share"], 3),
+                  f"{p}decode_profile": _rounded(profiles[p]),
+                  f"{p}ops_per_layer_decode_eager":
+                      round(profiles[p + "eager_"]["ops_per_layer"], 2),
+                  f"{p}decode_ms_per_step_eager": round(1e3 / best[p + "eager_dec"], 3),
+                  f"{p}python_share_decode_eager":
+                      round(profiles[p + "eager_"]["python_share"], 3)}
     if q4 is not None:  # the file's own blocks (docs/performance.md)
         extra |= {"q4_decode_tok_s": round(best["q4_dec"], 2),
-                  "q4_decode_ms_per_step": round(1e3 / best["q4_dec"], 3),
-                  "q4_ops_per_layer_decode": round(profiles["q4_"]["ops_per_layer"], 2),
-                  "q4_decode_profile": {k: round(v, 3) for k, v in profiles["q4_"].items()},
                   "q4_prefill_tok_s": round(best["q4_pf"], 2),
                   "q4_weight_bytes": q4.runner.weight_bytes}
     if int8 is not None:
@@ -236,10 +283,6 @@ def main() -> None:
         quality = agreement(ours, int8, tok, args.quality_prompts, checked)
         ppl_delta = perplexity(int8, ids) / perplexity(ours, ids) - 1
         extra |= {"int8_decode_tok_s": round(best["int8_dec"], 2),
-                 "int8_ops_per_layer_decode": round(profiles["int8_"]["ops_per_layer"], 2),
-                 "int8_decode_ms_per_step": round(1e3 / best["int8_dec"], 3),
-                 "int8_decode_profile": {k: round(v, 3)
-                                         for k, v in profiles["int8_"].items()},
                  "int8_prefill_tok_s": round(best["int8_pf"], 2),
                  "int8_decode_speedup": round(best["int8_dec"] / best["dec"], 3),
                  "int8_prefill_speedup": round(best["int8_pf"] / best["pf"], 3),

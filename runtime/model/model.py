@@ -171,6 +171,14 @@ class Transformer:
             if self.reduce is not None:
                 self.reduce(mlp)
             x.add_(mlp)
+        return self.finish(x, logit_rows, return_hidden)
+
+    def finish(self, x: torch.Tensor, logit_rows: torch.Tensor | None, return_hidden: bool
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final norm and the lm_head on the rows that need logits, from the last
+        layer's output ``x`` [T, hidden] (see :meth:`forward`; the fused decode step of
+        ``runtime.model.fused_step`` ends here too)."""
+        c = self.config
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [N, hidden]
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)  # [N, hidden]

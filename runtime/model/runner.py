@@ -14,6 +14,8 @@ so a rejected batch leaves the pool untouched.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
@@ -25,13 +27,17 @@ from runtime.model.blocks import BlockWeight
 from runtime.model.config import ModelConfig
 from runtime.model.cuda_graphs import DecodeGraphs
 from runtime.model.cuda_graphs import wanted as graphs_wanted
-from runtime.model.flatten import check_pool, flatten
+from runtime.model.flatten import FlatBatch, check_pool, flatten
+from runtime.model.fused_step import FusedStep, why_not
+from runtime.model.fused_step import enabled as step_enabled
 from runtime.model.gguf_weights import use_blocks
 from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 from runtime.model.scores import Scoring
 
 __all__ = ["SeqInput", "ModelRunner"]
+
+log = logging.getLogger(__name__)
 
 # A batch of several adapters with at most this many rows runs them side by side (one
 # matmul pair for all, ``LoraBatch``); more rows (prefill chunks) run adapter by adapter.
@@ -101,6 +107,9 @@ class ModelRunner:
         self._fused: dict[int, FusedAdapter] = {}  # by key: what SeqInput.adapter names
         # the last few sets of adapters decoded together, side by side (LoraBatch)
         self._stacks: dict[tuple[int, ...], StackedAdapters] = {}
+        # the decode step in one C++ call (runtime.model.fused_step), built at first use;
+        # False: this model cannot use it (logged once)
+        self._step: FusedStep | bool | None = None
 
     def load_adapter(self, name: str, path: str, model_name: str = "") -> LoraAdapter:
         """Read a PEFT LoRA folder and make it usable as ``SeqInput.adapter = key``.
@@ -115,6 +124,8 @@ class ModelRunner:
         adapter = load_peft(name, path, self.config, model_name)
         if adapter.key not in self._fused:  # the same weights under two names: one copy
             self._fused[adapter.key] = fuse(adapter, self.model)
+            if isinstance(self._step, FusedStep):  # its bf16 copies now, not in a step
+                self._step.register(self._fused[adapter.key])
         self.adapters[name] = adapter
         return adapter
 
@@ -123,6 +134,8 @@ class ModelRunner:
         adapter = self.adapters.pop(name)
         if all(a.key != adapter.key for a in self.adapters.values()):
             del self._fused[adapter.key]
+            if isinstance(self._step, FusedStep):
+                self._step.drop(adapter.key)
             self._stacks = {k: v for k, v in self._stacks.items() if adapter.key not in k}
         return adapter
 
@@ -163,6 +176,10 @@ class ModelRunner:
             meta, tokens, rows = flat.meta, flat.tokens, flat.rows
             if self.graphs is not None and self.graphs.eligible(batch, return_hidden):
                 return self.graphs.run(flat)
+            step = self._fused_step(batch, flat)
+            if step is not None:
+                x = step.run(self.model, tokens, meta, self.pool_kv, self._fused, batch)
+                return self.model.finish(x, rows, return_hidden)
             lora = self._lora_batch(batch)
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
@@ -180,6 +197,22 @@ class ModelRunner:
             if scoring is not None:
                 scoring.finish(pool)
             return result
+
+    def _fused_step(self, batch: list[SeqInput], flat: FlatBatch) -> FusedStep | None:
+        """The fused decode step if it takes this batch (``runtime.model.fused_step``)."""
+        if self._step is False or not step_enabled() \
+                or not FusedStep.takes(batch, flat.meta, self.pool_kv, self.backend):
+            return None
+        if self._step is None:
+            reason = why_not(self.model)
+            if reason is not None:
+                log.info("decode steps run eagerly: %s", reason)
+                self._step = False
+                return None
+            self._step = FusedStep(self.model)
+            for fused in self._fused.values():
+                self._step.register(fused)
+        return self._step  # type: ignore[return-value]
 
     def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:
         """The rows of each adapter in the flat batch: a slice when they are contiguous

@@ -35,6 +35,15 @@ def sdpa_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "ENABLED", False)
 
 
+@pytest.fixture
+def no_fused_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the tests of the cascade's groups: the fused decode step
+    (runtime/model/fused_step.py) takes forks that share a few pages itself."""
+    from runtime.model import fused_step
+
+    monkeypatch.setattr(fused_step, "ENABLED", False)
+
+
 @pytest.fixture(autouse=True, params=["fp32", "int8", "bf16"],
                 ids=["kv_fp32", "kv_int8", "kv_bf16"])
 def kv_dtype(request: pytest.FixtureRequest) -> str:
@@ -229,7 +238,8 @@ def _record_groups(runner: ModelRunner) -> list:
     return seen
 
 
-def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Module) -> None:
+def test_cascade_for_forks_matches_dense_and_plain_decode(hf_model: torch.nn.Module,
+                                                          no_fused_step: None) -> None:
     """Forks decoding together read their shared pages once (cascade attention); each still
     gets the dense reference's logits, with or without other sequences in the batch."""
     runner = _runner(hf_model, 16)
@@ -291,7 +301,8 @@ def test_a_run_prefix_with_a_stray_tail_page_matches_dense(hf_model: torch.nn.Mo
     assert isinstance(meta_groups[0][0], CascadeGroup) and meta_groups[0][0].shared_run == 0
 
 
-def test_cascade_with_unequal_tails_matches_dense(hf_model: torch.nn.Module) -> None:
+def test_cascade_with_unequal_tails_matches_dense(hf_model: torch.nn.Module,
+                                                  no_fused_step: None) -> None:
     runner = _runner(hf_model, 16)
     free = free_list(runner, seed=9)
     prompt = random_tokens(32, seed=80)

@@ -19,7 +19,10 @@ The kernels (docs/forward.md):
   straight over the paged pool, no gather, split over the keys of long contexts at fixed
   positions (so a row's bits do not depend on its batch);
 * ``rms_norm``, ``quantize_rows``, ``rope_``, ``write_kv`` and ``silu_mul``: one pass each
-  instead of 2-6 eager ops, bit for bit the eager results.
+  instead of 2-6 eager ops, bit for bit the eager results;
+* ``DecodeStep`` (``decode_step.cpp``, built into the same module): every layer of a small
+  decode batch in one call, with grouped LoRA deltas (``runtime.model.fused_step``
+  prepares and runs it).
 
 :func:`block_ops` is a second module from ``block_mm.cpp`` (built the same way, with
 ``-ffp-contract=fast``): projections over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks
@@ -48,6 +51,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
+# the files each module is compiled from: the decode step (runtime/model/fused_step.py)
+# is built into the cpu_ops module
+SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
+           BLOCK_SOURCE: (BLOCK_SOURCE,)}
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -78,7 +85,8 @@ def folder(source: Path = SOURCE) -> Path:
     """Where this machine's build of ``source`` lives."""
     digest = hashlib.blake2b(digest_size=8)
     # (this file too: it holds the compiler flags)
-    for part in (source.read_bytes(), Path(__file__).read_bytes(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES[source]), Path(__file__).read_bytes(),
+                 torch.__version__.encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         digest.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -91,8 +99,12 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
 
     where = folder(source)
     where.mkdir(parents=True, exist_ok=True)
-    if shutil.which("ninja") is None:  # the ninja wheel's binary, beside this interpreter
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    # Always the same ninja (the wheel's, beside this interpreter, when there is one): two
+    # ninja versions hash a command line differently, so a process that found the
+    # system's after one that found the wheel's rebuilt everything (minutes), and back.
+    beside = Path(sys.executable).parent
+    if (beside / "ninja").exists() or shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ['PATH']}"
     # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, serial without it
     # (libgomp.so.1, the team library torch itself loaded).
     flags = ["-O3", "-std=c++17", "-fopenmp"]
@@ -110,7 +122,8 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
         fcntl.flock(held, fcntl.LOCK_EX)
         (where / "lock").unlink(missing_ok=True)
         stem = "cpu_ops" if source == SOURCE else source.stem
-        return load(name=f"pie_ctx_{stem}_{where.name}", sources=[str(source)],
+        return load(name=f"pie_ctx_{stem}_{where.name}",
+                    sources=[str(s) for s in SOURCES[source]],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(where), verbose=verbose)
 

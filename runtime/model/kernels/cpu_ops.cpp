@@ -532,7 +532,11 @@ EXACT torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch:
   return out;
 }
 
+// decode_step.cpp: the whole decode step in one call (its class joins this module)
+void register_decode_step(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_step(m);
   m.def("dequantize_int32", &dequantize_int32, "int8 projection's int32 result to fp32");
   m.def("rope_", &rope_, "rotate q and k heads of a qkv buffer in place");
   m.def("write_kv", &write_kv, "store new K/V into the pool");
