@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-tp test-backend test-slow lint gpu-check test-flex test-fleet
+.PHONY: setup demo test test-benchmarks test-tp test-backend test-slow lint gpu-check test-flex test-fleet
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pie-ctx run examples/hello.py
 
+# The benchmark scripts' smoke runs (~4 min) are their own target, in CI after this one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/benchmarks
+
+test-benchmarks: $(STAMP)
+	$(BIN)/python -m pytest -q tests/benchmarks
 
 # The SDK suite against a tensor-parallel engine of 2 ranks (gloo; docs/scale-out.md).
 test-tp: $(STAMP)
