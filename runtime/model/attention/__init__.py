@@ -78,6 +78,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
     if choice == "torch":
         return TorchAttention(bf16_pool=kv_dtype == "bf16")
     if choice == "flex":
+        if kv_dtype == "bf16":  # flex takes one dtype for q, k and v: not bf16 pages under fp32
+            log.info("attention backend: torch (%s=flex, but flex does not read bf16 KV "
+                     "pages of an fp32 model)", ENV)
+            return TorchAttention(bf16_pool=True)
         log.info("attention backend: flex (%s=flex)", ENV)
         return FlexAttention(page_size)
     if choice == "flash":
