@@ -40,20 +40,7 @@ async def test_int8_pages_fork_snapshot_and_prefix_reuse(tiny_folder, transport)
     async with sdk_runtime(tiny_folder, transport, kv_dtype="int8") as (rt, engine):
         assert rt.info.kv_dtype == "int8" and rt.info.dtype == tiny_folder.dtype
         assert engine.store.pool.kv.dtype.is_floating_point is False
-        prompt = "tell me about pages " * 6
-
-        async def continuation(ctx):
-            return await ctx.generate(Sampler.greedy(), max_tokens=8, ignore_eos=True).tokens()
-
-        base = Context(rt).user(prompt).cue()
-        await base.flush()
-        await base.save("prompt")
-        forks = [base.fork() for _ in range(3)]
-        outs = [await continuation(f) for f in forks]
-        fresh = await continuation(Context(rt).user(prompt).cue())  # prefix pages reused
-        opened = await continuation(await Context.open(rt, "prompt"))
-        assert outs[0] == outs[1] == outs[2] == fresh == opened and len(fresh) == 8
-        engine.store.check_invariants()
+        await _continuations_agree(rt, engine, forks=3)
 
 
 @pytest.mark.no_tp("GGUF block weights run on one device")
@@ -65,19 +52,7 @@ async def test_gguf_weights_and_bf16_pages_serve_forks_and_snapshots(tiny_folder
                            kv_dtype="bf16") as (rt, engine):
         assert rt.info.weights == "gguf" and rt.info.kv_dtype == "bf16"
         assert engine.store.pool.kv.dtype == torch.bfloat16
-        prompt = "tell me about pages " * 6
-
-        async def continuation(ctx):
-            return await ctx.generate(Sampler.greedy(), max_tokens=8, ignore_eos=True).tokens()
-
-        base = Context(rt).user(prompt).cue()
-        await base.flush()
-        await base.save("prompt")
-        outs = [await continuation(base.fork()) for _ in range(2)]
-        fresh = await continuation(Context(rt).user(prompt).cue())
-        opened = await continuation(await Context.open(rt, "prompt"))
-        assert outs[0] == outs[1] == fresh == opened and len(fresh) == 8
-        engine.store.check_invariants()
+        await _continuations_agree(rt, engine, forks=2)
 
 
 def test_bf16_pages_fit_twice_the_fp32_pages(tiny_folder):
@@ -111,3 +86,22 @@ def test_cli_run_with_int8_pages(tiny_folder):
     assert cli_main(["run", "examples/hello.py", "--model", str(tiny_folder), "--page-size", "4",
                      "--dtype", tiny_folder.dtype, "--kv-dtype", "int8", "--", "hi",
                      "--max-tokens", "4"]) == 0
+
+
+async def _continuations_agree(rt, engine, forks: int) -> None:
+    """The same 8 greedy tokens from ``forks`` forks of a flushed prompt (cascade), from a
+    fresh context (its prefix pages reused) and from the prompt's snapshot."""
+    prompt = "tell me about pages " * 6
+
+    async def continuation(ctx):
+        return await ctx.generate(Sampler.greedy(), max_tokens=8, ignore_eos=True).tokens()
+
+    base = Context(rt).user(prompt).cue()
+    await base.flush()
+    await base.save("prompt")
+    forked = [base.fork() for _ in range(forks)]  # all alive at once
+    outs = [await continuation(f) for f in forked]
+    fresh = await continuation(Context(rt).user(prompt).cue())  # prefix pages reused
+    opened = await continuation(await Context.open(rt, "prompt"))
+    assert all(out == fresh for out in outs) and fresh == opened and len(fresh) == 8
+    engine.store.check_invariants()
