@@ -57,9 +57,8 @@ SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
            BLOCK_SOURCE: (BLOCK_SOURCE,)}
 _lock = threading.Lock()
 _module: Any = None
-_tried = False
 _block_module: Any = None
-_block_tried = False
+_tried: set[Path] = set()  # the sources whose build was tried (once each)
 
 
 # Read once: ops() runs several times a layer. Tests flip it with monkeypatch.setattr.
@@ -128,43 +127,35 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
                     build_directory=str(where), verbose=verbose)
 
 
-def ops() -> Any:
-    """The compiled kernels, or None (turned off, or the build failed: logged once)."""
-    global _module, _tried
+def _load(source: Path, cache: str, what: str, fallback: str) -> Any:
+    """The module built from ``source``, kept in the global ``cache`` (``_module`` or
+    ``_block_module``: benchmarks/model.py swaps them for profiling), or None (turned off, or
+    the build failed: logged once, with ``fallback`` saying what runs instead)."""
     if not enabled():
         return None
-    if _module is not None or _tried:
-        return _module
+    module = globals()[cache]
+    if module is not None or source in _tried:
+        return module
     with _lock:
-        if not _tried:
-            _tried = True
+        if source not in _tried:
+            _tried.add(source)
             t0 = time.perf_counter()
             try:
-                _module = build()
-                log.info("CPU kernels ready (%.1f s)", time.perf_counter() - t0)
+                globals()[cache] = build(source=source)
+                log.info("%s ready (%.1f s)", what, time.perf_counter() - t0)
             except Exception as err:  # a compiler missing or failing: the eager code runs
-                log.warning("pie-ctx's CPU kernels did not build (%s); using PyTorch ops "
-                            "instead (slower decode)", err)
-    return _module
+                log.warning("pie-ctx's %s did not build (%s); %s", what, err, fallback)
+    return globals()[cache]
 
+
+def ops() -> Any:
+    """The compiled kernels, or None (turned off, or the build failed: logged once)."""
+    return _load(SOURCE, "_module", "CPU kernels",
+                 "using PyTorch ops instead (slower decode)")
 
 
 def block_ops() -> Any:
     """The compiled block-weight kernels (``block_mm.cpp``), or None (turned off, or the
     build failed: logged once)."""
-    global _block_module, _block_tried
-    if not enabled():
-        return None
-    if _block_module is not None or _block_tried:
-        return _block_module
-    with _lock:
-        if not _block_tried:
-            _block_tried = True
-            t0 = time.perf_counter()
-            try:
-                _block_module = build(source=BLOCK_SOURCE)
-                log.info("block-weight kernels ready (%.1f s)", time.perf_counter() - t0)
-            except Exception as err:
-                log.warning("pie-ctx's block-weight kernels did not build (%s); GGUF block "
-                            "weights run dequantized, through PyTorch (slower)", err)
-    return _block_module
+    return _load(BLOCK_SOURCE, "_block_module", "block-weight kernels",
+                 "GGUF block weights run dequantized, through PyTorch (slower)")
