@@ -130,6 +130,15 @@ def why_not(model: Any) -> str | None:
     return None
 
 
+def _pages_readable(pool_kv: torch.Tensor, backend: Any) -> bool:
+    """Whether the step reads and writes ``pool_kv``'s pages as the eager torch backend
+    does (the same C++ ``write_kv`` and ``paged_attention``): fp32, int8 (entries with
+    their scales), or bf16 where the backend's kernel reads bf16 pages of an fp32 model."""
+    if pool_kv.dtype in (torch.float32, torch.int8):
+        return True
+    return pool_kv.dtype == torch.bfloat16 and getattr(backend, "bf16_pool", False)
+
+
 def _causal(mask: torch.Tensor, cached: int) -> bool:
     """Whether a custom mask [q, kv] is plain causal attention (row j sees ``cached + j``
     entries and no others)."""
@@ -197,7 +206,7 @@ class FusedStep:
     def takes(batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
               backend: Any) -> bool:
         """Whether this step's batch is one the fused step runs (module docstring)."""
-        if meta.num_tokens > MAX_ROWS or pool_kv.dtype != torch.float32 \
+        if meta.num_tokens > MAX_ROWS or not _pages_readable(pool_kv, backend) \
                 or pool_kv.device.type != "cpu" or backend.name != "torch" \
                 or not getattr(backend, "kernels", False):
             return False
