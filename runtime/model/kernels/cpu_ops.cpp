@@ -18,7 +18,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -164,11 +164,22 @@ inline v16 load_kv(const at::BFloat16* p) {
 // values, then the entry's fp32 scale in 4 bytes. Values widen exactly; the scale is
 // applied to each key's dot product and folded into each value's softmax weight.
 constexpr int64_t SCALE_BYTES = 4;
-typedef int8_t v16b __attribute__((vector_size(16)));
-inline v16 load_kv(const int8_t* p) {
-  v16b b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v16);
+inline v16 load_kv(const int8_t* p) {  // (GCC's __builtin_convertvector scalarizes this)
+  v16 v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+#else
+  for (int i = 0; i < W; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
 }
 inline float entry_scale(const int8_t* entry, int64_t d) {
   float s;
