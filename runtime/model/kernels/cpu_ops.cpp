@@ -247,15 +247,17 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   std::vector<float> part_ml(merge ? T * H * max_splits * 2 : 0);
   std::vector<float> part_acc(merge ? T * H * max_splits * D : 0);
 
-  // Tasks are ordered KV head first, so consecutive tasks (one thread's share) read the
-  // same KV head.
+  // Tasks are ordered sequence (and split) first, then KV head: consecutive tasks read
+  // the KV heads of the same slots, which sit side by side in the pool (an entry of a
+  // slot and layer is [2, KVH, D]), so one memory page (and TLB entry) and neighbouring
+  // cache lines serve them all; KV head first went to a new page every key.
   at::parallel_for(0, KVH * per, 1, [&](int64_t begin, int64_t end) {
     std::vector<v16> acc(nq * nv);
     std::vector<Partial> st(nq);
     std::vector<float> scores(nq * BLOCK);
     for (int64_t ti = begin; ti < end; ++ti) {
-      const Task& task = per_head[ti % per];
-      const int64_t g = ti / per;
+      const Task& task = per_head[ti / KVH];
+      const int64_t g = ti % KVH;
       const int32_t* table = task.table;
       const int64_t lo = task.lo, hi = task.hi;
       const int64_t* rows = task_rows.data() + task.first;
