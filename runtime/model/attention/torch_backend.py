@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.kv.layout import decode
+from runtime.kv.layout import SCALE_BYTES, decode
 from runtime.model import kernels
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
@@ -87,7 +87,10 @@ class KernelGroup:
                    torch.tensor(cached, dtype=torch.int32))
 
     def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor) -> torch.Tensor:
-        """[Tg, H, D] queries -> [Tg, H*D]."""
+        """[Tg, H, D] queries -> [Tg, H*D] (the kernel takes fp32 queries: an int8 pool of
+        a bf16 model has its queries widened and the result rounded back)."""
+        if q.dtype != torch.float32:
+            return self.attend(layer, q.float(), pool_kv).to(q.dtype)
         return self.ops.paged_attention(q, pool_kv, layer, self.page_tables, self.seq_start,
                                         self.num_cached, q.shape[-1] ** -0.5)
 
@@ -125,8 +128,8 @@ class TorchAttention:
         """Args:
             cascade: attend a shared prefix once for all decodes that share it
                 (``runtime.model.attention.cascade``).
-            kernels: attend decodes and drafts over an fp32 CPU pool with pie-ctx's own
-                kernel when it is built (``runtime.model.kernels``).
+            kernels: attend decodes and drafts over an fp32 (or int8) CPU pool with
+                pie-ctx's own kernel when it is built (``runtime.model.kernels``).
             bf16_pool: the pool holds bf16 entries of an fp32 model (``kv_dtype="bf16"``):
                 the kernel reads them too, widened to fp32.
         """
@@ -182,12 +185,13 @@ class TorchAttention:
     def _kernel_group(self, meta: AttentionMetadata, pool_kv: torch.Tensor,
                       seqs: list[int]) -> KernelGroup | None:
         """A group for pie-ctx's own kernel (``runtime.model.kernels``) of ``seqs`` over an
-        fp32 (or bf16, widened to fp32 as read) CPU pool; None if the kernel cannot serve
-        them."""
-        readable = pool_kv.dtype == torch.float32 or (self.bf16_pool
-                                                      and pool_kv.dtype == torch.bfloat16)
+        fp32, int8 (each entry times its scale as read) or bf16 (widened to fp32 as read)
+        CPU pool; None if the kernel cannot serve them."""
+        readable = pool_kv.dtype in (torch.float32, torch.int8) or (
+            self.bf16_pool and pool_kv.dtype == torch.bfloat16)
+        head_dim = pool_kv.shape[-1] - (SCALE_BYTES if pool_kv.dtype == torch.int8 else 0)
         if not seqs or not self.kernels or not readable \
-                or pool_kv.device.type != "cpu" or pool_kv.shape[-1] % 16:
+                or pool_kv.device.type != "cpu" or head_dim % 16:
             return None
         ops = kernels.ops()
         return KernelGroup.build(ops, meta, seqs) if ops is not None else None
