@@ -33,6 +33,7 @@ Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +43,15 @@ from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 
 __all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight",
-           "StripBlocks", "round_activations"]
+           "StripBlocks", "int8_activations", "round_activations"]
 
 GROUP = 32  # weights per block in every supported format
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Read once; PIE_CTX_BLOCKS_Q8=0 leaves the int8-activation kernel out of the choice (the
+# block projections then keep fp32 activations, the file's model exactly).
+INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "1").lower() not in (
+    "0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +243,15 @@ class Int4Weight:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
                                                        self.group_size, self.scales_and_zeros)
         return y.to(x.dtype)
+
+
+def int8_activations() -> bool:
+    """Whether the ``blocks_q8`` kernel may run here: not turned off by
+    ``PIE_CTX_BLOCKS_Q8=0`` (read at import), and the block kernels built with it."""
+    if not INT8_ACTIVATIONS:
+        return False
+    ops = kernels.block_ops()
+    return ops is not None and hasattr(ops, "block_mm_q8")
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

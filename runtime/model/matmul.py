@@ -25,13 +25,17 @@ only: fbgemm's int8 linear with fp32 output, fed that row's own scale and the ze
 Block candidates (CPU, a :class:`runtime.model.blocks.BlockWeight`: a GGUF file's Q4_0,
 Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
 ``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
-then ``F.linear``: for many rows) and ``int4pack`` (torch's groupwise int4 kernel,
+then ``F.linear``: for many rows), ``blocks_q8`` (the blocks times int8-quantized
+activations, llama.cpp's Q8 per 32, in integer SIMD: the same weights, the activations
+rounded; see :class:`runtime.model.blocks.StripBlocks`; ``PIE_CTX_BLOCKS_Q8=0`` leaves it
+out) and ``int4pack`` (torch's groupwise int4 kernel,
 ``_weight_int4pack_mm_for_cpu`` on bf16 activations, see :class:`Int4Weight`), offered only
 where it computes the same weights: when every scale and zero is exact in bf16, which a
 file's float16 scales are not in general.
 
 Invariants: every candidate of a projection computes the same projection (checked at load
-against the first candidate); results may differ in the last bits, never more.
+against the first candidate, on the rounded activations for a kernel that rounds them:
+:data:`ROUNDS_ACTIVATIONS`); results may differ in the last bits, never more.
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import kernels
-from runtime.model.blocks import BlockWeight, Int4Weight
+from runtime.model.blocks import (
+    BlockWeight,
+    Int4Weight,
+    StripBlocks,
+    int8_activations,
+    round_activations,
+)
 
 __all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
            "kernel_choices", "should_pack"]
@@ -60,6 +70,9 @@ ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode b
 PACK_MAX_BYTES = 2 << 30
 _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
+# kernels that round their input first -> that rounding (choose_kernels' check compares them
+# with the reference kernel on the rounded input)
+ROUNDS_ACTIVATIONS = {"blocks_q8": round_activations}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -213,6 +226,8 @@ class Projection:
             if self.device.type != "cpu":
                 return ["blocks_f32"]
             names = ["blocks", "blocks_f32"]
+            if int8_activations():
+                names.append("blocks_q8")
             if "-f16" not in self.signature[0]:
                 names.append("int4pack")
             return names
@@ -273,6 +288,13 @@ class Projection:
             return lambda x: _as(w.matmul(_f32(x)).add_(b), x)
         if name == "blocks_f32":
             return lambda x: _as(F.linear(_f32(x), w.dequantize(), b), x)
+        if name == "blocks_q8":
+            strips = self._layouts.get(name)
+            if strips is None:
+                strips = self._layouts[name] = StripBlocks.from_blocks(w)
+            if b is None:
+                return lambda x: _as(strips.matmul(_f32(x)), x)  # type: ignore[union-attr]
+            return lambda x: _as(strips.matmul(_f32(x)).add_(b), x)  # type: ignore[union-attr]
         if name == "int4pack":
             i4 = self._layouts.get(name)
             if i4 is None:
@@ -406,6 +428,8 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
             rows = probe[:1] if not rep.allowed(n, 1) else probe
             got = rep._kernel(n)(rows)
             ref = want[: rows.shape[0]]
+            if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
+                ref = rep._kernel(names[0])(ROUNDS_ACTIVATIONS[n](rows).to(rows.dtype))
             if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
                                   atol=1e-3 * float(ref.abs().max())):
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
