@@ -22,7 +22,7 @@ from test_blocks import FORMATS, _file_weight, _greedy, _pool
 from runtime.model import blocks as blocks_mod
 from runtime.model.blocks import StripBlocks, int8_activations, round_activations
 from runtime.model.loader import load_blocks, load_model
-from runtime.model.matmul import Projection, choose_kernels
+from runtime.model.matmul import Projection, _one_rounding, choose_kernels
 from runtime.model.runner import ModelRunner
 
 # Max |logit diff| of the tiny model on blocks_q8 against fp32 on the same file, relative
@@ -143,3 +143,22 @@ def test_a_gguf_model_on_int8_activations_keeps_the_fp32_runners_tokens(
     assert got == want
     diff = (got_logits - want_logits).abs().max().item()
     assert diff <= MODEL_TOL * want_logits.abs().max().item()
+
+
+def test_a_rounding_kernel_serves_every_bucket_or_none() -> None:
+    """blocks_q8 computes other numbers than blocks (not only other last bits): a
+    projection uses it for every row bucket or for none, so a sequence's tokens never depend
+    on the bucket its batch falls in."""
+    t = [{"blocks": 1.0, "blocks_f32": 3.0, "blocks_q8": 0.5},
+         {"blocks": 1.0, "blocks_f32": 0.8, "blocks_q8": 0.9},
+         {"blocks": 1.0, "blocks_f32": 0.9, "blocks_q8": 1.5}]
+    # 0.5 / 1 * 0.9 / 0.8 * 1.5 / 0.9 = 0.94: faster overall, every bucket
+    assert _one_rounding(["blocks_q8", "blocks_f32", "blocks_f32"], t) == ["blocks_q8"] * 3
+    t[2]["blocks_q8"] = 2.0  # 1.25: slower overall, no bucket
+    assert _one_rounding(["blocks_q8", "blocks_f32", "blocks_f32"], t) == [
+        "blocks", "blocks_f32", "blocks_f32"]
+    assert _one_rounding(["blocks", "blocks_f32"], t[:2]) == ["blocks", "blocks_f32"]
+    bw, _ = _file_weight("Q4_1", 64, 128, seed=14)
+    proj = Projection(bw)
+    choose_kernels([proj], repeats=1)
+    assert ("blocks_q8" in proj.kernel_names) == (set(proj.kernel_names) == {"blocks_q8"})
