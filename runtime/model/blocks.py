@@ -20,6 +20,12 @@ compiled kernels the same weights are dequantized per call and go through ``F.li
 kernel, made only where bf16 scales and zeros hold it exactly (``runtime.model.matmul``
 offers it as a kernel candidate then).
 
+:class:`StripBlocks` is the same weight laid out for the int8-activation kernel
+(``blocks_q8``, llama.cpp's way): each activation row is rounded per group of 32 to int8
+with a scale (:func:`round_activations` is its eager twin), and each block's product is an
+integer dot (AVX-512 VNNI), scaled in fp32. The weights stay the file's; only the
+activations are rounded.
+
 K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
 formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
 Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives its cost.
@@ -27,6 +33,7 @@ Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,11 +42,16 @@ import torch
 from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 
-__all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight"]
+__all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight",
+           "StripBlocks", "int8_activations", "round_activations"]
 
 GROUP = 32  # weights per block in every supported format
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Read once; PIE_CTX_BLOCKS_Q8=0 leaves the int8-activation kernel out of the choice (the
+# block projections then keep fp32 activations, the file's model exactly).
+INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "1").lower() not in (
+    "0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,3 +243,76 @@ class Int4Weight:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
                                                        self.group_size, self.scales_and_zeros)
         return y.to(x.dtype)
+
+
+def int8_activations() -> bool:
+    """Whether the ``blocks_q8`` kernel may run here: not turned off by
+    ``PIE_CTX_BLOCKS_Q8=0`` (read at import), and the block kernels built with it."""
+    if not INT8_ACTIVATIONS:
+        return False
+    ops = kernels.block_ops()
+    return ops is not None and hasattr(ops, "block_mm_q8")
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` [..., K] as the ``blocks_q8`` kernel rounds it (llama.cpp's Q8_0 of
+    activations): per group of 32, ``d = max|x| / 127`` and ``q = round(x * (1 / d))`` (ties
+    to even); the values ``q * d``. The kernel's exact input, for tests and the check of
+    :func:`runtime.model.matmul.choose_kernels`."""
+    g = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    d = g.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(g * inv) * d).reshape(x.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class StripBlocks:
+    """A :class:`BlockWeight`'s blocks in the layout of ``block_mm_q8`` (block_mm.cpp):
+    output rows in strips of 16 (the last padded with zero rows), each block's quants for
+    the strip's 16 rows interleaved 4 bytes at a time (one vector: 4 bytes of every row).
+
+    Fields:
+        bits: 4 or 8.
+        qs: uint8 [strips, nb, 4, 16, 4] (4 bits: [s, b, k, l, t] is ggml's byte 4k + t of
+            row 16 s + l's block b) or [strips, nb, 8, 16, 4] (8 bits: ``q + 128`` of
+            element 4k + t).
+        d: float16 [strips, nb, 16] scales; m: the same minimums (4 bits) or empty.
+    """
+
+    bits: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_blocks(cls, w: BlockWeight) -> StripBlocks:
+        """The same weights as ``w`` (every quant, scale and minimum, moved)."""
+        n, nb = w.out_features, w.in_features // GROUP
+        strips = -(-n // 16)
+        pad = strips * 16 - n
+
+        def rows(t: torch.Tensor, fill: int = 0) -> torch.Tensor:  # pad to whole strips
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)]) if pad else t
+
+        def per_strip(t: torch.Tensor) -> torch.Tensor:  # [n, nb] -> [strips, nb, 16]
+            return rows(t).view(strips, 16, nb).transpose(1, 2).contiguous()
+
+        if w.bits == 4:
+            q = rows(w.qs).view(strips, 16, nb, 4, 4)  # [s, l, b, k, t]
+            m = per_strip(w.m)
+        else:
+            q = rows(w.qs.view(torch.uint8) ^ 0x80, 0x80).view(strips, 16, nb, 8, 4)
+            m = torch.empty(0, dtype=torch.float16)
+        qs = q.permute(0, 2, 3, 1, 4).contiguous()  # [s, b, k, l, t]
+        return cls(w.bits, qs, per_strip(w.d), m, n, w.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 ``x`` [M, in] @ W.T -> [M, out] on ``x`` rounded per group of 32 to int8
+        (:func:`round_activations`); needs the compiled block kernels."""
+        ops = kernels.block_ops()
+        if ops is None or not hasattr(ops, "block_mm_q8"):
+            raise RuntimeError("the int8-activation block kernel is not built here")
+        return ops.block_mm_q8(x if x.stride(-1) == 1 else x.contiguous(), self.qs, self.d,
+                               self.m, self.bits, self.out_features)

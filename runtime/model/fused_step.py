@@ -24,7 +24,7 @@ the oracle of tests/model/test_fused_step.py):
   one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
-  ``blocks``;
+  ``blocks``, ``blocks_q8``;
 * the attention backend is the torch one with its kernels on;
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
   (decodes, drafts, short chunks), no attention scores asked for, and no custom mask
@@ -57,7 +57,7 @@ from runtime.model.attention.base import AttentionMetadata
 from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
-from runtime.model.blocks import BlockWeight, Int4Weight
+from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
 from runtime.model.matmul import Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
@@ -74,7 +74,7 @@ MAX_SHARED_PAGES = 16
 
 # matmul.py's kernel names -> decode_step.cpp's Kind
 _KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
-          "int4pack": 5, "blocks": 6}
+          "int4pack": 5, "blocks": 6, "blocks_q8": 7}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _NONE = torch.empty(0)
 
@@ -105,6 +105,9 @@ def _spec(p: Projection, name: str) -> tuple | None:
     if isinstance(w, BlockWeight):
         if name == "blocks" and kernels.block_ops() is not None:  # its op registered
             return (kind, w.qs, w.d, bias, w.m, w.bits)
+        strips = p._layouts.get(name)
+        if name == "blocks_q8" and isinstance(strips, StripBlocks):
+            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features)
         i4 = p._layouts.get(name)
         if name == "int4pack" and isinstance(i4, Int4Weight):
             return (kind, i4.packed, i4.scales_and_zeros, bias, None, i4.group_size)

@@ -25,13 +25,17 @@ only: fbgemm's int8 linear with fp32 output, fed that row's own scale and the ze
 Block candidates (CPU, a :class:`runtime.model.blocks.BlockWeight`: a GGUF file's Q4_0,
 Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
 ``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
-then ``F.linear``: for many rows) and ``int4pack`` (torch's groupwise int4 kernel,
+then ``F.linear``: for many rows), ``blocks_q8`` (the blocks times int8-quantized
+activations, llama.cpp's Q8 per 32, in integer SIMD: the same weights, the activations
+rounded; see :class:`runtime.model.blocks.StripBlocks`; ``PIE_CTX_BLOCKS_Q8=0`` leaves it
+out) and ``int4pack`` (torch's groupwise int4 kernel,
 ``_weight_int4pack_mm_for_cpu`` on bf16 activations, see :class:`Int4Weight`), offered only
 where it computes the same weights: when every scale and zero is exact in bf16, which a
 file's float16 scales are not in general.
 
 Invariants: every candidate of a projection computes the same projection (checked at load
-against the first candidate); results may differ in the last bits, never more.
+against the first candidate, on the rounded activations for a kernel that rounds them:
+:data:`ROUNDS_ACTIVATIONS`); results may differ in the last bits, never more.
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import kernels
-from runtime.model.blocks import BlockWeight, Int4Weight
+from runtime.model.blocks import (
+    BlockWeight,
+    Int4Weight,
+    StripBlocks,
+    int8_activations,
+    round_activations,
+)
 
 __all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
            "kernel_choices", "should_pack"]
@@ -60,6 +70,9 @@ ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode b
 PACK_MAX_BYTES = 2 << 30
 _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
+# kernels that round their input first -> that rounding (choose_kernels' check compares them
+# with the reference kernel on the rounded input)
+ROUNDS_ACTIVATIONS = {"blocks_q8": round_activations}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -213,6 +226,8 @@ class Projection:
             if self.device.type != "cpu":
                 return ["blocks_f32"]
             names = ["blocks", "blocks_f32"]
+            if int8_activations():
+                names.append("blocks_q8")
             if "-f16" not in self.signature[0]:
                 names.append("int4pack")
             return names
@@ -273,6 +288,13 @@ class Projection:
             return lambda x: _as(w.matmul(_f32(x)).add_(b), x)
         if name == "blocks_f32":
             return lambda x: _as(F.linear(_f32(x), w.dequantize(), b), x)
+        if name == "blocks_q8":
+            strips = self._layouts.get(name)
+            if strips is None:
+                strips = self._layouts[name] = StripBlocks.from_blocks(w)
+            if b is None:
+                return lambda x: _as(strips.matmul(_f32(x)), x)  # type: ignore[union-attr]
+            return lambda x: _as(strips.matmul(_f32(x)).add_(b), x)  # type: ignore[union-attr]
         if name == "int4pack":
             i4 = self._layouts.get(name)
             if i4 is None:
@@ -373,6 +395,27 @@ def adopt_kernel_choices(choices: dict[str, list[Any]]) -> None:
         _CHOSEN.setdefault(tuples(json.loads(key)), (list(names), str(line)))
 
 
+def _one_rounding(chosen: list[str], times: list[dict[str, float]]) -> list[str]:
+    """The per-bucket choice ``chosen`` made consistent: a kernel that rounds the activations
+    (:data:`ROUNDS_ACTIVATIONS`) computes other numbers than the rest, not only other last
+    bits, so it serves every bucket or none (else a sequence's tokens would depend on the
+    bucket its batch falls in): every bucket when its time over the best other kernel's,
+    multiplied over the buckets, is at most 1 (a geometric mean: decode counts as much as
+    prefill)."""
+    rounding = {n for n in chosen if n in ROUNDS_ACTIVATIONS}
+    if not rounding:
+        return chosen
+    name = sorted(rounding)[0]
+    others = [min((n for n in t if n not in ROUNDS_ACTIVATIONS), key=t.__getitem__)
+              for t in times]
+    if not all(name in t for t in times):
+        return others
+    ratio = 1.0
+    for t, other in zip(times, others, strict=True):
+        ratio *= t[name] / t[other]
+    return [name] * len(times) if ratio <= 1 else others
+
+
 def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> list[str]:
     """Time every candidate kernel per projection signature and row bucket; route each
     projection to the fastest. Returns the log lines (also logged at INFO).
@@ -406,13 +449,15 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
             rows = probe[:1] if not rep.allowed(n, 1) else probe
             got = rep._kernel(n)(rows)
             ref = want[: rows.shape[0]]
+            if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
+                ref = rep._kernel(names[0])(ROUNDS_ACTIVATIONS[n](rows).to(rows.dtype))
             if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
                                   atol=1e-3 * float(ref.abs().max())):
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
                          names[0], out_f, in_f)
                 names.remove(n)
         kernels = {n: [p._kernel(n) for p in members] for n in names}
-        chosen, report = [], []
+        chosen, report, all_times = [], [], []
         for b in range(rep.buckets):
             rows = ROW_BUCKETS[b]
             x = torch.randn(rows, in_f, generator=gen).to(dtype=dtype, device=rep.device)
@@ -423,6 +468,10 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
                      if rep.allowed(n, b)}
             best = min(times, key=times.__getitem__)
             chosen.append(best)
+            all_times.append(times)
+        chosen = _one_rounding(chosen, all_times)
+        for b, (best, times) in enumerate(zip(chosen, all_times, strict=True)):
+            rows = ROW_BUCKETS[b]
             report.append(f"{rows} row{'s' if rows > 1 else ''}: {best} ("
                           + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()) + " ms)")
         for p in members:

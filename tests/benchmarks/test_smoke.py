@@ -25,7 +25,7 @@ HELPERS = {
     "agent_mcp.py": "the ReAct tools as an MCP server (agents.py, system e)",
 }
 # Benchmarks whose smoke runs without the default model.
-NO_DEFAULT_MODEL = {"pages.py", "agents.py"}
+NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py"}
 # Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
 FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
@@ -38,6 +38,7 @@ KEYS = {
     "backends.py": {"transformers_backend_over_hf_bon", "native_over_transformers_backend_decode",
                     "backend_max_abs_logit_diff"},
     "best_of_n.py": {"speedup_vs_hf", "kv_ratio"},
+    "block_kernels.py": {"ms_blocks_1", "ms_blocks_q8_1", "ms_int8_1", "ms_blocks_q8_512"},
     "compaction.py": {"snapkv_passkey_acc", "h2o_passkey_acc", "streaming_passkey_acc",
                        "full_passkey_acc", "truncate_passkey_acc", "ppl_full", "ppl_snapkv",
                        "ppl_h2o", "ppl_streaming", "ppl_truncate", "compaction_decode_speedup",

@@ -201,14 +201,14 @@ def test_bf16_and_int8_pages_give_the_eager_steps_bits(kv: str) -> None:
     twin.check_pools(tol=0.0)
 
 
-def _blocks(p: Projection) -> Projection:
-    """``p``'s weight as Q4_1 blocks (runtime/model/blocks.py) on the block kernel."""
+def _blocks(p: Projection, kernel: str = "blocks") -> Projection:
+    """``p``'s weight as Q4_1 blocks (runtime/model/blocks.py) on block kernel ``kernel``."""
     proj = Projection(BlockWeight.quantize_q4_1(p.weight.float()), p.bias)
-    proj.use(["blocks"] * proj.buckets)
+    proj.use([kernel] * proj.buckets)
     return proj
 
 
-@pytest.mark.parametrize("weights", ["int8", "blocks"])
+@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8"])
 def test_int8_and_block_weights_match_the_eager_step(weights: str) -> None:
     hf = make_hf_model("qwen2", seed=7)  # q/k/v biases too
 
@@ -219,8 +219,8 @@ def test_int8_and_block_weights_match_the_eager_step(weights: str) -> None:
                                weight_format="int8", calibration=random_tokens(64, seed=9))
         runner = make_runner(hf, num_pages=32)
         for lw in runner.model.layers:
-            lw.qkv, lw.o_proj = _blocks(lw.qkv), _blocks(lw.o_proj)
-            lw.gate_up, lw.down = _blocks(lw.gate_up), _blocks(lw.down)
+            lw.qkv, lw.o_proj = _blocks(lw.qkv, weights), _blocks(lw.o_proj, weights)
+            lw.gate_up, lw.down = _blocks(lw.gate_up, weights), _blocks(lw.down, weights)
         return runner
 
     fused, eager = _pair(make)

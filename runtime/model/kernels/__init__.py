@@ -27,6 +27,8 @@ The kernels (docs/forward.md):
 :func:`block_ops` is a second module from ``block_mm.cpp`` (built the same way, with
 ``-ffp-contract=fast``): projections over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks
 (``runtime.model.blocks``); its eager twin is dequantizing the blocks and ``F.linear``.
+Its ``block_mm_q8`` multiplies them with int8-quantized activations (AVX-512 VNNI where the
+CPU has it, portable loops elsewhere); its twin is ``round_activations`` then the same.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -241,14 +244,278 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 activations ("blocks_q8"): llama.cpp's way of multiplying 4- and 8-bit blocks.
+//
+// Each activation row is quantized per group of 32 as llama.cpp's Q8_0 / Q8_1 blocks do:
+// d_a = max|x| / 127, q_a = round(x * (1 / d_a)) (to nearest, ties to even), s_a = d_a *
+// sum(q_a). A block's product is then an integer dot of the weight's quants with q_a (exact,
+// int32), combined in fp32: d_w * d_a * isum (+ m_w * s_a for 4 bits, m the minimum). The
+// weights are the file's, unchanged; only the activations are rounded.
+//
+// Layout (runtime/model/blocks.py's StripBlocks makes it from the file's blocks): output
+// rows in strips of 16 (the last one padded with zero rows), S strips, nb blocks a row;
+// within a strip, block b's quants for the 16 rows interleaved 4 bytes at a time, so that
+// one 64-byte vector holds 4 consecutive quant bytes of each of the 16 rows (lane l = row l):
+//   4-bit: qs uint8 [S, nb, 4, 16, 4]: [s, b, k, l, t] = ggml's byte 4k + t of row 16s + l's
+//     block b (low nibble: element 4k + t, high nibble: element 16 + 4k + t);
+//   8-bit: qs uint8 [S, nb, 8, 16, 4]: q + 128 of element 4k + t;
+//   d, m: float16 [S, nb, 16] (m: 4 bits only; Q4_0 has m = -8 d).
+// vpdpbusd (unsigned weight bytes x signed activation bytes, four products summed a lane)
+// with 4 activation bytes broadcast then gives each row's block dot in its own int32 lane;
+// 8 of them cover a block. The 8-bit weights are biased by 128 to be unsigned; the sum
+// starts at -128 * (the block's activation sum), which cancels it exactly. Each lane is
+// scaled per block in fp32 (a multiply and one or two fmas) into the row's accumulator:
+// no horizontal sums.
+//
+// Determinism: output (row r, column n) is its lane's chain of the same instructions in the
+// same order whatever the number of rows or the tile it falls in, and one thread computes
+// it whole (threads split the strips): a row's bits do not depend on its batch. Without
+// AVX-512 VNNI (and BW) portable loops compute the same lanes.
+
+namespace q8 {
+
+constexpr int64_t L = 16;  // output rows a strip
+
+// A batch of activation rows quantized per group of 32.
+struct Acts {
+  int64_t nb = 0;
+  std::vector<int8_t> q;      // [M, nb * 32]
+  std::vector<float> d;       // [M, nb]
+  std::vector<float> s;       // [M, nb]: d * sum(q) per block
+  std::vector<int32_t> corr;  // [M, nb]: -128 * sum(q) per block (8-bit weights)
+};
+
+inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float* ss,
+                         int32_t* cr) {
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t* qb = q + b * 32;
+    const float* xb = x + b * 32;
+    int32_t sum = 0;
+#if defined(__AVX512F__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
+                                                          _mm512_abs_ps(x1)));
+    const float d = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, id), RN));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, id), RN));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(i1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));  // ties to even
+      qb[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+#endif
+    dd[b] = d;
+    ss[b] = d * static_cast<float>(sum);
+    if (cr) cr[b] = -128 * sum;
+  }
+}
+
+Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr) {
+  Acts a;
+  a.nb = nb;
+  a.q.resize(M * nb * 32);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  if (corr) a.corr.resize(M * nb);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * xs, nb, a.q.data() + r * nb * 32, a.d.data() + r * nb,
+                   a.s.data() + r * nb, corr ? a.corr.data() + r * nb : nullptr);
+  });
+  return a;
+}
+
+inline float h2f(_Float16 h) { return static_cast<float>(h); }
+
+// out[r, 16 s + l] for R activation rows from r0 and NS strips from the one at w / d / m
+// (strips `sw` bytes and `sd` scales apart); `cols`: the valid columns from this strip on.
+template <int BITS, int R, int NS>
+inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
+                       const _Float16* dp, const _Float16* mp, int64_t sd, float* out,
+                       int64_t os, int64_t cols) {
+  const int64_t nb = a.nb;
+  constexpr int64_t BLK = BITS == 4 ? 256 : 512;  // bytes of a block of a strip
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[R][NS];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < NS; ++s) acc[r][s] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R][NS];
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < NS; ++s)
+        isum[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr[(r0 + r) * nb + b])
+                               : _mm512_setzero_si512();
+    for (int s = 0; s < NS; ++s) {
+      const uint8_t* wb = w + s * sw + b * BLK;
+      for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * k);
+        if (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* aq = a.q.data() + ((r0 + r) * nb + b) * 32;
+            int32_t a0, a1;
+            std::memcpy(&a0, aq + 4 * k, 4);
+            std::memcpy(&a1, aq + 16 + 4 * k, 4);
+            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], lo, _mm512_set1_epi32(a0));
+            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], hi, _mm512_set1_epi32(a1));
+          }
+        } else {
+          for (int r = 0; r < R; ++r) {
+            int32_t a0;
+            std::memcpy(&a0, a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * k, 4);
+            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], v, _mm512_set1_epi32(a0));
+          }
+        }
+      }
+    }
+    for (int s = 0; s < NS; ++s) {
+      const __m512 dw = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + s * sd + b * L)));
+      __m512 mw = _mm512_setzero_ps();
+      if (BITS == 4)
+        mw = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + s * sd + b * L)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][s]),
+                                    _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r][s]);
+        if (BITS == 4) acc[r][s] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r][s]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < NS; ++s) {
+      const int64_t left = cols - s * L;
+      const __mmask16 keep = left >= L ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      _mm512_mask_storeu_ps(out + r * os + s * L, keep, acc[r][s]);
+    }
+#else
+  float acc[R][NS][L] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int s = 0; s < NS; ++s) {
+      const uint8_t* wb = w + s * sw + b * BLK;
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        const int8_t* aq = a.q.data() + i * 32;
+        for (int l = 0; l < L; ++l) {
+          int32_t isum = BITS == 8 ? a.corr[i] : 0;
+          for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t q = wb[64 * k + 4 * l + t];
+              if (BITS == 4)
+                isum += int32_t{q & 15} * aq[4 * k + t] + int32_t{q >> 4} * aq[16 + 4 * k + t];
+              else
+                isum += int32_t{q} * aq[4 * k + t];
+            }
+          const float dw = h2f(dp[s * sd + b * L + l]);
+          acc[r][s][l] = std::fma(static_cast<float>(isum), dw * a.d[i], acc[r][s][l]);
+          if (BITS == 4)
+            acc[r][s][l] = std::fma(h2f(mp[s * sd + b * L + l]), a.s[i], acc[r][s][l]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < NS; ++s)
+      for (int l = 0; l < L && s * L + l < cols; ++l) out[r * os + s * L + l] = acc[r][s][l];
+#endif
+}
+
+template <int BITS, int NS>
+void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _Float16* dp,
+                 const _Float16* mp, int64_t sd, float* out, int64_t N, int64_t cols) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4)
+    strip_tile<BITS, 4, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols);
+  switch (M - r) {
+    case 0: break;
+    case 1: strip_tile<BITS, 1, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
+    case 2: strip_tile<BITS, 2, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
+    default: strip_tile<BITS, 3, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
+  }
+}
+
+template <int BITS>
+void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _Float16* mp,
+        int64_t N, float* out) {
+  const int64_t nb = a.nb, strips = (N + L - 1) / L;
+  const int64_t sw = nb * (BITS == 4 ? 256 : 512), sd = nb * L;
+  const int64_t group = M <= 2 ? 4 : 2;  // strips a tile: independent chains for few rows
+  at::parallel_for(0, strips, group, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end;) {
+      const int64_t ns = s + group <= end ? group : 1;
+      const _Float16* m = BITS == 4 ? mp + s * sd : nullptr;
+      const int64_t cols = N - s * L;
+      if (ns == 4)
+        strips_rows<BITS, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+      else if (ns == 2)
+        strips_rows<BITS, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+      else
+        strips_rows<BITS, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+      s += ns;
+    }
+  });
+}
+
+}  // namespace q8
+
+// x [M, K] float32 (rows may be strided) times a StripBlocks weight of N output rows
+// -> [M, N], on int8-quantized activations (see the section's comment).
+torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                          int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8");
+  TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 3 && d.is_contiguous() &&
+              d.size(2) == q8::L, "block_mm_q8: d float16 [strips, nb, 16]");
+  const int64_t strips = d.size(0), nb = d.size(1);
+  TORCH_CHECK(n > (strips - 1) * q8::L && n <= strips * q8::L, "block_mm_q8: ", n,
+              " output rows in ", strips, " strips of 16");
+  TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 &&
+              qs.numel() == strips * nb * (bits == 4 ? 256 : 512), "block_mm_q8: qs sizes");
+  TORCH_CHECK(bits == 8 || (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 &&
+                            m.is_contiguous()), "block_mm_q8: m float16 like d for 4 bits");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "block_mm_q8: x float32 [M, K]");
+  TORCH_CHECK(x.size(1) == nb * 32, "block_mm_q8: x has ", x.size(1), " columns, weight ",
+              nb * 32);
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, n}, x.options());
+  if (M == 0) return out;
+  const q8::Acts a = q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8);
+  const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
+  if (bits == 4)
+    q8::mm<4>(a, M, q, dp, reinterpret_cast<const _Float16*>(m.data_ptr()), n,
+              out.data_ptr<float>());
+  else
+    q8::mm<8>(a, M, q, dp, nullptr, n, out.data_ptr<float>());
+  return out;
+}
+
 // Also a dispatcher op, for C++ callers in other extensions (a fused decode step):
 // c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "") or, from
 // Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits).
 TORCH_LIBRARY(pie_ctx_blocks, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
+  m.def("block_mm_q8(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n) -> Tensor",
+        &block_mm_q8);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q8_0)");
+  m.def("block_mm_q8", &block_mm_q8,
+        "x @ W.T for W in strips of GGUF blocks, on int8-quantized activations (VNNI)");
   m.def("block_rows", &block_rows, "rows of a GGUF block weight, dequantized to float32");
 }

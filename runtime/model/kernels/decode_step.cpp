@@ -7,7 +7,8 @@
 // SiLU are cpu_ops.cpp's kernels called directly; each projection runs the kernel that
 // runtime/model/matmul.py's choose_kernels picked for its row bucket, as the same ATen op
 // (at::linear, at::mm, mkldnn::_linear_pointwise, at::_int_mm, fbgemm's int8 linear,
-// at::_weight_int4pack_mm_for_cpu), so the step computes the eager forward's numbers.
+// at::_weight_int4pack_mm_for_cpu, block_mm.cpp's block_mm and block_mm_q8), so the step
+// computes the eager forward's numbers.
 //
 // LoRA: one grouped kernel per projection for every adapter of the batch: the rows of one
 // adapter read its (bf16) weights once, x @ A.T then (.) @ B.T per target block, fp32
@@ -81,7 +82,9 @@ inline float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
 }
 
 // What matmul.py calls each kernel (Kernel::kind); fused_step.py passes these numbers.
-enum Kind : int64_t { MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6 };
+enum Kind : int64_t {
+  MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6, BLOCKS_Q8 = 7
+};
 
 struct Kernel {
   int64_t kind = MKL;
@@ -90,6 +93,7 @@ struct Kernel {
   torch::Tensor bias;   // or undefined
   c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the 4-bit minimums)
   int64_t group = 0;    // int4: group size; blocks: bits (4 or 8)
+  int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
 };
 
 struct LoraBlock {
@@ -124,7 +128,8 @@ Kernel make_kernel(py::tuple spec) {
   if (!spec[3].is_none()) k.bias = spec[3].cast<torch::Tensor>();
   if (!spec[4].is_none()) k.packed = torch::jit::toIValue(spec[4], c10::AnyType::get());
   k.group = spec[5].cast<int64_t>();
-  TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS, "decode step: unknown projection kernel");
+  if (spec.size() > 6) k.rows = spec[6].cast<int64_t>();
+  TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
   return k;
 }
 
@@ -177,6 +182,14 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
       auto out = s[0].toTensor();
       return k.bias.defined() ? out.add_(k.bias) : out;
     }
+    case BLOCKS_Q8: {  // matmul.py's "blocks_q8": the blocks times int8-quantized activations
+      static const auto op =
+          c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm_q8", "");
+      torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group, k.rows};
+      op.callBoxed(&s);
+      auto out = s[0].toTensor();
+      return k.bias.defined() ? out.add_(k.bias) : out;
+    }
   }
   TORCH_CHECK(false, "decode step: unknown projection kernel");
 }
@@ -189,7 +202,7 @@ class DecodeStep {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
 
   // specs: 4 lists (qkv, o, gate_up, down) of per-bucket tuples
-  // (kind, weight, scale, bias or None, packed or None, group).
+  // (kind, weight, scale, bias or None, packed or None, group[, rows]).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, py::list specs) {
     Layer l;
     l.input_norm = input_norm;

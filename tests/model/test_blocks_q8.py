@@ -1,0 +1,164 @@
+"""The int8-activation block kernel (``blocks_q8``: block_mm.cpp's ``block_mm_q8`` on
+:class:`runtime.model.blocks.StripBlocks`) against its twin: the file's dequantized weights
+times the activations rounded as the kernel rounds them (:func:`round_activations`), so
+only fp32 summation order may differ. Then: a row's bits whatever its batch (1, 8, 512
+rows, strided rows), the rounding itself, the kernel's place in the choice, and a tiny
+GGUF model on it against the fp32 runner on the same file (the activation rounding is the
+whole difference: greedy tokens equal, logits within ``MODEL_TOL``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from loader_fixtures import hf_reference_weights, write_tiny_gguf
+from test_blocks import FORMATS, _file_weight, _greedy, _pool
+
+from runtime.model import blocks as blocks_mod
+from runtime.model.blocks import StripBlocks, int8_activations, round_activations
+from runtime.model.loader import load_blocks, load_model
+from runtime.model.matmul import Projection, _one_rounding, choose_kernels
+from runtime.model.runner import ModelRunner
+
+# Max |logit diff| of the tiny model on blocks_q8 against fp32 on the same file, relative
+# to max |logit|: int8 activations per 32 carry ~0.2-0.4% relative error a product (half a
+# step of max|x| / 127 per value), which the layers carry to the logits (measured 0.6-0.7%
+# here for each format; 2e-2 leaves room for other seeds of the same shapes).
+MODEL_TOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIE_CTX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(blocks_mod, "INT8_ACTIVATIONS", True)
+    if not int8_activations():
+        pytest.skip("the block kernels did not build here (no compiler?)")
+
+
+def _activations(rows: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    """Random rows with the cases the rounding must handle: a zero group (d = 0), an
+    outlier, values at ties (x / d = k + 0.5 for some k)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_f, generator=g)
+    x[0, :32] = 0
+    if rows > 1:
+        x[1, 5] = 40.0
+        x[-1, 32:64] = torch.arange(32) - 15.5  # max 16.5 -> d = 16.5 / 127: ties land near
+    return x
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("shape", [(48, 96), (40, 128), (16, 576)])  # odd blocks, part strips
+def test_the_kernel_is_the_twins_product_on_rounded_activations(kind, shape) -> None:
+    out_f, in_f = shape
+    bw, twin = _file_weight(kind, out_f, in_f, seed=11)
+    strips = StripBlocks.from_blocks(bw)
+    assert strips.bits == bw.bits and strips.d.shape == (-(-out_f // 16), in_f // 32, 16)
+    x = _activations(9, in_f)
+    got = strips.matmul(x)
+    ref = F.linear(round_activations(x), twin)
+    assert got.shape == (9, out_f) and got.dtype == torch.float32
+    assert (got - ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item())
+    assert torch.equal(got[0, :], got[0, :])  # no NaN from the zero group
+    # the rounding is the whole difference from the unrounded product: a few tenths of a %
+    plain = F.linear(x, twin)
+    assert (got - plain).abs().max().item() <= 2e-2 * plain.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_rows_bits_do_not_depend_on_its_batch(kind) -> None:
+    """1 row, 8 rows, 512 rows, and a strided view: the same bits for the same row."""
+    bw, _ = _file_weight(kind, 72, 192, seed=12)
+    strips = StripBlocks.from_blocks(bw)
+    x = _activations(512, 192, seed=3)
+    whole = strips.matmul(x)
+    for r in (0, 1, 5, 300, 511):
+        assert torch.equal(strips.matmul(x[r:r + 1]), whole[r:r + 1])
+    assert torch.equal(strips.matmul(x[504:512]), whole[504:512])
+    assert torch.equal(strips.matmul(x[3:11]), whole[3:11])
+    wide = torch.zeros(8, 400)
+    wide[:, 7:199] = x[:8]
+    assert torch.equal(strips.matmul(wide[:, 7:199]), whole[:8])  # strided rows
+
+
+def test_rounding_is_q8_per_group_of_32() -> None:
+    """Per group: d = max|x| / 127, every value within half a step, integers in
+    [-127, 127]; llama.cpp's Q8_0 (gguf's reference) rounds the same values alike up to
+    its float16 scale (the kernel keeps d in fp32)."""
+    x = _activations(4, 96, seed=5)
+    xr = round_activations(x)
+    g, gr = x.view(4, 3, 32), xr.view(4, 3, 32)
+    d = g.abs().amax(dim=2, keepdim=True) / 127
+    assert ((gr - g).abs() <= d / 2 * (1 + 1e-6)).all()
+    q = torch.where(d > 0, gr / d, torch.zeros_like(gr))
+    assert (q.round() - q).abs().max().item() < 1e-4 and q.abs().max().item() <= 127
+    ref = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                                 gguf.GGMLQuantizationType.Q8_0)
+    ref = torch.from_numpy(np.asarray(ref, dtype=np.float32)).view(4, 96)
+    assert (xr - ref).abs().max().item() <= 1.01 * d.max().item()
+
+
+def test_it_is_a_candidate_and_the_switch_leaves_it_out(monkeypatch) -> None:
+    bw, twin = _file_weight("Q4_1", 64, 128, seed=13)
+    proj = Projection(bw)
+    assert "blocks_q8" in proj.candidate_names()
+    choose_kernels([proj], repeats=1)  # passes its check (on the rounded activations)
+    x = torch.randn(3, 128)
+    got = proj._kernel("blocks_q8")(x)
+    assert (got - F.linear(round_activations(x), twin)).abs().max().item() <= 1e-5
+    monkeypatch.setattr(blocks_mod, "INT8_ACTIVATIONS", False)
+    assert "blocks_q8" not in Projection(bw).candidate_names()
+
+
+def test_bad_shapes_are_refused() -> None:
+    bw, _ = _file_weight("Q8_0", 32, 64)
+    strips = StripBlocks.from_blocks(bw)
+    with pytest.raises(RuntimeError, match="columns"):
+        strips.matmul(torch.randn(2, 96))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_gguf_model_on_int8_activations_keeps_the_fp32_runners_tokens(
+        tmp_path: Path, kind: str) -> None:
+    hf = hf_reference_weights(seed=5, scaled=True)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf,
+                           formats={**{f"{n}.weight": kind for n in names},
+                                    "token_embd.weight": "Q8_0"})
+    loaded = load_model(path, device="cpu", progress=False)
+    c = loaded.config
+    fp32 = ModelRunner(c, loaded.weights, _pool(c), 16)
+    ours = ModelRunner(c, loaded.weights, _pool(c), 16, weight_format="gguf",
+                       blocks=load_blocks(loaded.path))
+    for p in ours.model.projections():  # every projection and the lm_head on blocks_q8
+        p.use(["blocks_q8"] * p.buckets)
+    ids = [3, 7, 1, 9, 4, 4, 12, 5, 8, 2, 6, 11]
+    want, want_logits = _greedy(fp32, ids, 6)
+    got, got_logits = _greedy(ours, ids, 6)
+    assert got == want
+    diff = (got_logits - want_logits).abs().max().item()
+    assert diff <= MODEL_TOL * want_logits.abs().max().item()
+
+
+def test_a_rounding_kernel_serves_every_bucket_or_none() -> None:
+    """blocks_q8 computes other numbers than blocks (not only other last bits): a
+    projection uses it for every row bucket or for none, so a sequence's tokens never depend
+    on the bucket its batch falls in."""
+    t = [{"blocks": 1.0, "blocks_f32": 3.0, "blocks_q8": 0.5},
+         {"blocks": 1.0, "blocks_f32": 0.8, "blocks_q8": 0.9},
+         {"blocks": 1.0, "blocks_f32": 0.9, "blocks_q8": 1.5}]
+    # 0.5 / 1 * 0.9 / 0.8 * 1.5 / 0.9 = 0.94: faster overall, every bucket
+    assert _one_rounding(["blocks_q8", "blocks_f32", "blocks_f32"], t) == ["blocks_q8"] * 3
+    t[2]["blocks_q8"] = 2.0  # 1.25: slower overall, no bucket
+    assert _one_rounding(["blocks_q8", "blocks_f32", "blocks_f32"], t) == [
+        "blocks", "blocks_f32", "blocks_f32"]
+    assert _one_rounding(["blocks", "blocks_f32"], t[:2]) == ["blocks", "blocks_f32"]
+    bw, _ = _file_weight("Q4_1", 64, 128, seed=14)
+    proj = Projection(bw)
+    choose_kernels([proj], repeats=1)
+    assert ("blocks_q8" in proj.kernel_names) == (set(proj.kernel_names) == {"blocks_q8"})
