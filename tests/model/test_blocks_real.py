@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.model import blocks as blocks_mod
 from runtime.model.blocks import int8_activations
 from runtime.model.loader import LoadedModel, load_blocks, load_model
 from runtime.model.runner import ModelRunner
@@ -35,7 +36,8 @@ def _on(runner: ModelRunner, kernel: str) -> ModelRunner:
     return runner
 
 
-def test_the_default_gguf_on_its_blocks_is_the_file_dequantized(loaded: LoadedModel) -> None:
+def test_the_default_gguf_on_its_blocks_is_the_file_dequantized(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     fp32, ours = _runner(loaded, "fp32"), _runner(loaded, "gguf")
     assert {p.weight.source for p in ours.model.projections()} == {"Q4_1", "Q8_0"}
     assert ours.weight_bytes <= 0.2 * fp32.weight_bytes  # ~97 MB against ~540 MB
@@ -58,6 +60,8 @@ def test_the_default_gguf_on_its_blocks_is_the_file_dequantized(loaded: LoadedMo
     # the bounds leave room for summation order and other machines' kernels, and are far
     # below what a wrong kernel gives (a wrong weight or scale moves logits by whole units
     # everywhere and perplexity by tens of percent).
+    # (opt-in at load: PIE_CTX_BLOCKS_Q8=1; the kernel itself is measured here either way)
+    monkeypatch.setattr(blocks_mod, "INT8_ACTIVATIONS", True)
     if not int8_activations():
         pytest.skip("the int8-activation block kernel did not build here")
     b = _logits(_on(ours, "blocks_q8"), ids)
