@@ -119,7 +119,7 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                 owner_share: float | None = None, weights: str = "fp32",
                 kv_dtype: str = "fp32", snapshot_dir: str | Path | None = None,
                 disk_cache_gb: float = 4.0, backend: str = "auto", tp: int = 1,
-                **engine_kw: Any) -> Engine:
+                deterministic: bool = True, **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -149,6 +149,12 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         tp: tensor-parallel ranks: this process is rank 0 and starts the other ``tp - 1``
             (or attaches to ``torchrun``'s); weights and KV pages are sharded by head
             (docs/scale-out.md). 1: one device, nothing else starts.
+        deterministic: batch-invariant numerics, the default: the same seed gives the same
+            tokens whatever else is batched, however the prompt was chunked and whatever
+            came from the cache (docs/performance.md "Deterministic numerics"). False:
+            the fastest kernels, whose row results may differ in the last bits with the
+            batch. Honoured by the native runner on one CPU; ``EngineInfo.deterministic``
+            says whether it is in force.
         **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
@@ -190,7 +196,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
             return _build_rank0()
-        m, make_runner = _load(kind, model, dtype=dtype, device=device, progress=progress)
+        m, make_runner = _load(kind, model, deterministic, dtype=dtype, device=device,
+                               progress=progress)
         pages = num_pages or pool_pages_for(m.shape, page_size, m.dtype, kv_memory_gb, kv_dtype)
         files = files_for(m, kind)
         try:
@@ -261,10 +268,15 @@ class _Model:
 MakeRunner = Callable[[torch.Tensor, int, str], Any]
 
 
-def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRunner]:
+def _load(kind: str, model: str | None, deterministic: bool,
+          **load_kw: Any) -> tuple[_Model, MakeRunner]:
     """Load ``model`` for the ``kind`` backend (on the model thread); returns its facts and
-    how to build its runner over a pool."""
+    how to build its runner over a pool (``deterministic``: see ``boot_engine``)."""
     if kind == "transformers":
+        if deterministic:
+            log.info("model %s: the transformers backend runs transformers' kernels; "
+                     "its numerics may depend on the batch (EngineInfo.deterministic=False)",
+                     model)
         hf = load_transformers_model(model, **load_kw)
         return (_Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
                        hf.hidden_size, hf.max_positions),
@@ -275,6 +287,7 @@ def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRun
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
-                           weight_format=weights, calibration=calibration, dtype=m.dtype)
+                           weight_format=weights, calibration=calibration, dtype=m.dtype,
+                           deterministic=deterministic)
 
     return m, make_runner

@@ -14,9 +14,12 @@ so a rejected batch leaves the pool untouched.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.model import kernels
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
@@ -29,12 +32,28 @@ from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 from runtime.model.scores import Scoring
 
-__all__ = ["SeqInput", "ModelRunner"]
+__all__ = ["SeqInput", "ModelRunner", "deterministic_here"]
+
+log = logging.getLogger(__name__)
 
 # A batch of several adapters with at most this many rows runs them side by side (one
 # matmul pair for all, ``LoraBatch``); more rows (prefill chunks) run adapter by adapter.
 _STACK_MAX_ROWS = 64
 _STACK_CACHE = 2  # sets of adapters kept side by side (a decode batch keeps its set)
+
+
+def deterministic_here(device: torch.device) -> bool:
+    """Whether batch-invariant numerics can run on ``device`` (CPU, with pie-ctx's kernels
+    built: the invariant attention is theirs); logs why not."""
+    if device.type != "cpu":
+        log.warning("deterministic numerics are a CPU mode; %s runs the fastest kernels, "
+                    "and a row's bits may depend on its batch", device)
+        return False
+    if kernels.ops() is None:
+        log.warning("deterministic numerics need pie-ctx's CPU kernels (not built or "
+                    "PIE_CTX_KERNELS=0); a row's bits may depend on its batch")
+        return False
+    return True
 
 
 class ModelRunner:
@@ -52,6 +71,10 @@ class ModelRunner:
             ``runtime.model.quant``; needs ``calibration``).
         calibration: token ids int8 measures activation ranges on.
         dtype: the compute dtype; default: the pool's, or float32 for an int8 pool.
+        deterministic: batch-invariant numerics (docs/performance.md): projection kernels
+            and an attention path whose row results do not depend on the batch, the
+            chunking or the cache. Honoured on CPU with pie-ctx's kernels built; elsewhere
+            it is logged and :attr:`deterministic` says False.
 
     Raises:
         InvalidArgument: the pool's shape or dtype does not fit the model; an unknown
@@ -65,7 +88,7 @@ class ModelRunner:
                  pool_kv: torch.Tensor, page_size: int,
                  backend: AttentionBackend | None = None, *, weight_format: str = "fp32",
                  calibration: list[int] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, deterministic: bool = False) -> None:
         c: ModelConfig = config
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
@@ -79,13 +102,16 @@ class ModelRunner:
         self.num_pages = int(pool_kv.shape[0])
         self.device = pool_kv.device
         self.dtype = pool_kv.dtype if kv_dtype == "fp32" else (dtype or torch.float32)
+        self.deterministic = deterministic and deterministic_here(self.device)
         self.model = Transformer(c, weights, self.device, self.dtype,
-                                 choose=weight_format == "fp32")
+                                 choose=weight_format == "fp32",
+                                 deterministic=self.deterministic)
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
-                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads))
+                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads),
+                                                 deterministic=self.deterministic)
         # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, self.backend) else None
         self.adapters: dict[str, LoraAdapter] = {}  # by name

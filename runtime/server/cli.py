@@ -50,6 +50,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("fp32", "int8"), default="fp32",
                         help="KV pages: fp32 (unquantized, in --dtype) or int8 (a scale per "
                              "token and head; ~3.8x the pages per GB; docs/forward.md)")
+    parser.add_argument("--deterministic", choices=("on", "off"), default="on",
+                        help="on (default): batch-invariant kernels, the same seed gives the "
+                             "same tokens whatever else runs, however the prompt was chunked "
+                             "and whatever came from the cache; off: the fastest kernels "
+                             "(docs/performance.md)")
     parser.add_argument("--backend", type=_backend_option, default="auto",
                         metavar="{native,transformers,auto}",
                         help="native: pie-ctx's own layers (Llama, Qwen2, Qwen3); transformers: "
@@ -95,7 +100,8 @@ def _mcp_option(value: str) -> tuple[str, str]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
     options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
-               "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend}
+               "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend,
+               "deterministic": args.deterministic == "on"}
     if args.tensor_parallel != 1:
         options["tp"] = args.tensor_parallel
     adapters = dict(getattr(args, "adapter", None) or [])

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <vector>
 
 namespace {
@@ -167,6 +168,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
   std::vector<int64_t> task_rows, row_limit(T), row_splits(T);
   std::vector<Task> per_head;  // the tasks of KV head 0; other heads repeat them
   int64_t max_splits = 1, max_count = 1;
+  // A full split whose pages are the same pages in several sequences (forks of one
+  // prompt) is one task for all their rows: its keys are read once. Each row's arithmetic
+  // is the same as in a task of its own (rows never mix), so its bits are too.
+  std::vector<std::vector<int64_t>> rows_of;  // per task
+  std::map<std::vector<int32_t>, int64_t> shared;  // (lo, page ids) of a full split -> task
+  const int64_t split_pages = SPLIT_KEYS % S == 0 ? SPLIT_KEYS / S : 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t kv_len = cached[i] + starts[i + 1] - starts[i];
     const int64_t splits = (kv_len + SPLIT_KEYS - 1) / SPLIT_KEYS;
@@ -175,12 +182,33 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
       row_limit[r] = cached[i] + (r - starts[i]);
       row_splits[r] = splits;
     }
+    const int32_t* table = tables + i * max_pages;
     for (int64_t lo = 0; lo < kv_len; lo += SPLIT_KEYS) {
-      per_head.push_back({0, tables + i * max_pages, lo, std::min(kv_len, lo + SPLIT_KEYS),
-                          static_cast<int64_t>(task_rows.size()), starts[i + 1] - starts[i]});
-      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) task_rows.push_back(r);
+      const int64_t hi = std::min(kv_len, lo + SPLIT_KEYS);
+      int64_t task = -1;
+      if (split_pages > 0 && hi - lo == SPLIT_KEYS && cached[i] >= hi) {
+        std::vector<int32_t> key(table + lo / S, table + lo / S + split_pages);
+        key.push_back(static_cast<int32_t>(lo / SPLIT_KEYS));
+        auto found = shared.find(key);
+        if (found != shared.end()) {
+          task = found->second;
+        } else {
+          shared.emplace(std::move(key), static_cast<int64_t>(per_head.size()));
+        }
+      }
+      if (task < 0) {
+        task = static_cast<int64_t>(per_head.size());
+        per_head.push_back({0, table, lo, hi, 0, 0});
+        rows_of.emplace_back();
+      }
+      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) rows_of[task].push_back(r);
     }
-    max_count = std::max<int64_t>(max_count, starts[i + 1] - starts[i]);
+  }
+  for (size_t t = 0; t < per_head.size(); ++t) {
+    per_head[t].first = static_cast<int64_t>(task_rows.size());
+    per_head[t].count = static_cast<int64_t>(rows_of[t].size());
+    task_rows.insert(task_rows.end(), rows_of[t].begin(), rows_of[t].end());
+    max_count = std::max<int64_t>(max_count, per_head[t].count);
   }
   const int64_t per = static_cast<int64_t>(per_head.size());
   const int64_t nq = max_count * G;  // query heads of one task, at most
@@ -225,6 +253,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
         // scores of the block's keys for each query head (lane k = key k0 + k), then the
         // softmax update, leaving each key's weight in scores[qh][k]
         for (int64_t j = 0; j < task.count; ++j) {
+          if (row_limit[rows[j]] < k0) {  // every key of this block is in its future
+            for (int64_t i = 0; i < G; ++i) store(scores.data() + (j * G + i) * BLOCK, v16{});
+            continue;
+          }
           // keys after the query (causal) or past the block are out: -inf
           const v16 visible = splat(static_cast<float>(
               std::min<int64_t>(row_limit[rows[j]] - k0, kb - 1)));
