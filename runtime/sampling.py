@@ -111,20 +111,24 @@ CANDIDATES = 1024
 
 def _sample(x: torch.Tensor, params: list[SamplerSpec],
             generators: list[torch.Generator | None]) -> list[int]:
-    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V]."""
-    m = x.shape[0]
-    dev = x.device
-    probs, order, keep = _filtered(x, params)
+    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V], row by row: torch
+    reduces one row differently alone (split over the threads) than among others (a
+    thread per row), and whether the candidate cut holds is decided per call, so a row's
+    draw would depend on its batch (docs/performance.md, "Deterministic numerics")."""
+    return [_sample_row(x[i: i + 1], params[i], gen) for i, gen in enumerate(generators)]
+
+
+def _sample_row(x: torch.Tensor, params: SamplerSpec, gen: torch.Generator | None) -> int:
+    """One filtered multinomial draw from fp32 logits ``x`` [1, V] with the row's own
+    generator (one uniform number)."""
+    probs, order, keep = _filtered(x, [params])
     width = probs.shape[1]
-    cdf = torch.cumsum(probs, dim=-1)  # [m, W] (unnormalised after min-p)
-    u = torch.empty(m, device=dev)
-    for i, gen in enumerate(generators):  # one draw per row from the row's own generator
-        u[i] = draw(gen, dev)
-    target = u[:, None] * cdf[:, -1:]  # [m, 1]
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [m, 1]
+    cdf = torch.cumsum(probs, dim=-1)  # [1, W] (unnormalised after min-p)
+    target = draw(gen, x.device) * cdf[:, -1:]  # [1, 1]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [1, 1]
     # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
     idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-    return order.gather(1, idx).squeeze(1).tolist()
+    return int(order[0, int(idx)])
 
 
 def draw(gen: torch.Generator | None, device: torch.device | str = "cpu") -> float:
@@ -146,11 +150,11 @@ def filtered_probs(x: torch.Tensor, params: list[SamplerSpec]) -> torch.Tensor:
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     for i in greedy:
         out[i, int(x[i].argmax())] = 1.0
-    rest = [i for i, p in enumerate(params) if not p.is_greedy]
-    if rest:
-        probs, order, _ = _filtered(x[rest].float(), [params[i] for i in rest])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        out[rest] = out[rest].scatter(1, order, probs)
+    for i, p in enumerate(params):  # row by row, as a draw (see _sample)
+        if not p.is_greedy:
+            probs, order, _ = _filtered(x[i: i + 1].float(), [p])
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            out[i: i + 1] = out[i: i + 1].scatter(1, order, probs)
     return out
 
 
