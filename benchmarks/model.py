@@ -7,7 +7,10 @@ greedy_tokens_identical, prefill/decode tok/s for both, weight_bytes, mem_bandwi
 decode roofline fraction; on CPU also the int8-weights rows: int8_decode_tok_s,
 int8_prefill_tok_s, int8_greedy_agreement, int8_ppl_delta, int8_weight_bytes, measured in
 the same run; and for each format a profiled decode step: ops_per_layer_decode,
-decode_ms_per_step and decode_profile, int8_ the same for int8; see benchmarks/quality.py for the quality measures). Both sides run in the same dtype on the same device (default
+decode_ms_per_step and decode_profile, int8_ the same for int8; see benchmarks/quality.py for the quality measures;
+and the cost of deterministic numerics, time with the batch-invariant kernels over time
+without: deterministic_prefill_ratio, deterministic_decode_ratio (batch 1) and
+deterministic_decode8_ratio (8 unrelated contexts decoding together; docs/performance.md)). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -163,7 +166,9 @@ def main() -> None:
     bw_start = mem_bandwidth_gbs(device)  # measured at both ends; the best is the least disturbed
     loaded = load_model(device=device, dtype=dtype)
     tok = loaded.tokenizer
-    ours = Ours(loaded, 4096)
+    room = max(4096, 8 * (args.prompt_len + args.new_tokens + 32))  # decode8's 8 contexts
+    ours = Ours(loaded, room)
+    det = Ours(loaded, room, deterministic=True)  # the engine's default kernels
     hf = HF(loaded.path, device, dtype)
     int8 = None
     if device.type == "cpu" and not args.no_int8:
@@ -182,16 +187,25 @@ def main() -> None:
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]
-    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {})
+    sides = {"": ours, "hf_": hf, "det_": det} | ({"int8_": int8} if int8 is not None else {})
     rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec")}
     for _ in range(args.repeats):  # interleave so machine noise hits every side alike
         for p, side in sides.items():
             _, pf, dec = side.generate(prompt, args.new_tokens)
             rows[p + "pf"].append(len(prompt) / pf)
             rows[p + "dec"].append((args.new_tokens - 1) / dec)
+    # 8 unrelated contexts decoding together, with and without the invariant kernels
+    words = tok.encode(text)
+    prompts8 = [words[7 * i: 7 * i + len(prompt)] for i in range(8)]
+    rows |= {"dec8": [], "det_dec8": []}
+    for _ in range(args.repeats):
+        for p, side in (("", ours), ("det_", det)):
+            rows[p + "dec8"].append(8 * args.new_tokens / side.decode_batch(prompts8,
+                                                                            args.new_tokens))
     best = {k: max(v) for k, v in rows.items()}
     med = {k: statistics.median(v) for k, v in rows.items()}
-    profiles = {p: decode_profile(side, prompt) for p, side in sides.items() if p != "hf_"}
+    profiles = {p: decode_profile(side, prompt) for p, side in sides.items()
+                if p not in ("hf_", "det_")}
     bw = max(bw_start, mem_bandwidth_gbs(device))
     wbytes = ours.runner.weight_bytes
     roofline = bw * 1e9 / wbytes
@@ -212,6 +226,12 @@ def main() -> None:
               + "  ".join(f"{k.removesuffix('_share')} {v:.0%}" for k, v in prof.items()
                           if k.endswith("_share")))
     extra: dict[str, object] = {
+        # time with the invariant kernels / time without (rates the other way round)
+        "deterministic_prefill_ratio": round(best["pf"] / best["det_pf"], 3),
+        "deterministic_decode_ratio": round(best["dec"] / best["det_dec"], 3),
+        "deterministic_decode8_ratio": round(best["dec8"] / best["det_dec8"], 3),
+        "decode8_tok_s": round(best["dec8"], 2),
+        "deterministic_kernels": det.runner.model.kernel_report,
         "ops_per_layer_decode": round(profiles[""]["ops_per_layer"], 2),
         "decode_ms_per_step": round(1e3 / best["dec"], 3),
         "decode_profile": {k: round(v, 3) for k, v in profiles[""].items()}}
