@@ -421,9 +421,10 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
 
 
 def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, bytes] | None:
-    """``(p, bits)``: kernel ``name`` gives a row the same ``bits`` in every call of at
-    least ``p`` of the :data:`PROBE_ROWS` rows (the first row in each call, and each call's
-    last row against the biggest call), ``p <= _MAX_PAD``; None if no such ``p``."""
+    """``(p, bits)``: kernel ``name`` gives a row the same bits in every call of at least
+    ``p`` of the :data:`PROBE_ROWS` rows (the first row in each call, and each call's last
+    row against the biggest call), ``p <= _MAX_PAD``; ``bits``: the biggest call's whole
+    result (kernels of one class must agree on every row); None if no such ``p``."""
     kernel = rep._kernel(name)
     limit = 1 if not rep.allowed(name, 1) else x.shape[0]
     counts = [m for m in PROBE_ROWS if m <= limit]
@@ -438,7 +439,7 @@ def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, b
         p = m
     if p is None or p > _MAX_PAD:
         return None
-    return p, biggest[0].float().numpy().tobytes()
+    return p, biggest.float().numpy().tobytes()
 
 
 def _choose_invariant(rep: Projection, members: list[Projection], names: list[str],

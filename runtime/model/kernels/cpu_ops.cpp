@@ -415,7 +415,13 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 
 // The elementwise glue of a decoder layer, one pass each and without FMA contraction, so
 // every value is the eager op's bit for bit.
+// The attribute alone does not reach the lambdas handed to at::parallel_for (their
+// operator() is a function of its own): one copy ran inlined without FMA, the threads'
+// copy with it, so a row's bits depended on the row count (issue 35). The pragma covers
+// every function defined down to PYBIND11_MODULE, lambdas included.
 #define EXACT __attribute__((optimize("fp-contract=off")))
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 
 // Rotate the query and key heads of a fused qkv buffer in place ("rotate half", HF Llama):
 // x[:half] * cos - x[half:] * sin, x[half:] * cos + x[:half] * sin.
@@ -526,6 +532,8 @@ EXACT torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch:
   });
   return out;
 }
+
+#pragma GCC pop_options
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int32", &dequantize_int32, "int8 projection's int32 result to fp32");
