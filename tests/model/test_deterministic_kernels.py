@@ -88,9 +88,18 @@ def test_a_rows_logits_do_not_depend_on_chunks_or_batch(kv_dtype: str) -> None:
     assert torch.equal(_chunked(runner, tokens, 16), whole)
     assert torch.equal(_chunked(runner, tokens, 5, [random_tokens(40, seed=2),
                                                    random_tokens(9, seed=3)]), whole)
+    # the last row as a decode after the rest (a fork's first step), and in a short chunk
+    free = free_list(runner, seed=9)
+    seq = PagedSeq(runner, free)
+    seq.run(tokens[:-1], logits=[0])
+    assert torch.equal(seq.run(tokens[-1:])[0], whole[-1])
+    seq = PagedSeq(runner, free)
+    seq.run(tokens[:-13], logits=[0])
+    assert torch.equal(seq.run(tokens[-13:]), whole[-13:])
     free_runner = _runner(model, kv_dtype, deterministic=False)
-    torch.testing.assert_close(_chunked(free_runner, tokens, 64), whole, rtol=1e-4,
-                               atol=1e-4)
+    # (int8 pages: a last-bit difference can move an entry by one quantization step)
+    tol = 1e-4 if kv_dtype == "fp32" else 1e-2
+    torch.testing.assert_close(_chunked(free_runner, tokens, 64), whole, rtol=tol, atol=tol)
 
 
 @needs_kernels
