@@ -113,3 +113,17 @@ async def test_same_seed_same_tokens(weights: str, kv: str, tmp_path: Path) -> N
     async with _engine(weights, kv, tmp_path) as (engine, rt):
         reopened = await Context.open(rt, "det")
         assert await _generate(reopened, 5, TAIL) == forked, "a reopened snapshot"
+
+
+async def test_bf16_greedy_speculation_is_plain_greedy() -> None:
+    """A verify pass of k + 1 rows computes each row as a single-row step does, so greedy
+    speculation in bf16 gives exactly plain greedy output (docs/decoding.md)."""
+    engine = boot_engine(None, dtype="bfloat16", num_pages=256, progress=False)
+    async with engine, Runtime.local(engine=engine) as rt:
+        assert rt.info.deterministic
+        text = ("List the colours: red, green, blue, red, green, blue, red, green, blue, "
+                "red, green, blue, red, green")
+        plain = await Context(rt).user(text).generate(max_tokens=TAIL, ignore_eos=True).tokens()
+        spec = await Context(rt).user(text).generate(max_tokens=TAIL, ignore_eos=True,
+                                                     speculator="prompt_lookup").tokens()
+        assert spec == plain
