@@ -433,7 +433,7 @@ def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, b
     same = [torch.equal(outs[m][0], biggest[0]) and torch.equal(outs[m][-1], biggest[m - 1])
             for m in counts]
     p = None
-    for m, ok in zip(reversed(counts), reversed(same)):
+    for m, ok in zip(reversed(counts), reversed(same), strict=True):
         if not ok:
             break
         p = m

@@ -92,7 +92,7 @@ class KernelGroup:
             local: dict[int, int] = {}
             tables = [[local.setdefault(p, len(local)) for p in t[: -(-meta.kv_lens[i]
                                                                  // meta.page_size)]]
-                      for t, i in zip(tables, seqs)]
+                      for t, i in zip(tables, seqs, strict=True)]
             pages = torch.tensor(list(local), dtype=torch.int64,
                                  device=meta.write_pages.device)
         width = max(1, max(len(t) for t in tables))
