@@ -32,6 +32,16 @@ file's float16 scales are not in general.
 
 Invariants: every candidate of a projection computes the same projection (checked at load
 against the first candidate); results may differ in the last bits, never more.
+
+Deterministic choice (``choose_kernels(..., deterministic=True)``, the engine's default,
+docs/performance.md): a row's bits must not depend on how many rows share its call. Which
+kernels keep them is measured, per signature, at load: each candidate runs a fixed set of
+row counts (:data:`PROBE_ROWS`) and a row's result must be identical in every call of at
+least ``p`` rows, at its first and at its last position; calls with fewer rows are then
+padded with zero rows to ``p`` (kernel ``name@p``; on the EPYC, MKL's ``F.linear`` is
+one class from 4 rows up, with a one-row and a two-to-three-row path of its own).
+Candidates whose invariant results are the same bits form a class; each bucket takes the
+fastest member of one class, the class that costs least against the free choice.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 from runtime.model.blocks import BlockWeight, Int4Weight
 
@@ -57,6 +68,10 @@ __all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kerne
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode batch, a chunk
+# Row counts a deterministic choice checks a kernel at (the lm_head's up to 64): calls of
+# every size a step makes, the edges of the usual kernel tiles, and bigger prefill chunks.
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256, 300, 512)
+_MAX_PAD = 16  # the most rows a one-row call is padded to
 PACK_MAX_BYTES = 2 << 30
 _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
@@ -232,7 +247,11 @@ class Projection:
     # -------------------------------------------------------------------- kernels
 
     def _kernel(self, name: str) -> Kernel:
-        """Build (once) the layout kernel ``name`` needs and return the kernel."""
+        """Build (once) the layout kernel ``name`` needs and return the kernel
+        (``base@p``: ``base`` on calls padded with zero rows to at least ``p`` rows)."""
+        if "@" in name:
+            base, pad = name.split("@")
+            return _padded(self._kernel(base), int(pad))
         w, b = self.weight, self.bias
         if name == "mkl":
             assert isinstance(w, torch.Tensor)
@@ -288,7 +307,7 @@ class Projection:
         """Route each bucket to the named kernel; drop layouts no bucket uses."""
         self._kernels = [self._kernel(n) for n in names]
         self.kernel_names = list(names)
-        for unused in set(self._layouts) - set(names):
+        for unused in set(self._layouts) - {n.split("@")[0] for n in names}:
             del self._layouts[unused]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,6 +321,20 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 def _as(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _padded(kernel: Kernel, rows: int) -> Kernel:
+    """``kernel`` on calls of at least ``rows`` rows: fewer are padded with zero rows."""
+    if rows <= 1:
+        return kernel
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m >= rows:
+            return kernel(x)
+        return kernel(torch.cat([x, x.new_zeros(rows - m, x.shape[1])]))[:m]
+
+    return run
 
 
 def _int8_int_mm(x: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
@@ -373,21 +406,28 @@ def adopt_kernel_choices(choices: dict[str, list[Any]]) -> None:
         _CHOSEN.setdefault(tuples(json.loads(key)), (list(names), str(line)))
 
 
-def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> list[str]:
+def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
+                   deterministic: bool = False) -> list[str]:
     """Time every candidate kernel per projection signature and row bucket; route each
     projection to the fastest. Returns the log lines (also logged at INFO).
 
     Candidates that disagree with the reference kernel beyond rounding are discarded
     (with a log line) before timing. A signature is timed once per process: later models
     with the same shapes reuse the choice, so two engines in one process compute alike.
+
+    ``deterministic``: only kernels whose row results do not depend on the call's row
+    count, all of one class of equal bits (see the module doc); the choice is kept apart
+    from the free one.
     """
     groups: dict[tuple, list[Projection]] = {}
     for p in projections:
-        groups.setdefault(p.signature, []).append(p)
+        sig = p.signature + (("deterministic",) if deterministic else ())
+        groups.setdefault(sig, []).append(p)
     lines = []
     gen = torch.Generator().manual_seed(0)
     for sig, members in groups.items():
-        if sig in _CHOSEN and set(_CHOSEN[sig][0]) <= set(members[0].candidate_names()):
+        if sig in _CHOSEN and ({n.split("@")[0] for n in _CHOSEN[sig][0]}
+                               <= set(members[0].candidate_names())):
             names, line = _CHOSEN[sig]
             for p in members:
                 p.use(names)
@@ -396,7 +436,7 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
         rep = members[0]
         out_f, in_f = rep.shape
         names = rep.candidate_names()
-        if len(names) == 1:
+        if len(names) == 1 and not deterministic:
             continue
         dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
                  else rep.weight.dtype)  # type: ignore[union-attr]
@@ -411,6 +451,14 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
                          names[0], out_f, in_f)
                 names.remove(n)
+        if deterministic:
+            chosen, line = _choose_invariant(rep, members, names, gen, repeats)
+            for p in members:
+                p.use(chosen)
+            log.info("projection kernels: %s", line)
+            _CHOSEN[sig] = (chosen, line)
+            lines.append(line)
+            continue
         kernels = {n: [p._kernel(n) for p in members] for n in names}
         chosen, report = [], []
         for b in range(rep.buckets):
@@ -433,3 +481,80 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
         _CHOSEN[sig] = (chosen, line)
         lines.append(line)
     return lines
+
+
+def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, bytes] | None:
+    """``(p, bits)``: kernel ``name`` gives a row the same bits in every call of at least
+    ``p`` of the :data:`PROBE_ROWS` rows (the first row in each call, and each call's last
+    row against the biggest call), ``p <= _MAX_PAD``; ``bits``: the biggest call's whole
+    result (kernels of one class must agree on every row); None if no such ``p``."""
+    kernel = rep._kernel(name)
+    limit = 1 if not rep.allowed(name, 1) else x.shape[0]
+    counts = [m for m in PROBE_ROWS if m <= limit]
+    outs = {m: kernel(x[:m]) for m in counts}
+    biggest = outs[counts[-1]]
+    same = [torch.equal(outs[m][0], biggest[0]) and torch.equal(outs[m][-1], biggest[m - 1])
+            for m in counts]
+    p = None
+    for m, ok in zip(reversed(counts), reversed(same), strict=True):
+        if not ok:
+            break
+        p = m
+    if p is None or p > _MAX_PAD:
+        return None
+    return p, biggest.float().numpy().tobytes()
+
+
+def _choose_invariant(rep: Projection, members: list[Projection], names: list[str],
+                      gen: torch.Generator, repeats: int) -> tuple[list[str], str]:
+    """The deterministic choice for one signature: per bucket, the fastest member of the
+    class of row-count-invariant kernels (equal bits) that costs least against the
+    fastest kernel of each bucket. Returns (kernel per bucket, log line)."""
+    out_f, in_f = rep.shape
+    dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
+             else rep.weight.dtype)  # type: ignore[union-attr]
+    top = PROBE_ROWS[-1] if rep.buckets == len(ROW_BUCKETS) else 64
+    x = torch.randn(top, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+    classes: dict[bytes, list[str]] = {}
+    for n in names:
+        found = _invariant_from(rep, n, x)
+        if found is not None:
+            classes.setdefault(found[1], []).append(f"{n}@{found[0]}" if found[0] > 1 else n)
+    if not classes:
+        raise ModelError(
+            f"no projection kernel for {out_f}x{in_f} {dtype} gives a row the same result "
+            f"whatever its batch on this machine (tried {', '.join(names)}); start the engine "
+            "with --deterministic off (deterministic=False)")
+    times: dict[tuple[str, int], float] = {}
+    for b in range(rep.buckets):
+        rows = torch.randn(ROW_BUCKETS[b], in_f, generator=gen).to(dtype=dtype,
+                                                                   device=rep.device)
+        sample = slice(None) if ROW_BUCKETS[b] < 64 else slice(4)
+        wanted = set(names) | {n for c in classes.values() for n in c}
+        for n in wanted:
+            if rep.allowed(n.split("@")[0], b):
+                times[n, b] = _best_seconds([p._kernel(n) for p in members][sample], rows,
+                                            repeats)
+    free = [min(t for (n, bb), t in times.items() if bb == b and n in names)
+            for b in range(rep.buckets)]
+    best_cost, chosen = float("inf"), []
+    for members_of in classes.values():
+        picks = []
+        for b in range(rep.buckets):
+            timed = [n for n in members_of if (n, b) in times]
+            picks.append(min(timed, key=lambda n, b=b: times[n, b]) if timed else None)
+        if None in picks:
+            continue
+        cost = max(times[n, b] / free[b] for b, n in enumerate(picks))
+        if cost < best_cost:
+            best_cost, chosen = cost, picks
+    if not chosen:
+        raise ModelError(f"no row-count-invariant projection kernel class covers every row "
+                         f"bucket for {out_f}x{in_f} {dtype}; start the engine with "
+                         "--deterministic off (deterministic=False)")
+    report = [f"{ROW_BUCKETS[b]} row{'s' if ROW_BUCKETS[b] > 1 else ''}: {n} "
+              f"({times[n, b] * 1e3:.2f} ms, x{times[n, b] / free[b]:.2f} of the fastest)"
+              for b, n in enumerate(chosen)]
+    line = (f"{len(members)} x {out_f}x{in_f} {rep.form} "
+            "deterministic: " + "; ".join(report))
+    return chosen, line

@@ -1,0 +1,120 @@
+"""Batch-invariant numerics, part by part (issue 35; the end-to-end check on the default
+model is tests/precision/test_deterministic.py).
+
+* The projection kernels ``choose_kernels(deterministic=True)`` picks give a row the same
+  bits alone, among 7 others, among 299, at any position (fp32, int8, bf16).
+* A deterministic runner's logits for a row are the same bits whether its prompt ran in one
+  chunk or in chunks of 16 or 5, alone or batched with other prefills and decodes, and in
+  a fork decoding beside its siblings (the paged kernel's shared splits) or alone; for
+  fp32 and int8 pools; and they agree with the free runner's to rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.kv.pool import PagePool
+from runtime.model import kernels
+from runtime.model.matmul import Int8Weight, Projection, choose_kernels
+from runtime.model.runner import ModelRunner
+from tests.model.tiny_models import PagedSeq, config_of, free_list, make_hf_model, random_tokens
+
+needs_kernels = pytest.mark.skipif(kernels.ops() is None, reason="pie-ctx's kernels not built")
+
+SIZES = (1, 2, 3, 5, 8, 17, 64, 299)
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("shape", [(96, 64), (64, 160), (960, 576)])
+def test_chosen_projection_kernels_are_row_count_invariant(form: str, shape) -> None:
+    out_f, in_f = shape
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f, generator=gen) * 0.05
+    weight = Int8Weight.quantize(w) if form == "int8" else w.to(
+        torch.bfloat16 if form == "bf16" else torch.float32)
+    proj = Projection(weight, torch.randn(out_f, generator=gen) if form == "fp32" else None,
+                      pack=form == "fp32")
+    lines = choose_kernels([proj], deterministic=True)
+    assert "deterministic" in lines[0]
+    x = torch.randn(max(SIZES), in_f, generator=gen).to(
+        torch.bfloat16 if form == "bf16" else torch.float32)
+    alone = [proj(x[i: i + 1])[0] for i in (0, 1, 4)]
+    for m in SIZES:
+        out = proj(x[:m])
+        for j, i in enumerate((0, 1, 4)):
+            if i < m:
+                assert torch.equal(out[i], alone[j]), (lines, m, i)
+        shifted = proj(torch.cat([x[1:m], x[:1]]))  # row 0 last
+        assert torch.equal(shifted[-1], alone[0]), (lines, m)
+
+
+def _runner(model, kv_dtype: str, deterministic: bool, num_pages: int = 160) -> ModelRunner:
+    cfg = config_of(model)
+    pool = PagePool(num_pages, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                    kv_dtype=kv_dtype)
+    return ModelRunner(cfg, model.state_dict(), pool.kv, 16, deterministic=deterministic)
+
+
+def _chunked(runner: ModelRunner, tokens: list[int], chunk: int,
+             company: list[list[int]] = ()) -> torch.Tensor:
+    """Logits of every row of ``tokens``, prefilled ``chunk`` tokens a step, each step batched
+    with a chunk of every ``company`` prompt (their rows dropped)."""
+    free = free_list(runner, seed=chunk)
+    seq = PagedSeq(runner, free)
+    others = [PagedSeq(runner, free) for _ in company]
+    out = []
+    for a in range(0, len(tokens), chunk):
+        part = tokens[a: a + chunk]
+        batch = [seq.step(part)]
+        for o, prompt in zip(others, company, strict=True):
+            batch.append(o.step(prompt[a: a + chunk] or prompt[-1:], logits=[0]))
+        logits = runner.forward(batch)
+        out.append(logits[: len(part)])
+        seq.advance(len(part))
+        for o, prompt in zip(others, company, strict=True):
+            o.advance(len(prompt[a: a + chunk] or prompt[-1:]))
+    return torch.cat(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_a_rows_logits_do_not_depend_on_chunks_or_batch(kv_dtype: str) -> None:
+    model = make_hf_model("llama3", seed=4, max_position_embeddings=1024)
+    runner = _runner(model, kv_dtype, deterministic=True)
+    assert runner.deterministic and runner.backend.deterministic
+    tokens = random_tokens(300, seed=1)  # crosses a 256-key split
+    whole = _chunked(runner, tokens, 512)
+    assert torch.equal(_chunked(runner, tokens, 16), whole)
+    assert torch.equal(_chunked(runner, tokens, 5, [random_tokens(40, seed=2),
+                                                   random_tokens(9, seed=3)]), whole)
+    # the last row as a decode after the rest (a fork's first step), and in a short chunk
+    free = free_list(runner, seed=9)
+    seq = PagedSeq(runner, free)
+    seq.run(tokens[:-1], logits=[0])
+    assert torch.equal(seq.run(tokens[-1:])[0], whole[-1])
+    seq = PagedSeq(runner, free)
+    seq.run(tokens[:-13], logits=[0])
+    assert torch.equal(seq.run(tokens[-13:]), whole[-13:])
+    free_runner = _runner(model, kv_dtype, deterministic=False)
+    # (int8 pages: a last-bit difference can move an entry by one quantization step)
+    tol = 1e-4 if kv_dtype == "fp32" else 1e-2
+    torch.testing.assert_close(_chunked(free_runner, tokens, 64), whole, rtol=tol, atol=tol)
+
+
+@needs_kernels
+def test_forks_decoding_together_match_a_fork_alone() -> None:
+    model = make_hf_model("llama3", seed=5, max_position_embeddings=1024)
+    runner = _runner(model, "fp32", deterministic=True)
+    free = free_list(runner)
+    parent = PagedSeq(runner, free)
+    parent.run(random_tokens(320, seed=6))  # 20 full pages: one full shared split
+
+    def fork() -> PagedSeq:
+        return PagedSeq(runner, free, pages=list(parent.pages[:20]), num_cached=320)
+
+    forks = [fork() for _ in range(4)]
+    together = runner.forward([f.step([7 + i]) for i, f in enumerate(forks)])
+    alone = fork()
+    assert torch.equal(runner.forward([alone.step([7])])[0], together[0])
+    assert torch.equal(runner.forward([alone.step([9])])[0], together[2])
