@@ -23,7 +23,8 @@ the oracle of tests/model/test_fused_step.py):
   multiple of 16, no q/k norms (Qwen3), one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
-  ``blocks``;
+  ``blocks``, each also as a deterministic choice's padded ``name@p`` (the C++ step pads
+  a call of fewer rows with zero rows, as ``Projection`` does);
 * the attention backend is the torch one with its kernels on;
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
   (decodes, drafts, short chunks), no attention scores asked for, and no custom mask
@@ -35,7 +36,12 @@ the oracle of tests/model/test_fused_step.py):
 
 Numerics: the projections, norms, RoPE and K/V writes are the eager ops' bits. Attention
 is the paged kernel for every sequence, where the eager forward attends forks through the
-cascade (a shared prefix as one GEMM), so forked rows differ in the last bits. LoRA
+cascade (a shared prefix as one GEMM), so forked rows differ in the last bits. Under
+deterministic numerics (docs/performance.md) the eager forward has no cascade and sends
+every causal row through the same paged kernel, and the projections are one class of
+row-count-invariant kernels, so a row's logits and K/V are the same bits whether its step
+ran here (<= 8 rows), eagerly (more rows, a prefill chunk) or in another batch
+(tests/model/test_fused_step.py checks it). LoRA
 deltas use bf16 adapter weights with fp32 accumulation: within bf16 rounding of the fp32
 eager deltas (tests state the bounds).
 """
@@ -57,7 +63,7 @@ from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight
 from runtime.model.matmul import Int8Weight, Projection
 
-__all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
+__all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled", "has_step_form"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +87,21 @@ def enabled() -> bool:
     return ENABLED
 
 
+def has_step_form(name: str) -> bool:
+    """Whether matmul.py's kernel ``name`` (``base@p`` too) has a C++ form in the step."""
+    return name.partition("@")[0] in _KINDS
+
+
 def _spec(p: Projection, name: str) -> tuple | None:
-    """What ``DecodeStep`` needs to run kernel ``name`` of ``p``; None: no C++ form."""
+    """What ``DecodeStep`` needs to run kernel ``name`` of ``p``; None: no C++ form.
+    ``base@p`` (a deterministic choice, ``runtime.model.matmul``): ``base``'s, on calls
+    padded with zero rows to ``p`` rows in C++ as ``Projection`` pads them in Python."""
+    base, _, pad = name.partition("@")
+    spec = _base_spec(p, base)
+    return None if spec is None else (*spec, int(pad or 1))
+
+
+def _base_spec(p: Projection, name: str) -> tuple | None:
     w, bias = p.weight, p.bias
     kind = _KINDS.get(name)
     if kind is None:

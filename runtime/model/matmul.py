@@ -505,11 +505,27 @@ def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, b
     return p, biggest.float().numpy().tobytes()
 
 
+_STEP_BUCKETS = 2  # the buckets the fused decode step runs (a decode, a decode batch)
+
+
+def _step_kernels(rep: Projection, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Which kernels the fused decode step can run for ``rep`` (``runtime.model.fused_step``:
+    CPU, fp32 compute); a deterministic choice takes its decode buckets from a class of
+    these when there is one, since the step saves more than any kernel ranking here."""
+    if rep.device.type != "cpu" or dtype != torch.float32:
+        return lambda name: False
+    from runtime.model.fused_step import has_step_form  # (it imports this module)
+
+    return has_step_form
+
+
 def _choose_invariant(rep: Projection, members: list[Projection], names: list[str],
                       gen: torch.Generator, repeats: int) -> tuple[list[str], str]:
     """The deterministic choice for one signature: per bucket, the fastest member of the
     class of row-count-invariant kernels (equal bits) that costs least against the
-    fastest kernel of each bucket. Returns (kernel per bucket, log line)."""
+    fastest kernel of each bucket, among the classes whose decode buckets the fused decode
+    step can run when there are any (:func:`_step_kernels`). Returns (kernel per bucket,
+    log line)."""
     out_f, in_f = rep.shape
     dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
              else rep.weight.dtype)  # type: ignore[union-attr]
@@ -537,17 +553,20 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
                                             repeats)
     free = [min(t for (n, bb), t in times.items() if bb == b and n in names)
             for b in range(rep.buckets)]
-    best_cost, chosen = float("inf"), []
+    stepped = _step_kernels(rep, dtype)
+    options = []  # (not all decode picks in C++, cost, picks) per class that covers all
     for members_of in classes.values():
         picks = []
         for b in range(rep.buckets):
             timed = [n for n in members_of if (n, b) in times]
+            if b < _STEP_BUCKETS and any(stepped(n) for n in timed):
+                timed = [n for n in timed if stepped(n)]
             picks.append(min(timed, key=lambda n, b=b: times[n, b]) if timed else None)
         if None in picks:
             continue
         cost = max(times[n, b] / free[b] for b, n in enumerate(picks))
-        if cost < best_cost:
-            best_cost, chosen = cost, picks
+        options.append((not all(stepped(n) for n in picks[:_STEP_BUCKETS]), cost, picks))
+    chosen = min(options, key=lambda o: o[:2])[2] if options else []
     if not chosen:
         raise ModelError(f"no row-count-invariant projection kernel class covers every row "
                          f"bucket for {out_f}x{in_f} {dtype}; start the engine with "
