@@ -55,14 +55,12 @@ def test_chosen_projection_kernels_are_row_count_invariant(form: str, shape) -> 
     assert "deterministic" in lines[0]
     x = torch.randn(max(SIZES), in_f, generator=gen).to(
         torch.bfloat16 if form == "bf16" else torch.float32)
-    alone = [proj(x[i: i + 1])[0] for i in (0, 1, 4)]
+    # every row (half precision hides most last-bit differences in its rounding)
+    alone = torch.cat([proj(x[i: i + 1]) for i in range(max(SIZES))])
     for m in SIZES:
-        out = proj(x[:m])
-        for j, i in enumerate((0, 1, 4)):
-            if i < m:
-                assert torch.equal(out[i], alone[j]), (lines, m, i)
+        assert torch.equal(proj(x[:m]), alone[:m]), (lines, m)
         shifted = proj(torch.cat([x[1:m], x[:1]]))  # row 0 last
-        assert torch.equal(shifted[-1], alone[0]), (lines, m)
+        assert torch.equal(shifted, torch.cat([alone[1:m], alone[:1]])), (lines, m)
 
 
 def _runner(model, kv_dtype: str, deterministic: bool, num_pages: int = 160) -> ModelRunner:
