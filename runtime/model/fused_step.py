@@ -61,9 +61,9 @@ from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight
-from runtime.model.matmul import Int8Weight, Projection
+from runtime.model.matmul import STEP_KINDS, Int8Weight, Projection
 
-__all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled", "has_step_form"]
+__all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,6 @@ MAX_ROWS = 8  # new tokens of a step it takes (matmul's 1-row and batch buckets)
 # SmolLM2 (16 tokens x 30 layers x 1.5 KB at ~10 GB/s) against ~4-8 ms of dispatch saved.
 MAX_SHARED_PAGES = 16
 
-# matmul.py's kernel names -> decode_step.cpp's Kind
-_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
-          "int4pack": 5, "blocks": 6}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _NONE = torch.empty(0)
 
@@ -85,11 +82,6 @@ _NONE = torch.empty(0)
 def enabled() -> bool:
     """False when ``PIE_CTX_DECODE_STEP=0`` (read at import) asks for the eager forward."""
     return ENABLED
-
-
-def has_step_form(name: str) -> bool:
-    """Whether matmul.py's kernel ``name`` (``base@p`` too) has a C++ form in the step."""
-    return name.partition("@")[0] in _KINDS
 
 
 def _spec(p: Projection, name: str) -> tuple | None:
@@ -103,7 +95,7 @@ def _spec(p: Projection, name: str) -> tuple | None:
 
 def _base_spec(p: Projection, name: str) -> tuple | None:
     w, bias = p.weight, p.bias
-    kind = _KINDS.get(name)
+    kind = STEP_KINDS.get(name)
     if kind is None:
         return None
     if name in ("mkl", "mm") and isinstance(w, torch.Tensor):

@@ -62,8 +62,9 @@ from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 from runtime.model.blocks import BlockWeight, Int4Weight
 
-__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
-           "kernel_choices", "should_pack"]
+__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "STEP_KINDS",
+           "adopt_kernel_choices", "choose_kernels", "has_step_form", "kernel_choices",
+           "should_pack"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,17 @@ _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+# The kernels the fused decode step (runtime/model/fused_step.py) runs in C++, by name ->
+# decode_step.cpp's Kind number; a deterministic choice takes its decode buckets from a
+# class of these when there is one (a new kernel with a C++ form joins here).
+STEP_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
+              "int4pack": 5, "blocks": 6}
+
+
+def has_step_form(name: str) -> bool:
+    """Whether kernel ``name`` (``base@p`` too) has a C++ form in the fused decode step."""
+    return name.partition("@")[0] in STEP_KINDS
 
 
 def _bucket(rows: int) -> int:
@@ -524,13 +536,11 @@ _STEP_BUCKETS = 2  # the buckets the fused decode step runs (a decode, a decode 
 
 
 def _step_kernels(rep: Projection, dtype: torch.dtype) -> Callable[[str], bool]:
-    """Which kernels the fused decode step can run for ``rep`` (``runtime.model.fused_step``:
+    """Which kernels the fused decode step can run for ``rep`` (:data:`STEP_KINDS`; the step:
     CPU, fp32 compute); a deterministic choice takes its decode buckets from a class of
     these when there is one, since the step saves more than any kernel ranking here."""
     if rep.device.type != "cpu" or dtype != torch.float32:
         return lambda name: False
-    from runtime.model.fused_step import has_step_form  # (it imports this module)
-
     return has_step_form
 
 
