@@ -41,7 +41,8 @@ test-backend: $(STAMP)
 	PIE_CTX_TEST_BACKEND=transformers $(BIN)/python -m pytest -q tests/sdk tests/decoding
 
 # Same seed, same tokens over the whole matrix of weights and KV formats (issue 35; the
-# default suite runs fp32 only): 5 engines of the default model, ~5 min on a quiet 2-core machine.
+# default suite runs fp32 only): 5 formats of the default model, an engine and a restart each
+# (not timed quietly yet: the fp32 case alone took 10.5 min on the shared machine at load 4-5).
 test-determinism: $(STAMP)
 	PIE_CTX_TEST_DETERMINISM=full $(BIN)/python -m pytest -q tests/precision/test_deterministic.py
 

@@ -14,7 +14,8 @@ same snapshot folder; every case is compared with one reference:
 
 And greedy speculation in bf16 is plain greedy decoding, token for token.
 
-The default suite runs fp32 weights and KV (~1 min on a quiet 2-core machine);
+The default suite runs fp32 weights and KV (10.5 min on the shared 2-core machine at load
+4-5, where a decode step was ~10x its quiet time; not timed quietly yet);
 ``PIE_CTX_TEST_DETERMINISM=full`` (``make test-determinism``, in CI) runs the whole matrix:
 fp32 and int8 weights x fp32 and int8 KV, and the GGUF blocks (q4, the CPU default of
 ``run``/``serve`` for a GGUF model). The small machinery checks (a row alone vs among
