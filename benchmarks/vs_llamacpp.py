@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/vs_llamacpp.py [--repeats 3] [--prompt-len 512]
         [--new-tokens 128] [--bon-prompt-len 1024] [--n 8] [--bon-new-tokens 64]
         [--no-int8] [--no-q4] [--skip-bon] [--decode8-n 8] [--decode8-prompt-len 1024]
-        [--decode8-new-tokens 32] [--skip-decode8] [--smoke]
+        [--decode8-new-tokens 32] [--skip-decode8] [--q4-kv-dtype bf16] [--smoke]
 
 llama.cpp runs through llama-cpp-python (``pip install llama-cpp-python==0.3.36``; without it
 the script prints how to install it and skips, exit status 0). Both sides read the default
@@ -12,7 +12,10 @@ on its dequantized copy (fp32, or re-quantized to int8 with ``weights="int8"``) 
 q4 rows, on the same blocks as stored (``weights="gguf"``). Same token
 ids on both sides (pie-ctx's tokenizer; the script checks that llama.cpp's vocab agrees),
 same thread count (torch's, for llama.cpp's n_threads and n_threads_batch), flash attention
-off in llama.cpp, batch 1 unless stated.
+off in llama.cpp, batch 1 unless stated. KV pages: llama.cpp keeps an f16 KV cache; pie-ctx
+fp32 and int8 rows keep fp32 KV pages, the q4 rows --q4-kv-dtype pages (default bf16: the
+same bytes a token as llama.cpp's f16, +0.01% perplexity; docs/performance.md), and the
+JSON says which (``q4_kv_dtype``).
 
 Rows, for llama.cpp, pie-ctx fp32, pie-ctx int8 and pie-ctx q4:
 
@@ -47,7 +50,9 @@ and its samples are pooled.
 The q4 quality keys compare pie-ctx q4 with pie-ctx fp32 (the same file, dequantized) on
 the quality benchmark's text (benchmarks/data/alice_chapter_1.txt, teacher-forced, its
 first --quality-tokens tokens): ``q4_max_abs_logit_diff_vs_fp32`` and
-``q4_greedy_agreement_vs_fp32`` (the fraction of positions whose argmax is the same).
+``q4_greedy_agreement_vs_fp32`` (the fraction of positions whose argmax is the same), both
+on fp32 KV pages whatever --q4-kv-dtype (they measure the weights; bf16 pages' own cost is
+in docs/performance.md).
 
 Prints a table (best and median over the repeats; ratios pie-ctx / llama.cpp for tok/s and
 llama.cpp / pie-ctx for wall seconds, so > 1 means pie-ctx is faster) and, as its last line,
@@ -72,6 +77,7 @@ from best_of_n import run_ours
 from common import TEXT, Ours, emit, parse_args, prompt_tokens
 
 from pie_ctx import Context, Runtime, Sampler, gather
+from runtime.kv.layout import KV_DTYPES
 
 INSTALL = ".venv/bin/pip install llama-cpp-python==0.3.36"
 PAGE_SIZE = 16
@@ -295,12 +301,12 @@ def vocab_agrees(llm: Any, tokenizer: Any) -> bool:
                for s in samples)
 
 
-def make_ours(weights: str, max_tokens: int) -> Ours:
+def make_ours(weights: str, max_tokens: int, kv_dtype: str = "fp32") -> Ours:
     """The single-stream driver (its own copy of the model); call on the model thread."""
     from runtime.model.loader import load_model
 
     return Ours(load_model(None, progress=False), max_tokens, page_size=PAGE_SIZE,
-                weights=weights)
+                weights=weights, kv_dtype=kv_dtype)
 
 
 async def decode_many_ours(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -346,8 +352,9 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
     try:
         for fmt in formats:
             weights = WEIGHTS.get(fmt, fmt)
+            kv_dtype = args.q4_kv_dtype if fmt == "q4" else "fp32"
             engine = boot_engine(None, page_size=PAGE_SIZE, kv_memory_gb=1.0, weights=weights,
-                                 progress=False)
+                                 kv_dtype=kv_dtype, progress=False)
             on_model = engine.run_on_model_thread  # every torch and llama.cpp call goes here
             model_thread = on_model(threading.current_thread)
             tok = engine.tokenizer
@@ -377,9 +384,14 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                         print(f"llama.cpp: {args.decode8_n} sequences together: {why}; "
                               "skipping that row")
             ours = on_model(make_ours, weights, max(args.prompt_len + args.new_tokens + PAGE_SIZE,
-                                                    args.quality_tokens + PAGE_SIZE))
+                                                    args.quality_tokens + PAGE_SIZE), kv_dtype)
             if fmt in ("fp32", "q4") and "fp32" in formats and "q4" in formats:
-                info[f"logits_{fmt}"] = on_model(ours.logits, quality_ids(tok, args.quality_tokens))
+                # the weights' fidelity alone: both sides on fp32 KV pages
+                judge = ours if kv_dtype == "fp32" else on_model(
+                    make_ours, weights, args.quality_tokens + PAGE_SIZE)
+                info[f"logits_{fmt}"] = on_model(judge.logits,
+                                                 quality_ids(tok, args.quality_tokens))
+                del judge
                 if fmt == "q4":
                     info.update(compare_logits(info.pop("logits_q4"), info.pop("logits_fp32")))
             async with engine:
@@ -442,6 +454,8 @@ def main() -> None:
     ap.add_argument("--decode8-prompt-len", type=int, default=1024)
     ap.add_argument("--decode8-new-tokens", type=int, default=32)
     ap.add_argument("--skip-decode8", action="store_true", help="skip the decode8 row")
+    ap.add_argument("--q4-kv-dtype", default="bf16", choices=KV_DTYPES,
+                    help="the q4 rows' KV pages (llama.cpp keeps an f16 KV; default bf16)")
     args = parse_args(ap, repeats=1, prompt_len=16, new_tokens=4, bon_prompt_len=32, n=2,
                       bon_new_tokens=4, decode8_n=2, decode8_prompt_len=32,
                       decode8_new_tokens=4, quality_tokens=64)
@@ -487,7 +501,8 @@ def main() -> None:
     sides = ["llamacpp", *formats]
     print(f"{gguf.name}, threads={torch.get_num_threads()}, llama-cpp-python "
           f"{llama_cpp.__version__}, vocab agrees: {info['vocab_agrees']}, "
-          f"best-of-{args.n} llama.cpp mode: {info['bon_mode']}")
+          f"best-of-{args.n} llama.cpp mode: {info['bon_mode']}; KV pages: llama.cpp f16, "
+          f"pie-ctx fp32 and int8 fp32, q4 {args.q4_kv_dtype}")
     head = "".join(f"{s:>11}" for s in ["llama.cpp", *formats])
     head += "".join(f"{s + '/llama':>13}" for s in formats)
     print(f"{'':30}{head}   (ratios > 1: pie-ctx faster)")
@@ -507,7 +522,7 @@ def main() -> None:
     print(f"greedy tokens: llama.cpp and pie-ctx fp32 agree on the first {agree}/"
           f"{args.new_tokens} (llama.cpp computes on Q4_1 blocks, pie-ctx on their fp32 copy)")
 
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"q4_kv_dtype": None if args.no_q4 else args.q4_kv_dtype}
     for side in sides:
         result[f"{side}_prefill_tok_s"] = best(side, "pf")
         result[f"{side}_decode_tok_s"] = best(side, "dec")

@@ -19,8 +19,9 @@ When it runs (:meth:`FusedStep.takes`; everything else runs the eager forward, w
 the oracle of tests/model/test_fused_step.py):
 
 * ``PIE_CTX_DECODE_STEP`` is not ``0`` (read at import), and pie-ctx's CPU kernels built;
-* a CPU model in fp32 compute (fp32, int8, int4 or GGUF block weights) with fp32 KV pages, head dim a
-  multiple of 16, no q/k norms (Qwen3), one rank (no tensor parallelism);
+* a CPU model in fp32 compute (fp32, int8, int4 or GGUF block weights) with fp32, int8 or
+  bf16 KV pages (:func:`_pages_readable`), head dim a multiple of 16, no q/k norms (Qwen3),
+  one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
   ``blocks``, each also as a deterministic choice's padded ``name@p`` (the C++ step pads
@@ -34,7 +35,9 @@ the oracle of tests/model/test_fused_step.py):
   them once per fork, share at most :data:`MAX_SHARED_PAGES` extra page reads (best-of-8
   over a long prompt stays on the cascade).
 
-Numerics: the projections, norms, RoPE and K/V writes are the eager ops' bits. Attention
+Numerics: the projections, norms, RoPE and K/V writes are the eager ops' bits (bf16 and
+int8 pages: the same C++ ``write_kv`` and ``paged_attention`` as the eager backend, which
+store ``runtime.kv.layout.encode``'s bytes). Attention
 is the paged kernel for every sequence, where the eager forward attends forks through the
 cascade (a shared prefix as one GEMM), so forked rows differ in the last bits. Under
 deterministic numerics (docs/performance.md) the eager forward has no cascade and sends
@@ -141,6 +144,15 @@ def why_not(model: Any) -> str | None:
     return None
 
 
+def _pages_readable(pool_kv: torch.Tensor, backend: Any) -> bool:
+    """Whether the step reads and writes ``pool_kv``'s pages as the eager torch backend
+    does (the same C++ ``write_kv`` and ``paged_attention``): fp32, int8 (entries with
+    their scales), or bf16 where the backend's kernel reads bf16 pages of an fp32 model."""
+    if pool_kv.dtype in (torch.float32, torch.int8):
+        return True
+    return pool_kv.dtype == torch.bfloat16 and getattr(backend, "bf16_pool", False)
+
+
 def _causal(mask: torch.Tensor, cached: int) -> bool:
     """Whether a custom mask [q, kv] is plain causal attention (row j sees ``cached + j``
     entries and no others)."""
@@ -208,7 +220,7 @@ class FusedStep:
     def takes(batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
               backend: Any) -> bool:
         """Whether this step's batch is one the fused step runs (module docstring)."""
-        if meta.num_tokens > MAX_ROWS or pool_kv.dtype != torch.float32 \
+        if meta.num_tokens > MAX_ROWS or not _pages_readable(pool_kv, backend) \
                 or pool_kv.device.type != "cpu" or backend.name != "torch" \
                 or not getattr(backend, "kernels", False):
             return False

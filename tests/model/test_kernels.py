@@ -197,3 +197,44 @@ def test_rope_write_kv_and_silu_mul_match_the_eager_ops(ops):
     gu = torch.randn(4, 64)
     want = F.silu(gu[:, :32]) * gu[:, 32:]
     assert (ops.silu_mul(gu) - want).abs().max().item() < 1e-6
+
+
+def _entries(t: int) -> torch.Tensor:
+    """[t, 2, KVH, D] new K/V with entries of every size: zero, tiny, huge, ordinary."""
+    torch.manual_seed(8)
+    kv = torch.randn(t, 2, KVH, D) * torch.logspace(-3, 3, t)[:, None, None, None]
+    kv[0, 0, 0] = 0.0
+    kv[1, 1, 1] = 1e-20
+    kv[2, 0, 1, 5] = 3e4
+    return kv
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_write_kv_stores_the_bits_of_layout_encode(ops, kv_dtype):
+    """kv_dtype="bf16" and "int8": the C++ writer (the eager backend's and the fused decode
+    step's) stores what runtime/kv/layout.py's encode() would, byte for byte."""
+    from runtime.kv.layout import encode, entry_width, storage_dtype
+
+    width = entry_width(kv_dtype, D)
+    pool = torch.zeros(P, S, L, 2, KVH, width, dtype=storage_dtype(kv_dtype, torch.float32))
+    t = 7
+    qkv = torch.cat([torch.randn(t, H * D), _entries(t).reshape(t, -1)], 1)
+    kv = qkv[:, H * D:].view(t, 2, KVH, D)  # a strided view, as the model's
+    pages, slots = torch.tensor([3, 3, 9, 40, 7, 0, 159]), torch.tensor([0, 1, 15, 2, 8, 4, 4])
+    expected = pool.clone()
+    expected[pages, slots, 2] = encode(kv, expected)
+    ops.write_kv(pool, 2, kv, pages, slots)
+    assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_paged_attention_over_an_int8_pool_equals_sdpa_over_its_decoded_pages(ops, case):
+    """kv_dtype="int8": each key's dot product and each value's weight times the entry's
+    scale, in fp32: SDPA over the dequantized pages within float rounding."""
+    from runtime.kv.layout import decode, encode
+
+    fp32 = _pool("token-major")
+    pool = encode(fp32, torch.empty(0, dtype=torch.int8))  # [P, S, L, 2, KVH, D + 4]
+    out, q, tables, starts, cached = _call(ops, pool, CASES[case])
+    ref = _reference(decode(pool, torch.float32), q, 1, tables, starts, cached)
+    assert (out - ref).abs().max().item() < 2e-6

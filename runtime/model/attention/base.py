@@ -98,9 +98,11 @@ def write_kv(pool_kv: torch.Tensor, layer: int, kv: torch.Tensor, meta: Attentio
         kv: Tensor[T, 2, KVH, D].
         meta: gives ``write_pages`` / ``write_slots`` ([T] each).
     """
-    if pool_kv.dtype == kv.dtype == torch.float32 and pool_kv.device.type == "cpu":
+    if kv.dtype == torch.float32 and pool_kv.device.type == "cpu" \
+            and pool_kv.dtype in (torch.float32, torch.bfloat16, torch.int8):
         ops = kernels.ops()
-        if ops is not None:  # a copy per entry instead of an advanced-index put
+        if ops is not None:  # a copy (or encode) per entry instead of an advanced-index put;
+            # encode()'s bits, and the fused decode step's writer (runtime/model/fused_step)
             ops.write_kv(pool_kv, layer, kv, meta.write_pages, meta.write_slots)
             return
     # Adjacent advanced indices (page, slot) then the layer: the view is [T, 2, KVH, width];

@@ -20,7 +20,7 @@ causal sequence, prefill chunks of any length included, goes to the paged kernel
 sums a key's contribution in an order fixed by its position (16-key blocks inside
 256-key splits at fixed positions), so a row's bits depend neither on its batch nor on
 how its prompt was chunked nor on which pages came from the cache. Pools that are not
-fp32 and that it cannot read in place (int8; bf16 under a bf16 model) are gathered
+fp32 and that it cannot read in place (bf16 pages under a bf16 model) are gathered
 and converted to fp32 per layer for it, and forks share a
 prefix through the kernel's shared splits instead of the cascade (which merges at a
 boundary that depends on the batch). Custom-masked passes still go to SDPA.
@@ -114,16 +114,17 @@ class KernelGroup:
                    torch.tensor(cached, dtype=torch.int32), pages)
 
     def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor) -> torch.Tensor:
-        """[Tg, H, D] queries -> [Tg, H*D]."""
+        """[Tg, H, D] queries -> [Tg, H*D] (the kernel takes fp32 queries: an int8 pool of
+        a bf16 model has its queries widened and the result rounded back)."""
+        if q.dtype != torch.float32:
+            return self.attend(layer, q.float(), pool_kv).to(q.dtype)
         if self.pages is None:
             return self.ops.paged_attention(q, pool_kv, layer, self.page_tables,
                                             self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
         # [n, S, 2, KVH, D] fp32, seen by the kernel as a one-layer pool
         pool = decode(pool_kv[:, :, layer].index_select(0, self.pages), torch.float32)
-        out = self.ops.paged_attention(q.float(), pool.float().unsqueeze(2), 0,
-                                       self.page_tables, self.seq_start, self.num_cached,
-                                       q.shape[-1] ** -0.5)
-        return out.to(q.dtype)
+        return self.ops.paged_attention(q, pool.float().unsqueeze(2), 0, self.page_tables,
+                                        self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
 
 
 @dataclass(slots=True)
@@ -159,8 +160,8 @@ class TorchAttention:
         """Args:
             cascade: attend a shared prefix once for all decodes that share it
                 (``runtime.model.attention.cascade``).
-            kernels: attend decodes and drafts over an fp32 CPU pool with pie-ctx's own
-                kernel when it is built (``runtime.model.kernels``).
+            kernels: attend decodes and drafts over an fp32 (or int8) CPU pool with
+                pie-ctx's own kernel when it is built (``runtime.model.kernels``).
             bf16_pool: the pool holds bf16 entries of an fp32 model (``kv_dtype="bf16"``):
                 the kernel reads them too, widened to fp32.
             deterministic: every causal row through that kernel, whatever its query count
@@ -220,11 +221,11 @@ class TorchAttention:
     def _kernel_group(self, meta: AttentionMetadata, pool_kv: torch.Tensor,
                       seqs: list[int]) -> KernelGroup | None:
         """A group for pie-ctx's own kernel (``runtime.model.kernels``) of ``seqs`` over an
-        fp32 (or bf16, widened to fp32 as read) CPU pool; in deterministic mode other
-        pools too, gathered and converted per layer; None if the kernel cannot serve
-        them."""
-        readable = pool_kv.dtype == torch.float32 or (self.bf16_pool
-                                                      and pool_kv.dtype == torch.bfloat16)
+        fp32, int8 (each entry times its scale as read) or bf16 (widened to fp32 as read)
+        CPU pool; in deterministic mode other pools too (bf16 pages of a bf16 model),
+        gathered and converted per layer; None if the kernel cannot serve them."""
+        readable = pool_kv.dtype in (torch.float32, torch.int8) or (
+            self.bf16_pool and pool_kv.dtype == torch.bfloat16)
         gather = not readable
         if not seqs or not self.kernels or (gather and not self.deterministic) \
                 or pool_kv.device.type != "cpu" or head_dim(pool_kv) % 16:

@@ -17,8 +17,9 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -160,8 +161,35 @@ inline v16 load_kv(const at::BFloat16* p) {
 #endif
 }
 
-// KV: float (an fp32 pool) or at::BFloat16 (kv_dtype "bf16": read widened, every sum and
-// the softmax in fp32).
+// KV entries of an int8 pool (kv_dtype "int8", runtime/kv/layout.py): head_dim int8
+// values, then the entry's fp32 scale in 4 bytes. Values widen exactly; the scale is
+// applied to each key's dot product and folded into each value's softmax weight.
+constexpr int64_t SCALE_BYTES = 4;
+inline v16 load_kv(const int8_t* p) {  // (GCC's __builtin_convertvector scalarizes this)
+  v16 v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+#else
+  for (int i = 0; i < W; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
+}
+inline float entry_scale(const int8_t* entry, int64_t d) {
+  float s;
+  std::memcpy(&s, entry + d, sizeof s);
+  return s;
+}
+
+// KV: float (an fp32 pool), at::BFloat16 (kv_dtype "bf16": read widened, every sum and
+// the softmax in fp32) or int8_t (kv_dtype "int8": each entry times its scale, in fp32).
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t layer,
                                    torch::Tensor page_tables, torch::Tensor seq_start,
@@ -169,9 +197,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   TORCH_CHECK(pool.dim() == 6 && pool.stride(5) == 1, "paged_attention: pool layout");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q [T, H, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  constexpr bool QUANT = std::is_same<KV, int8_t>::value;  // entries carry a scale
   const int64_t S = pool.size(1), L = pool.size(2), KVH = pool.size(4);
-  TORCH_CHECK(pool.size(5) == D && D % W == 0 && H % KVH == 0 && layer < L,
-              "paged_attention: shapes");
+  const int64_t width = pool.size(5);  // an entry's elements (int8: D + SCALE_BYTES)
+  TORCH_CHECK(width == D + (QUANT ? SCALE_BYTES : 0) && D % W == 0 && H % KVH == 0 &&
+              layer < L, "paged_attention: shapes");
   const int64_t G = H / KVH;
   const int64_t N = num_cached.size(0);
   const int64_t max_pages = page_tables.size(1);
@@ -245,15 +275,17 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   std::vector<float> part_ml(merge ? T * H * max_splits * 2 : 0);
   std::vector<float> part_acc(merge ? T * H * max_splits * D : 0);
 
-  // Tasks are ordered KV head first, so consecutive tasks (one thread's share) read the
-  // same KV head.
+  // Tasks are ordered sequence (and split) first, then KV head: consecutive tasks read
+  // the KV heads of the same slots, which sit side by side in the pool (an entry of a
+  // slot and layer is [2, KVH, D]), so one memory page (and TLB entry) and neighbouring
+  // cache lines serve them all; KV head first went to a new page every key.
   at::parallel_for(0, KVH * per, 1, [&](int64_t begin, int64_t end) {
     std::vector<v16> acc(nq * nv);
     std::vector<Partial> st(nq);
     std::vector<float> scores(nq * BLOCK);
     for (int64_t ti = begin; ti < end; ++ti) {
-      const Task& task = per_head[ti % per];
-      const int64_t g = ti / per;
+      const Task& task = per_head[ti / KVH];
+      const int64_t g = ti % KVH;
       const int32_t* table = task.table;
       const int64_t lo = task.lo, hi = task.hi;
       const int64_t* rows = task_rows.data() + task.first;
@@ -268,13 +300,21 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
       // all layers of a slot together): ask for the ones PREFETCH keys ahead now, so the
       // loads overlap instead of waiting one after the other.
       for (int64_t idx = lo; idx < std::min(hi, lo + PREFETCH); ++idx)
-        prefetch_kv(key_at(idx), v_off, D);
+        prefetch_kv(key_at(idx), v_off, width);
       for (int64_t k0 = lo; k0 < hi; k0 += BLOCK) {
         const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);
         const KV* keys[BLOCK];
         for (int64_t k = 0; k < kb; ++k) keys[k] = key_at(k0 + k);
         for (int64_t idx = k0 + PREFETCH; idx < std::min(hi, k0 + PREFETCH + BLOCK); ++idx)
-          prefetch_kv(key_at(idx), v_off, D);
+          prefetch_kv(key_at(idx), v_off, width);
+        // int8: each key's and value's scale (lane k = key k0 + k)
+        v16 k_scale{}, v_scale{};
+        if constexpr (QUANT) {
+          for (int64_t k = 0; k < kb; ++k) {
+            k_scale[k] = entry_scale(keys[k], D);
+            v_scale[k] = entry_scale(keys[k] + v_off, D);
+          }
+        }
         // scores of the block's keys for each query head (lane k = key k0 + k), then the
         // softmax update, leaving each key's weight in scores[qh][k]
         for (int64_t j = 0; j < task.count; ++j) {
@@ -295,7 +335,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
               dots[k] = d;
             }
             for (int64_t k = kb; k < BLOCK; ++k) dots[k] = v16{};
-            const v16 sc = out ? splat(NEG_INF) : sum16(dots) * static_cast<float>(scale);
+            v16 sc;
+            if constexpr (QUANT)
+              sc = out ? splat(NEG_INF) : sum16(dots) * k_scale * static_cast<float>(scale);
+            else
+              sc = out ? splat(NEG_INF) : sum16(dots) * static_cast<float>(scale);
             const int64_t a = j * G + i;
             float* s = scores.data() + a * BLOCK;
             const float bm = hmax(sc);
@@ -325,8 +369,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
             for (int64_t c = 0; c < cn; ++c) ac[c] = acc[a * nv + c0 + c];
             const float* wa = scores.data() + a * BLOCK;
             for (int64_t k = 0; k < kb; ++k) {
-              const float wk = wa[k];
+              float wk = wa[k];
               if (wk == 0.f) continue;
+              if constexpr (QUANT) wk *= v_scale[k];
               const KV* val = keys[k] + v_off + c0 * W;
               for (int64_t c = 0; c < cn; ++c) ac[c] += load_kv(val + c * W) * wk;
             }
@@ -390,8 +435,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
                               torch::Tensor page_tables, torch::Tensor seq_start,
                               torch::Tensor num_cached, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 &&
-              (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16),
-              "paged_attention: float32 queries, a float32 or bfloat16 pool");
+              (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 ||
+               pool.dtype() == torch::kInt8),
+              "paged_attention: float32 queries, a float32, bfloat16 or int8 pool");
+  if (pool.dtype() == torch::kInt8)
+    return paged_attention_impl<int8_t>(q, pool, layer, page_tables, seq_start, num_cached,
+                                        scale);
   if (pool.dtype() == torch::kBFloat16)
     return paged_attention_impl<at::BFloat16>(q, pool, layer, page_tables, seq_start,
                                               num_cached, scale);
@@ -490,28 +539,59 @@ EXACT void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
   });
 }
 
-// Store the new tokens' K and V of one layer into their pool slots.
-// pool: [P, S, L, 2, KVH, D]; kv: [T, 2, KVH, D] (any strides, D contiguous);
-// pages, slots: [T] int64.
-void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor pages,
-              torch::Tensor slots) {
-  TORCH_CHECK(pool.dtype() == torch::kFloat32 && kv.dtype() == torch::kFloat32 &&
-              pool.stride(5) == 1 && kv.stride(3) == 1, "write_kv: float32 pool and kv");
+// One entry (D fp32 values) in a pool's storage form, bit for bit what
+// runtime/kv/layout.py's encode() stores: bf16 rounded to nearest even (torch's
+// ``.to(torch.bfloat16)``), int8 as round(x / scale) with scale = max(max|x|, 1e-12) / 127
+// (torch's ``amax().clamp_min_(1e-12).div_(127)``, ``div().round_()``) and the scale's
+// bytes after the values.
+inline void encode_entry(const float* x, at::BFloat16* dst, int64_t D) {
+  for (int64_t c = 0; c < D; ++c) dst[c] = at::BFloat16(x[c]);
+}
+inline void encode_entry(const float* x, int8_t* dst, int64_t D) {
+  float mx = 0.f;
+  for (int64_t c = 0; c < D; ++c) mx = std::max(mx, std::fabs(x[c]));
+  const float s = std::max(mx, 1e-12f) / 127.f;
+  for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<int8_t>(std::nearbyint(x[c] / s));
+  std::memcpy(dst + D, &s, sizeof s);
+}
+inline void encode_entry(const float* x, float* dst, int64_t D) {
+  std::memcpy(dst, x, D * sizeof(float));
+}
+
+template <typename KV>
+void write_kv_impl(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor pages,
+                   torch::Tensor slots) {
   const int64_t T = kv.size(0), KVH = kv.size(2), D = kv.size(3);
   const int64_t* pp = pages.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float* base = pool.data_ptr<float>();
+  KV* base = pool.data_ptr<KV>();
   const float* src = kv.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t which = 0; which < 2; ++which) {
       for (int64_t h = 0; h < KVH; ++h) {
-        float* dst = base + pp[t] * pool.stride(0) + sp[t] * pool.stride(1)
-                     + layer * pool.stride(2) + which * pool.stride(3) + h * pool.stride(4);
+        KV* dst = base + pp[t] * pool.stride(0) + sp[t] * pool.stride(1)
+                  + layer * pool.stride(2) + which * pool.stride(3) + h * pool.stride(4);
         const float* from = src + t * kv.stride(0) + which * kv.stride(1) + h * kv.stride(2);
-        std::memcpy(dst, from, D * sizeof(float));
+        encode_entry(from, dst, D);
       }
     }
   }
+}
+
+// Store the new tokens' K and V of one layer into their pool slots.
+// pool: [P, S, L, 2, KVH, W] float32, bfloat16 (W = D) or int8 (W = D + SCALE_BYTES);
+// kv: [T, 2, KVH, D] float32 (any strides, D contiguous); pages, slots: [T] int64.
+void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor pages,
+              torch::Tensor slots) {
+  const bool quant = pool.dtype() == torch::kInt8;
+  TORCH_CHECK(kv.dtype() == torch::kFloat32 && pool.stride(5) == 1 && kv.stride(3) == 1 &&
+              (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || quant) &&
+              pool.size(5) == kv.size(3) + (quant ? SCALE_BYTES : 0),
+              "write_kv: float32 kv into a float32, bfloat16 or int8 pool");
+  if (quant) return write_kv_impl<int8_t>(pool, layer, kv, pages, slots);
+  if (pool.dtype() == torch::kBFloat16)
+    return write_kv_impl<at::BFloat16>(pool, layer, kv, pages, slots);
+  write_kv_impl<float>(pool, layer, kv, pages, slots);
 }
 
 // silu(gate) * up of a fused [T, 2I] gate/up output: [T, I].

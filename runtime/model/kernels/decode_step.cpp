@@ -248,7 +248,8 @@ class DecodeStep {
   bool has_adapter(int64_t key) const { return adapters_.count(key) > 0; }
 
   // Every layer over x [T, hidden] (updated in place, and returned).
-  //   cos, sin: [T, D]; pool: the fp32 pool; pages, slots: [T] int64 write positions;
+  //   cos, sin: [T, D]; pool: the KV pool, fp32, bf16 or int8 pages (write_kv and
+  //   paged_attention read its dtype); pages, slots: [T] int64 write positions;
   //   tables, seq_start, cached: paged_attention's sequence tables;
   //   row_adapter: [T] int64 adapter keys (0 = base), or empty for a batch without any.
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor pool,
