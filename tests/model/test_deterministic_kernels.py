@@ -139,13 +139,15 @@ def _kv_of(runner: ModelRunner, seq: PagedSeq, position: int) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("weights", ["fp32", "int8", "gguf"])
-def test_a_row_is_the_same_fused_eager_and_in_a_prefill(weights: str, monkeypatch) -> None:
+@pytest.mark.parametrize("weights,kv", [("fp32", "fp32"), ("int8", "fp32"), ("gguf", "fp32"),
+                                        ("fp32", "int8"), ("fp32", "bf16")])
+def test_a_row_is_the_same_fused_eager_and_in_a_prefill(weights: str, kv: str,
+                                                         monkeypatch) -> None:
     """The fused decode step (<= 8 rows, one C++ call) gives a row the bits the eager
     forward gives it in a batch of 9 and in a prefill chunk: logits and K/V."""
     monkeypatch.setattr(fused_step, "ENABLED", True)
     model = make_hf_model("qwen2", seed=12, max_position_embeddings=1024)  # q/k/v biases
-    runner = make_runner(model, num_pages=160, deterministic=True)
+    runner = make_runner(model, num_pages=160, kv_dtype=kv, deterministic=True)
     if weights != "fp32":  # (gguf: Q4_1 blocks made at load)
         runner = ModelRunner(runner.config, model.state_dict(), runner.pool_kv, 16,
                              weight_format=weights, calibration=random_tokens(64, seed=9),
