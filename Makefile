@@ -42,7 +42,8 @@ test-backend: $(STAMP)
 
 # Same seed, same tokens over the whole matrix of weights and KV formats (issue 35; the
 # default suite runs fp32 only): 5 formats of the default model, an engine and a restart each
-# (not timed quietly yet: the fp32 case alone took 10.5 min on the shared machine at load 4-5).
+# (not timed quietly yet; on the shared machine at load 5-10 the fp32 case took 10-14 min, the
+# gguf one 5 min).
 test-determinism: $(STAMP)
 	PIE_CTX_TEST_DETERMINISM=full $(BIN)/python -m pytest -q tests/precision/test_deterministic.py
 
