@@ -12,12 +12,20 @@ sequence and stores it 8 times; pie-ctx prefills it once and shares its pages. W
 baseline, and the JSON line also carries ``int8_speedup_vs_hf`` (``kv_int8_speedup_vs_hf``);
 ``--weights gguf`` (the GGUF's own Q4_1 blocks) adds ``q4_speedup_vs_hf``, ``--kv-dtype bf16``
 ``kv_bf16_speedup_vs_hf``.
+
+The engine runs its default batch-invariant kernels (``deterministic=True``); a second
+engine with ``deterministic=False`` runs the same repeats, interleaved, and the JSON line
+carries their cost, time with the invariant kernels over time without:
+``deterministic_prefill_ratio`` (the prompt's flush) and ``deterministic_decode8_ratio``
+(the 8 forks' generation; docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import torch
@@ -31,6 +39,7 @@ async def run_ours(engine, prompt, n, new_tokens, seed):
         t0 = time.perf_counter()
         base = Context(rt).append(prompt)
         await base.flush()
+        flushed = time.perf_counter() - t0
         forks = [base.fork() for _ in range(n)]
         outs = await gather(*(f.generate(Sampler.top_p(0.8, 0.95, seed=seed + i),
                                          max_tokens=new_tokens, ignore_eos=True).tokens()
@@ -38,7 +47,7 @@ async def run_ours(engine, prompt, n, new_tokens, seed):
         wall = time.perf_counter() - t0
         used = (await rt.stats()).num_pages_used
     assert all(len(o) == new_tokens for o in outs)
-    return wall, used
+    return wall, used, flushed
 
 
 def run_hf(model, prompt, n, new_tokens, seed):
@@ -56,8 +65,11 @@ def run_hf(model, prompt, n, new_tokens, seed):
 async def main_async(args):
     from runtime.boot import boot_engine
 
-    engine = boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0, device=args.device,
-                         dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype)
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-ctx-model")
+    engine, fast = (boot_engine(None, page_size=args.page_size, kv_memory_gb=1.0,
+                                device=args.device, dtype=args.dtype, weights=args.weights,
+                                kv_dtype=args.kv_dtype, deterministic=det, model_thread=thread)
+                    for det in (True, False))
     runner = engine.executor.runner
     cfg_bytes = kv_bytes_per_token(runner.config, runner.dtype.itemsize)
     page_bytes = engine.store.pool.kv[0].numel() * engine.store.pool.kv.element_size()
@@ -65,15 +77,26 @@ async def main_async(args):
     # HF runs on the engine's model thread: one thread does all torch work (see Engine).
     hf = engine.run_on_model_thread(load_hf, engine_folder(), runner.device, runner.dtype)
     ours, theirs, used = [], [], 0
-    async with engine:
-        await run_ours(engine, prompt[:64], 2, 4, 0)  # warm up both sides
+    timed: dict[str, list[tuple[float, float]]] = {"det": [], "fast": []}  # (flush, rest)
+    async with engine, fast:
+        await run_ours(engine, prompt[:64], 2, 4, 0)  # warm up every side
+        await run_ours(fast, prompt[:64], 2, 4, 0)
         engine.run_on_model_thread(run_hf, hf, prompt[:64], 2, 4, 0)
         for r in range(args.repeats):  # interleaved, so machine noise hits both alike
             salt = [1000 + r]  # a fresh prompt each repeat: no cross-repeat prefix reuse
-            wall, used = await run_ours(engine, salt + prompt[1:], args.n, args.new_tokens, r)
+            wall, used, flushed = await run_ours(engine, salt + prompt[1:], args.n,
+                                                 args.new_tokens, r)
             ours.append(wall)
+            timed["det"].append((flushed, wall - flushed))
+            wall_fast, _, flushed_fast = await run_ours(fast, salt + prompt[1:], args.n,
+                                                        args.new_tokens, r)
+            timed["fast"].append((flushed_fast, wall_fast - flushed_fast))
             theirs.append(engine.run_on_model_thread(run_hf, hf, salt + prompt[1:], args.n,
                                                      args.new_tokens, r))
+
+    def ratio(part: int) -> float:  # medians: time with invariant kernels / without
+        return round(statistics.median(t[part] for t in timed["det"])
+                     / statistics.median(t[part] for t in timed["fast"]), 3)
     kv_bytes = used * page_bytes
     hf_kv = args.n * (args.prompt_len + args.new_tokens) * cfg_bytes
     o, h = summary(ours), summary(theirs)
@@ -83,6 +106,8 @@ async def main_async(args):
            ("pie-ctx wall s", f"{o['median']:.2f} (range {o['min']:.2f}-{o['max']:.2f})"),
            ("HF wall s", f"{h['median']:.2f} (range {h['min']:.2f}-{h['max']:.2f})"),
            ("speedup", f"{h['median'] / o['median']:.2f}x"),
+           ("invariant kernels' cost", f"prefill x{ratio(0):.2f}, 8 forks decoding "
+                                       f"x{ratio(1):.2f}"),
            ("pie-ctx KV bytes", f"{kv_bytes / 2**20:.1f} MiB ({used} pages)"),
            ("HF KV bytes", f"{hf_kv / 2**20:.1f} MiB")])
     speedup = h["median"] / o["median"]
@@ -94,6 +119,8 @@ async def main_async(args):
     emit({"wall_s": o["median"], "hf_wall_s": h["median"],
           "speedup_vs_hf": speedup, **extra,
           "speedup_range": [min(theirs) / max(ours), max(theirs) / min(ours)],
+          "deterministic_prefill_ratio": ratio(0), "deterministic_decode8_ratio": ratio(1),
+          "deterministic": engine.info().deterministic,
           "kv_bytes": kv_bytes, "hf_kv_bytes": hf_kv, "kv_ratio": kv_bytes / hf_kv,
           "prompt_len": args.prompt_len, "n": args.n, "new_tokens": args.new_tokens,
           "repeats": args.repeats, "device": str(runner.device), "dtype": args.dtype,

@@ -36,10 +36,13 @@ def load_hf(folder: Path, device: Any = "cpu", dtype: torch.dtype = torch.float3
 class Ours:
     """Single-stream driver over our runner with a private pool: greedy generation, one-pass
     scoring, timing. ``weights``: "fp32" or "int8" (see docs/models.md); ``kv_dtype``: the
-    pool's pages, "fp32" or "int8" (docs/forward.md)."""
+    pool's pages, "fp32" or "int8" (docs/forward.md); ``deterministic``: the runner's
+    batch-invariant kernels (docs/performance.md), off by default here: the model
+    benchmarks time the fastest kernels, and report the invariant ones' cost as ratios."""
 
     def __init__(self, loaded: Any, max_tokens: int, page_size: int = 16,
-                 weights: str = "fp32", kv_dtype: str = "fp32") -> None:
+                 weights: str = "fp32", kv_dtype: str = "fp32",
+                 deterministic: bool = False) -> None:
         from runtime.kv.pool import PagePool, PoolShape
         from runtime.model.loader import load_blocks
         from runtime.model.quant import calibration_tokens
@@ -53,7 +56,8 @@ class Ours:
         calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
         blocks = load_blocks(loaded.path) if weights == "gguf" else None
         self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
-                                  calibration=calibration, dtype=w.dtype, blocks=blocks)
+                                  calibration=calibration, dtype=w.dtype, blocks=blocks,
+                                  deterministic=deterministic)
         self.pages = list(range(num_pages))
 
     def forward(self, tokens: list[int], start: int, rows: list[int]) -> torch.Tensor:
@@ -85,6 +89,25 @@ class Ours:
             out.append(int(logits[0].argmax()))
             pos += 1
         return out, t1 - t0, time.perf_counter() - t1
+
+    def decode_batch(self, prompts: list[list[int]], n: int) -> float:
+        """Prefill each prompt on its share of the pool, then ``n`` greedy decode steps of
+        all of them in one batch; returns the seconds of the decode steps."""
+        from runtime.model.runner import SeqInput
+
+        span = len(self.pages) // len(prompts)
+        tables = [self.pages[i * span:(i + 1) * span] for i in range(len(prompts))]
+        last = [int(self.runner.forward([SeqInput(p, list(range(len(p))), t, 0,
+                                                  [len(p) - 1])])[0].argmax())
+                for p, t in zip(prompts, tables, strict=True)]
+        pos = [len(p) for p in prompts]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            logits = self.runner.forward([SeqInput([tok], [at], t, at, [0])
+                                          for tok, at, t in zip(last, pos, tables, strict=True)])
+            last = logits.argmax(dim=-1).tolist()
+            pos = [at + 1 for at in pos]
+        return time.perf_counter() - t0
 
 
 def prompt_tokens(tokenizer: Any, n: int, salt: str = "") -> list[int]:

@@ -12,7 +12,9 @@ operation Python called: Python itself; goal <= 10%) and decode_profile, int8_ t
 for int8, q4_ for the GGUF's own blocks (weights="gguf": q4_decode_ms_per_step,
 q4_decode_tok_s, q4_prefill_tok_s...); each also with the fused decode step off, suffixed
 ``_eager`` (runtime/model/fused_step.py; see benchmarks/quality.py for the quality
-measures). Both sides run in the same dtype on the same device (default
+measures); and the cost of deterministic numerics, time with the batch-invariant kernels
+over time without: deterministic_prefill_ratio, deterministic_decode_ratio (batch 1) and
+deterministic_decode8_ratio (8 unrelated contexts decoding together; docs/performance.md). Both sides run in the same dtype on the same device (default
 fp32 on CPU) with the same torch thread count, greedy, batch 1. The HF side loads the same
 GGUF through transformers when it can (an independent dequantization), else the converted
 folder.
@@ -206,7 +208,9 @@ def main() -> None:
     bw_start = mem_bandwidth_gbs(device)  # measured at both ends; the best is the least disturbed
     loaded = load_model(device=device, dtype=dtype)
     tok = loaded.tokenizer
-    ours = Ours(loaded, 4096)
+    room = max(4096, 8 * (args.prompt_len + args.new_tokens + 32))  # decode8's 8 contexts
+    ours = Ours(loaded, room)
+    det = Ours(loaded, room, deterministic=True)  # the engine's default kernels
     hf = HF(loaded.path, device, dtype)
     int8 = None
     if device.type == "cpu" and not args.no_int8:
@@ -226,7 +230,7 @@ def main() -> None:
 
     text = "The quick brown fox jumps over the lazy dog. " * 200
     prompt = tok.encode(text)[: args.prompt_len]
-    sides = {"": ours, "hf_": hf} | ({"int8_": int8} if int8 is not None else {}) | (
+    sides = {"": ours, "hf_": hf, "det_": det} | ({"int8_": int8} if int8 is not None else {}) | (
         {"q4_": q4} if q4 is not None else {})
     rows: dict[str, list[float]] = {p + k: [] for p in sides for k in ("pf", "dec", "eager_dec")}
     for _ in range(args.repeats):  # interleave so machine noise hits every side alike
@@ -234,16 +238,24 @@ def main() -> None:
             _, pf, dec = side.generate(prompt, args.new_tokens)
             rows[p + "pf"].append(len(prompt) / pf)
             rows[p + "dec"].append((args.new_tokens - 1) / dec)
-            if p != "hf_":  # the same decode with the fused step off (PIE_CTX_DECODE_STEP=0)
+            if p not in ("hf_", "det_"):  # the same decode with the fused step off (PIE_CTX_DECODE_STEP=0)
                 with step_off():
                     _, _, dec = side.generate(prompt, args.new_tokens)
                 rows[p + "eager_dec"].append((args.new_tokens - 1) / dec)
+    # 8 unrelated contexts decoding together, with and without the invariant kernels
+    words = tok.encode(text)
+    prompts8 = [words[7 * i: 7 * i + len(prompt)] for i in range(8)]
+    rows |= {"dec8": [], "det_dec8": []}
+    for _ in range(args.repeats):
+        for p, side in (("", ours), ("det_", det)):
+            rows[p + "dec8"].append(8 * args.new_tokens / side.decode_batch(prompts8,
+                                                                            args.new_tokens))
     best = {k: max(v) for k, v in rows.items() if v}
     med = {k: statistics.median(v) for k, v in rows.items() if v}
-    profiles = {p: decode_profile(side, prompt) for p, side in sides.items() if p != "hf_"}
+    profiles = {p: decode_profile(side, prompt) for p, side in sides.items() if p not in ("hf_", "det_")}
     with step_off():
         profiles |= {p + "eager_": decode_profile(side, prompt)
-                     for p, side in sides.items() if p != "hf_"}
+                     for p, side in sides.items() if p not in ("hf_", "det_")}
     bw = max(bw_start, mem_bandwidth_gbs(device))
     wbytes = ours.runner.weight_bytes
     roofline = bw * 1e9 / wbytes
@@ -264,7 +276,7 @@ def main() -> None:
               + "  ".join(f"{k.removesuffix('_share')} {v:.0%}" for k, v in prof.items()
                           if k.endswith("_share")))
     extra: dict[str, object] = {}
-    for p in [p for p in sides if p != "hf_"]:  # fp32, then int8
+    for p in [p for p in sides if p not in ("hf_", "det_")]:  # fp32, int8, q4
         extra |= {f"{p}ops_per_layer_decode": round(profiles[p]["ops_per_layer"], 2),
                   f"{p}decode_ms_per_step": round(1e3 / best[p + "dec"], 3),
                   f"{p}python_share_decode": round(profiles[p]["python_share"], 3),
@@ -278,6 +290,12 @@ def main() -> None:
         extra |= {"q4_decode_tok_s": round(best["q4_dec"], 2),
                   "q4_prefill_tok_s": round(best["q4_pf"], 2),
                   "q4_weight_bytes": q4.runner.weight_bytes}
+    extra |= {  # time with the invariant kernels / time without (rates the other way round)
+        "deterministic_prefill_ratio": round(best["pf"] / best["det_pf"], 3),
+        "deterministic_decode_ratio": round(best["dec"] / best["det_dec"], 3),
+        "deterministic_decode8_ratio": round(best["dec8"] / best["det_dec8"], 3),
+        "decode8_tok_s": round(best["dec8"], 2),
+        "deterministic_kernels": det.runner.model.kernel_report}
     if int8 is not None:
         ids = text_ids(tok)[:256 if args.smoke else None]
         quality = agreement(ours, int8, tok, args.quality_prompts, checked)

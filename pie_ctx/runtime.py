@@ -70,7 +70,9 @@ class Runtime:
                 memory, for this runtime's life (docs/snapshots.md). ``rt.store`` keeps its
                 values there too.
             engine: an existing, running engine to share (then ``model`` etc. are ignored).
-            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``...).
+            **engine_kw: more ``boot_engine`` settings (``kv_memory_gb``, ``weights``,
+                ``deterministic``: batch-invariant numerics, on by default, see
+                docs/performance.md...).
 
         Raises:
             StorageError: ``snapshot_dir`` is missing, read-only, or in use by another engine.

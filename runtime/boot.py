@@ -20,6 +20,7 @@ import xxhash
 
 from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument, ModelError
+from runtime import DETERMINISTIC
 from runtime.distributed.boot import build_rank0
 from runtime.engine.engine import Engine
 from runtime.kv.disk import PageFiles
@@ -137,7 +138,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                 kv_dtype: str = "fp32", snapshot_dir: str | Path | None = None,
                 disk_cache_gb: float = 4.0, backend: str = "auto", tp: int = 1,
                 shared_snapshots: bool = False, kv_events: str | None = None,
-                kv_events_replay: str | None = None, **engine_kw: Any) -> Engine:
+                kv_events_replay: str | None = None, deterministic: bool = DETERMINISTIC,
+                **engine_kw: Any) -> Engine:
     """Load ``model`` (None = the default SmolLM2-135M-Instruct) and return an ``Engine``.
 
     Args:
@@ -178,6 +180,12 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
             this ZeroMQ address (``tcp://*:5557`` binds; ``runtime.kv.events``); the
             publisher is ``engine.kv_events``. None: no events.
         kv_events_replay: with ``kv_events``, a ROUTER address answering replay requests.
+        deterministic: batch-invariant numerics, the default: the same seed gives the same
+            tokens whatever else is batched, however the prompt was chunked and whatever
+            came from the cache (docs/performance.md "Deterministic numerics"). False:
+            the fastest kernels, whose row results may differ in the last bits with the
+            batch. Honoured by the native runner on one CPU; ``EngineInfo.deterministic``
+            says whether it is in force.
         **engine_kw: more ``Engine`` settings (``stall_timeout``, ``max_reply_bytes``...).
 
     Raises:
@@ -224,7 +232,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
             return _build_rank0()
-        m, make_runner = _load(kind, model, dtype=dtype, device=device, progress=progress)
+        m, make_runner = _load(kind, model, deterministic, dtype=dtype, device=device,
+                               progress=progress)
         pages = num_pages or pool_pages_for(m.shape, page_size, m.dtype, kv_memory_gb, kv_dtype)
         files = files_for(m, kind)
         try:
@@ -302,10 +311,15 @@ class _Model:
 MakeRunner = Callable[[torch.Tensor, int, str], Any]
 
 
-def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRunner]:
+def _load(kind: str, model: str | None, deterministic: bool,
+          **load_kw: Any) -> tuple[_Model, MakeRunner]:
     """Load ``model`` for the ``kind`` backend (on the model thread); returns its facts and
-    how to build its runner over a pool."""
+    how to build its runner over a pool (``deterministic``: see ``boot_engine``)."""
     if kind == "transformers":
+        if deterministic:
+            log.info("model %s: the transformers backend runs transformers' kernels; "
+                     "its numerics may depend on the batch (EngineInfo.deterministic=False)",
+                     model)
         hf = load_transformers_model(model, **load_kw)
         return (_Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
                        hf.hidden_size, hf.max_positions),
@@ -318,6 +332,6 @@ def _load(kind: str, model: str | None, **load_kw: Any) -> tuple[_Model, MakeRun
         blocks = load_blocks(loaded.path) if weights == "gguf" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
                            weight_format=weights, calibration=calibration, dtype=m.dtype,
-                           blocks=blocks)
+                           blocks=blocks, deterministic=deterministic)
 
     return m, make_runner

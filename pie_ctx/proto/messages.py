@@ -629,6 +629,10 @@ class EngineInfo(_Reply):
     adapters: list[AdapterInfo] = []  # LoRA adapters loaded now (docs/adapters.md)
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
     snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory
+    # batch-invariant numerics: a row's bits do not depend on its batch, chunking or cache
+    # (docs/performance.md "Deterministic numerics"); False where the engine cannot
+    deterministic: bool = False
+    kernels: list[str] = []  # the projection kernels chosen at load, one line per shape
     # channels between inferlets (docs/messages.md)
     max_message_bytes: int = 1 << 20  # the largest message (payload bytes)
     max_queue_messages: int = 64  # messages one queue or one subscription's buffer holds

@@ -24,7 +24,8 @@ the oracle of tests/model/test_fused_step.py):
   one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
-  ``blocks``, ``blocks_q8``;
+  ``blocks``, ``blocks_q8``, each also as a deterministic choice's padded ``name@p``
+  (the C++ step pads a call of fewer rows with zero rows, as ``Projection`` does);
 * the attention backend is the torch one with its kernels on;
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
   (decodes, drafts, short chunks), no attention scores asked for, and no custom mask
@@ -38,7 +39,12 @@ Numerics: the projections, norms, RoPE and K/V writes are the eager ops' bits (b
 int8 pages: the same C++ ``write_kv`` and ``paged_attention`` as the eager backend, which
 store ``runtime.kv.layout.encode``'s bytes). Attention
 is the paged kernel for every sequence, where the eager forward attends forks through the
-cascade (a shared prefix as one GEMM), so forked rows differ in the last bits. LoRA
+cascade (a shared prefix as one GEMM), so forked rows differ in the last bits. Under
+deterministic numerics (docs/performance.md) the eager forward has no cascade and sends
+every causal row through the same paged kernel, and the projections are one class of
+row-count-invariant kernels, so a row's logits and K/V are the same bits whether its step
+ran here (<= 8 rows), eagerly (more rows, a prefill chunk) or in another batch
+(tests/model/test_fused_step.py checks it). LoRA
 deltas use bf16 adapter weights with fp32 accumulation: within bf16 rounding of the fp32
 eager deltas (tests state the bounds).
 """
@@ -58,7 +64,7 @@ from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
-from runtime.model.matmul import Int8Weight, Projection
+from runtime.model.matmul import STEP_KINDS, Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
 
@@ -72,9 +78,6 @@ MAX_ROWS = 8  # new tokens of a step it takes (matmul's 1-row and batch buckets)
 # SmolLM2 (16 tokens x 30 layers x 1.5 KB at ~10 GB/s) against ~4-8 ms of dispatch saved.
 MAX_SHARED_PAGES = 16
 
-# matmul.py's kernel names -> decode_step.cpp's Kind
-_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
-          "int4pack": 5, "blocks": 6, "blocks_q8": 7}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _NONE = torch.empty(0)
 
@@ -85,9 +88,20 @@ def enabled() -> bool:
 
 
 def _spec(p: Projection, name: str) -> tuple | None:
-    """What ``DecodeStep`` needs to run kernel ``name`` of ``p``; None: no C++ form."""
+    """What ``DecodeStep`` needs to run kernel ``name`` of ``p``; None: no C++ form.
+    ``base@p`` (a deterministic choice, ``runtime.model.matmul``): ``base``'s, on calls
+    padded with zero rows to ``p`` rows in C++ as ``Projection`` pads them in Python."""
+    base, _, pad = name.partition("@")
+    spec = _base_spec(p, base)
+    if spec is None:
+        return None
+    rows = spec[6] if len(spec) > 6 else 0  # blocks_q8: its output rows (strips pad to 16s)
+    return (*spec[:6], rows, int(pad or 1))
+
+
+def _base_spec(p: Projection, name: str) -> tuple | None:
     w, bias = p.weight, p.bias
-    kind = _KINDS.get(name)
+    kind = STEP_KINDS.get(name)
     if kind is None:
         return None
     if name in ("mkl", "mm") and isinstance(w, torch.Tensor):

@@ -82,4 +82,5 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
     if table is not None:
         model.embed = BlockEmbedding(table, model.dtype)
     model.weight_format = "gguf"
-    model.kernel_report = choose_kernels(model.projections())
+    model.kernel_report = choose_kernels(model.projections(),
+                                         deterministic=getattr(model, "deterministic", False))

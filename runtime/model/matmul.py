@@ -36,6 +36,16 @@ file's float16 scales are not in general.
 Invariants: every candidate of a projection computes the same projection (checked at load
 against the first candidate, on the rounded activations for a kernel that rounds them:
 :data:`ROUNDS_ACTIVATIONS`); results may differ in the last bits, never more.
+
+Deterministic choice (``choose_kernels(..., deterministic=True)``, the engine's default,
+docs/performance.md): a row's bits must not depend on how many rows share its call. Which
+kernels keep them is measured, per signature, at load: each candidate runs a fixed set of
+row counts (:data:`PROBE_ROWS`) and a row's result must be identical in every call of at
+least ``p`` rows, at its first and at its last position; calls with fewer rows are then
+padded with zero rows to ``p`` (kernel ``name@p``; on the EPYC, MKL's ``F.linear`` is
+one class from 4 rows up, with a one-row and a two-to-three-row path of its own).
+Candidates whose invariant results are the same bits form a class; each bucket takes the
+fastest member of one class, the class that costs least against the free choice.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 from runtime.model.blocks import (
     BlockWeight,
@@ -61,12 +72,18 @@ from runtime.model.blocks import (
     round_activations,
 )
 
-__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "adopt_kernel_choices", "choose_kernels",
-           "kernel_choices", "should_pack"]
+__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "STEP_KINDS",
+           "adopt_kernel_choices", "choose_kernels", "has_step_form", "kernel_choices",
+           "should_pack"]
 
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode batch, a chunk
+# Row counts a deterministic choice checks a kernel at (the lm_head's up to 64): calls of
+# every size a step makes, the edges of the usual kernel tiles, and bigger prefill chunks.
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256, 300, 512)
+_MAX_PAD = 16  # the most rows a one-row call is padded to
+_WINDOW = 64  # rows a probe covers with calls of each row count (see _invariant_from)
 PACK_MAX_BYTES = 2 << 30
 _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
@@ -75,6 +92,17 @@ _INT8_MAX = 127.0
 ROUNDS_ACTIVATIONS = {"blocks_q8": round_activations}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+# The kernels the fused decode step (runtime/model/fused_step.py) runs in C++, by name ->
+# decode_step.cpp's Kind number; a deterministic choice takes its decode buckets from a
+# class of these when there is one (a new kernel with a C++ form joins here).
+STEP_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
+              "int4pack": 5, "blocks": 6, "blocks_q8": 7}
+
+
+def has_step_form(name: str) -> bool:
+    """Whether kernel ``name`` (``base@p`` too) has a C++ form in the fused decode step."""
+    return name.partition("@")[0] in STEP_KINDS
 
 
 def _bucket(rows: int) -> int:
@@ -247,7 +275,11 @@ class Projection:
     # -------------------------------------------------------------------- kernels
 
     def _kernel(self, name: str) -> Kernel:
-        """Build (once) the layout kernel ``name`` needs and return the kernel."""
+        """Build (once) the layout kernel ``name`` needs and return the kernel
+        (``base@p``: ``base`` on calls padded with zero rows to at least ``p`` rows)."""
+        if "@" in name:
+            base, pad = name.split("@")
+            return _padded(self._kernel(base), int(pad))
         w, b = self.weight, self.bias
         if name == "mkl":
             assert isinstance(w, torch.Tensor)
@@ -310,7 +342,7 @@ class Projection:
         """Route each bucket to the named kernel; drop layouts no bucket uses."""
         self._kernels = [self._kernel(n) for n in names]
         self.kernel_names = list(names)
-        for unused in set(self._layouts) - set(names):
+        for unused in set(self._layouts) - {n.split("@")[0] for n in names}:
             del self._layouts[unused]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,6 +356,20 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 def _as(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _padded(kernel: Kernel, rows: int) -> Kernel:
+    """``kernel`` on calls of at least ``rows`` rows: fewer are padded with zero rows."""
+    if rows <= 1:
+        return kernel
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m >= rows:
+            return kernel(x)
+        return kernel(torch.cat([x, x.new_zeros(rows - m, x.shape[1])]))[:m]
+
+    return run
 
 
 def _int8_int_mm(x: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
@@ -416,21 +462,28 @@ def _one_rounding(chosen: list[str], times: list[dict[str, float]]) -> list[str]
     return [name] * len(times) if ratio <= 1 else others
 
 
-def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> list[str]:
+def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
+                   deterministic: bool = False) -> list[str]:
     """Time every candidate kernel per projection signature and row bucket; route each
     projection to the fastest. Returns the log lines (also logged at INFO).
 
     Candidates that disagree with the reference kernel beyond rounding are discarded
     (with a log line) before timing. A signature is timed once per process: later models
     with the same shapes reuse the choice, so two engines in one process compute alike.
+
+    ``deterministic``: only kernels whose row results do not depend on the call's row
+    count, all of one class of equal bits (see the module doc); the choice is kept apart
+    from the free one.
     """
     groups: dict[tuple, list[Projection]] = {}
     for p in projections:
-        groups.setdefault(p.signature, []).append(p)
+        sig = p.signature + (("deterministic",) if deterministic else ())
+        groups.setdefault(sig, []).append(p)
     lines = []
     gen = torch.Generator().manual_seed(0)
     for sig, members in groups.items():
-        if sig in _CHOSEN and set(_CHOSEN[sig][0]) <= set(members[0].candidate_names()):
+        if sig in _CHOSEN and ({n.split("@")[0] for n in _CHOSEN[sig][0]}
+                               <= set(members[0].candidate_names())):
             names, line = _CHOSEN[sig]
             for p in members:
                 p.use(names)
@@ -439,7 +492,7 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
         rep = members[0]
         out_f, in_f = rep.shape
         names = rep.candidate_names()
-        if len(names) == 1:
+        if len(names) == 1 and not deterministic:
             continue
         dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
                  else rep.weight.dtype)  # type: ignore[union-attr]
@@ -456,6 +509,14 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
                          names[0], out_f, in_f)
                 names.remove(n)
+        if deterministic:
+            chosen, line = _choose_invariant(rep, members, names, gen, repeats)
+            for p in members:
+                p.use(chosen)
+            log.info("projection kernels: %s", line)
+            _CHOSEN[sig] = (chosen, line)
+            lines.append(line)
+            continue
         kernels = {n: [p._kernel(n) for p in members] for n in names}
         chosen, report, all_times = [], [], []
         for b in range(rep.buckets):
@@ -482,3 +543,116 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
         _CHOSEN[sig] = (chosen, line)
         lines.append(line)
     return lines
+
+
+def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, bytes] | None:
+    """``(p, bits)``: kernel ``name`` gives a row the same bits in every call of at least
+    ``p`` of the :data:`PROBE_ROWS` rows (every row of each call against the biggest
+    call's, and against itself moved one position on), ``p <= _MAX_PAD``; ``bits``: the
+    biggest call's whole result (kernels of one class must agree on every row); None if
+    no such ``p``.
+
+    Many rows are compared for every row count, not a sample: a bf16 or fp16 result
+    rounds two accumulations that differ in their last fp32 bits to the same
+    half-precision value unless the sum lies near a rounding boundary (measured: 1 row in
+    9 of 576 outputs differs between MKL's one-row and multi-row bf16 paths), so the
+    first and last row of one call per count (the earlier probe) let a batch-dependent
+    bf16 kernel pass, and bf16 speculation parted from plain greedy decoding."""
+    kernel = rep._kernel(name)
+    limit = 1 if not rep.allowed(name, 1) else x.shape[0]
+    counts = [m for m in PROBE_ROWS if m <= limit]
+    biggest = kernel(x[:counts[-1]])
+
+    def same(m: int) -> bool:
+        # calls of m rows over the first _WINDOW rows (at least one call): each row at
+        # another position than in the biggest call, and many rows even for small m
+        starts = range(0, max(1, min(_WINDOW, x.shape[0]) - m + 1), m)
+        out = torch.cat([kernel(x[a: a + m]) for a in starts])
+        if not torch.equal(out, biggest[: len(out)]):
+            return False
+        if m == 1:
+            return True
+        moved = kernel(x[:m].roll(1, 0))  # each row one position on, the last first
+        return torch.equal(moved[1:], biggest[: m - 1]) and torch.equal(moved[0],
+                                                                         biggest[m - 1])
+
+    p = None
+    for m in reversed(counts):
+        if not same(m):
+            break
+        p = m
+    if p is None or p > _MAX_PAD:
+        return None
+    return p, biggest.float().numpy().tobytes()
+
+
+_STEP_BUCKETS = 2  # the buckets the fused decode step runs (a decode, a decode batch)
+
+
+def _step_kernels(rep: Projection, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Which kernels the fused decode step can run for ``rep`` (:data:`STEP_KINDS`; the step:
+    CPU, fp32 compute); a deterministic choice takes its decode buckets from a class of
+    these when there is one, since the step saves more than any kernel ranking here."""
+    if rep.device.type != "cpu" or dtype != torch.float32:
+        return lambda name: False
+    return has_step_form
+
+
+def _choose_invariant(rep: Projection, members: list[Projection], names: list[str],
+                      gen: torch.Generator, repeats: int) -> tuple[list[str], str]:
+    """The deterministic choice for one signature: per bucket, the fastest member of the
+    class of row-count-invariant kernels (equal bits) that costs least against the
+    fastest kernel of each bucket, among the classes whose decode buckets the fused decode
+    step can run when there are any (:func:`_step_kernels`). Returns (kernel per bucket,
+    log line)."""
+    out_f, in_f = rep.shape
+    dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
+             else rep.weight.dtype)  # type: ignore[union-attr]
+    top = PROBE_ROWS[-1] if rep.buckets == len(ROW_BUCKETS) else 64
+    x = torch.randn(top, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+    classes: dict[bytes, list[str]] = {}
+    for n in names:
+        found = _invariant_from(rep, n, x)
+        if found is not None:
+            classes.setdefault(found[1], []).append(f"{n}@{found[0]}" if found[0] > 1 else n)
+    if not classes:
+        raise ModelError(
+            f"no projection kernel for {out_f}x{in_f} {dtype} gives a row the same result "
+            f"whatever its batch on this machine (tried {', '.join(names)}); start the engine "
+            "with --deterministic off (deterministic=False)")
+    times: dict[tuple[str, int], float] = {}
+    for b in range(rep.buckets):
+        rows = torch.randn(ROW_BUCKETS[b], in_f, generator=gen).to(dtype=dtype,
+                                                                   device=rep.device)
+        sample = slice(None) if ROW_BUCKETS[b] < 64 else slice(4)
+        wanted = set(names) | {n for c in classes.values() for n in c}
+        for n in wanted:
+            if rep.allowed(n.split("@")[0], b):
+                times[n, b] = _best_seconds([p._kernel(n) for p in members][sample], rows,
+                                            repeats)
+    free = [min(t for (n, bb), t in times.items() if bb == b and n in names)
+            for b in range(rep.buckets)]
+    stepped = _step_kernels(rep, dtype)
+    options = []  # (not all decode picks in C++, cost, picks) per class that covers all
+    for members_of in classes.values():
+        picks = []
+        for b in range(rep.buckets):
+            timed = [n for n in members_of if (n, b) in times]
+            if b < _STEP_BUCKETS and any(stepped(n) for n in timed):
+                timed = [n for n in timed if stepped(n)]
+            picks.append(min(timed, key=lambda n, b=b: times[n, b]) if timed else None)
+        if None in picks:
+            continue
+        cost = max(times[n, b] / free[b] for b, n in enumerate(picks))
+        options.append((not all(stepped(n) for n in picks[:_STEP_BUCKETS]), cost, picks))
+    chosen = min(options, key=lambda o: o[:2])[2] if options else []
+    if not chosen:
+        raise ModelError(f"no row-count-invariant projection kernel class covers every row "
+                         f"bucket for {out_f}x{in_f} {dtype}; start the engine with "
+                         "--deterministic off (deterministic=False)")
+    report = [f"{ROW_BUCKETS[b]} row{'s' if ROW_BUCKETS[b] > 1 else ''}: {n} "
+              f"({times[n, b] * 1e3:.2f} ms, x{times[n, b] / free[b]:.2f} of the fastest)"
+              for b, n in enumerate(chosen)]
+    line = (f"{len(members)} x {out_f}x{in_f} {rep.form} "
+            "deterministic: " + "; ".join(report))
+    return chosen, line

@@ -47,6 +47,8 @@ class Transformer:
         choose: time the projection kernels now (``runtime.model.matmul``); a caller that
             changes the projections first (``runtime.model.quant.quantize_int8``) chooses
             after.
+        deterministic: choose only projection kernels whose row results do not depend on
+            the row count of the call (``choose_kernels(deterministic=True)``).
 
     The model is built in float (``weight_format == "fp32"``); ``quantize_int8`` turns it
     into int8 in place.
@@ -57,8 +59,9 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, pack: bool | None = None, *,
-                 choose: bool = True) -> None:
+                 choose: bool = True, deterministic: bool = False) -> None:
         c = config
+        self.deterministic = deterministic
         self.config = c
         self.device = device
         self.dtype = dtype
@@ -88,7 +91,8 @@ class Transformer:
         # Tensor parallelism (runtime.distributed): sums a row-parallel projection's partial
         # output over the ranks, in place, after o_proj and down. None: one rank.
         self.reduce: Callable[[torch.Tensor], None] | None = None
-        self.kernel_report = choose_kernels(self.projections()) if choose else []
+        self.kernel_report = (choose_kernels(self.projections(), deterministic=deterministic)
+                              if choose else [])
 
     def projections(self) -> list[Projection]:
         """Every projection of the model, the lm_head last."""

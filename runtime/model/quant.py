@@ -220,4 +220,5 @@ def quantize_int8(model: Any, calibration: list[int], alpha: float = ALPHA) -> N
     else:
         model.embed = QuantEmbedding(Int8Weight.quantize(model.embed), None, model.dtype)
     model.weight_format = "int8"
-    model.kernel_report = choose_kernels(model.projections())
+    model.kernel_report = choose_kernels(model.projections(),
+                                         deterministic=getattr(model, "deterministic", False))

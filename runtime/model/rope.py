@@ -59,6 +59,10 @@ def inv_freq_for(config: ModelConfig) -> torch.Tensor:
     raise RuntimeError(f"rope_type {rope_type!r} passed config validation but has no rule")
 
 
+_BLOCK = 64  # positions of one cos/sin table (64 x head_dim values: one layout, one thread)
+_MAX_BLOCKS = 4096  # tables kept (~260k positions); more: start over
+
+
 class RotaryEmbedding:
     """cos/sin tables for one forward, from explicit positions.
 
@@ -69,6 +73,7 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         self.inv_freq = inv_freq_for(config).to(device)  # [D/2] fp32
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU: see cos_sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotation tables for these positions.
@@ -80,9 +85,40 @@ class RotaryEmbedding:
         Returns:
             (cos, sin), each Tensor[T, 1, head_dim] in ``dtype`` (the 1 broadcasts over heads).
         """
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        if positions.device.type == "cpu":
+            cos, sin = self._from_blocks(positions)
+        else:  # (no host sync: CUDA graphs capture this)
+            cos, sin = self._rows(positions.to(torch.float32))
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos(), emb.sin()
+
+    def _from_blocks(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [T, D] looked up in tables of ``_BLOCK`` positions, each computed
+        alone: torch's vectorized cos/sin take another path for the tail of a call (and
+        split long ones over the threads), so a position's value computed among others
+        would depend on how many there were and where it sat (docs/performance.md,
+        "Deterministic numerics")."""
+        blocks = torch.div(positions, _BLOCK, rounding_mode="floor")
+        wanted = blocks.unique()  # sorted
+        tables = []
+        for b in wanted.tolist():
+            table = self._blocks.get(b)
+            if table is None:
+                if len(self._blocks) >= _MAX_BLOCKS:
+                    self._blocks.clear()
+                start = b * _BLOCK
+                table = self._blocks[b] = self._rows(torch.arange(
+                    start, start + _BLOCK, dtype=torch.int64).to(torch.float32))
+            tables.append(table)
+        rows = torch.searchsorted(wanted, blocks) * _BLOCK + (positions - blocks * _BLOCK)
+        if len(tables) == 1:
+            return tables[0][0].index_select(0, rows), tables[0][1].index_select(0, rows)
+        return (torch.cat([t[0] for t in tables]).index_select(0, rows),
+                torch.cat([t[1] for t in tables]).index_select(0, rows))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.model import kernels
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
@@ -35,7 +36,7 @@ from runtime.model.model import Transformer
 from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
 from runtime.model.scores import Scoring
 
-__all__ = ["SeqInput", "ModelRunner"]
+__all__ = ["SeqInput", "ModelRunner", "deterministic_here"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,20 @@ log = logging.getLogger(__name__)
 # matmul pair for all, ``LoraBatch``); more rows (prefill chunks) run adapter by adapter.
 _STACK_MAX_ROWS = 64
 _STACK_CACHE = 2  # sets of adapters kept side by side (a decode batch keeps its set)
+
+
+def deterministic_here(device: torch.device) -> bool:
+    """Whether batch-invariant numerics can run on ``device`` (CPU, with pie-ctx's kernels
+    built: the invariant attention is theirs); logs why not."""
+    if device.type != "cpu":
+        log.warning("deterministic numerics are a CPU mode; %s runs the fastest kernels, "
+                    "and a row's bits may depend on its batch", device)
+        return False
+    if kernels.ops() is None:
+        log.warning("deterministic numerics need pie-ctx's CPU kernels (not built or "
+                    "PIE_CTX_KERNELS=0); a row's bits may depend on its batch")
+        return False
+    return True
 
 
 class ModelRunner:
@@ -63,6 +78,10 @@ class ModelRunner:
         blocks: with ``"gguf"``, the block weights of the model's GGUF
             (``runtime.model.loader.load_blocks``); None: Q4_1 blocks made at load.
         dtype: the compute dtype; default: the pool's, or float32 for an int8 pool.
+        deterministic: batch-invariant numerics (docs/performance.md): projection kernels
+            and an attention path whose row results do not depend on the batch, the
+            chunking or the cache. Honoured on CPU with pie-ctx's kernels built; elsewhere
+            it is logged and :attr:`deterministic` says False.
 
     Raises:
         InvalidArgument: the pool's shape or dtype does not fit the model; an unknown
@@ -77,7 +96,8 @@ class ModelRunner:
                  backend: AttentionBackend | None = None, *, weight_format: str = "fp32",
                  calibration: list[int] | None = None,
                  dtype: torch.dtype | None = None,
-                 blocks: dict[str, BlockWeight] | None = None) -> None:
+                 blocks: dict[str, BlockWeight] | None = None,
+                 deterministic: bool = False) -> None:
         c: ModelConfig = config
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
@@ -91,8 +111,10 @@ class ModelRunner:
         self.num_pages = int(pool_kv.shape[0])
         self.device = pool_kv.device
         self.dtype = pool_kv.dtype if kv_dtype == "fp32" else (dtype or torch.float32)
+        self.deterministic = deterministic and deterministic_here(self.device)
         self.model = Transformer(c, weights, self.device, self.dtype,
-                                 choose=weight_format == "fp32")
+                                 choose=weight_format == "fp32",
+                                 deterministic=self.deterministic)
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         elif weight_format == "gguf":
@@ -100,7 +122,8 @@ class ModelRunner:
         self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.score_heads = c.num_heads
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
-                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads))
+                                                 kv_dtype, heads=(c.num_heads, c.num_kv_heads),
+                                                 deterministic=self.deterministic)
         # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, self.backend) else None
         self.adapters: dict[str, LoraAdapter] = {}  # by name

@@ -27,6 +27,7 @@ from pie_ctx.proto.address import (
 )
 from pie_ctx.proto.errors import PieError, StorageError
 from pie_ctx.proto.framing import DEFAULT_MAX_FRAME_BYTES
+from runtime import DETERMINISTIC
 
 __all__ = ["register", "serve_main", "default_snapshot_dir", "DEFAULT_CLIENT_SHARE"]
 
@@ -55,6 +56,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pages: fp32 (unquantized, in --dtype), int8 (a scale per "
                              "token and head; ~3.8x the pages per GB) or bf16 (entries rounded "
                              "to bfloat16, read back in fp32; 2x the pages; docs/forward.md)")
+    parser.add_argument("--deterministic", choices=("on", "off"),
+                        default="on" if DETERMINISTIC else "off",
+                        help="on: batch-invariant kernels, the same seed gives the same tokens "
+                             "whatever else runs, however the prompt was chunked and whatever "
+                             "came from the cache; off: the fastest kernels (default: "
+                             f"{'on' if DETERMINISTIC else 'off'}; docs/performance.md)")
     parser.add_argument("--backend", type=_backend_option, default="auto",
                         metavar="{native,transformers,auto}",
                         help="native: pie-ctx's own layers (Llama, Qwen2, Qwen3); transformers: "
@@ -100,7 +107,8 @@ def _mcp_option(value: str) -> tuple[str, str]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``boot_engine`` keyword arguments from :func:`add_engine_arguments`' options."""
     options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
-               "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend}
+               "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend,
+               "deterministic": args.deterministic == "on"}
     if args.tensor_parallel != 1:
         options["tp"] = args.tensor_parallel
     adapters = dict(getattr(args, "adapter", None) or [])

@@ -97,7 +97,11 @@ async def test_generation_scores_over_forks_decoding_together(tiny_folder, trans
             p = 17  # the prompt's last row samples the first token, then each decode row
             rows = list(range(p - 1, p - 1 + len(g.tokens_out)))
             assert g.attention_scores.shape == (len(seq),)
-            np.testing.assert_allclose(g.attention_scores, _expect(w, rows), atol=TOL)
+            # a sum over the rows and every layer's weights: 1e-5 for each weight summed,
+            # as below (with --deterministic off the forks go through the cascade, whose
+            # merge rounds otherwise than the dense softmax: 1.5e-5 off in such a sum)
+            np.testing.assert_allclose(g.attention_scores, _expect(w, rows),
+                                       atol=TOL * len(rows) * w.shape[0])
 
 
 async def test_scores_spec_errors_are_typed(tiny_folder):

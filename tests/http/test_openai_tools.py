@@ -285,3 +285,25 @@ def test_the_same_seed_gives_the_same_output(served: Served) -> None:
                                      for t in c.message.tool_calls or ()]) for c in r.choices]
 
     assert out(served.chat(**kw)) == out(served.chat(**kw))
+
+
+def test_a_seeded_request_gives_the_same_choices_cold_warm_and_batched(served: Served) -> None:
+    """Issue 35: the same request with a seed, n=2 and tools, at temperature 1, gives the
+    same choices with a cold cache, with its prefix cached, and beside other requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(**kw):
+        r = served.chat(messages=ASK, tools=TOOLS, n=2, temperature=1.0, seed=35,
+                        max_tokens=48, **kw)
+        return [(c.message.content, [(t.function.name, t.function.arguments)
+                                     for t in c.message.tool_calls or []], c.finish_reason)
+                for c in r.choices]
+
+    cold = ask()
+    assert ask() == cold  # warm: the prompt's pages come from the cache
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(served.chat, messages=[{"role": "user", "content": f"Tell {i}"}],
+                              temperature=1.0, seed=i, max_tokens=40) for i in range(3)]
+        batched = pool.submit(ask)
+        assert batched.result() == cold
+        assert all(o.result().choices for o in others)

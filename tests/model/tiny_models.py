@@ -76,14 +76,16 @@ def config_of(model: PreTrainedModel) -> ModelConfig:
 
 
 def make_runner(model: PreTrainedModel, page_size: int = 16, num_pages: int = 96,
-                kv_dtype: str = "fp32") -> ModelRunner:
-    """Our runner on ``model``'s weights with a private pool of ``kv_dtype`` pages."""
+                kv_dtype: str = "fp32", deterministic: bool = False) -> ModelRunner:
+    """Our runner on ``model``'s weights with a private pool of ``kv_dtype`` pages
+    (``deterministic``: batch-invariant numerics, docs/performance.md)."""
     cfg = config_of(model)
     pool = PagePool(PoolShape(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                               kv_dtype=kv_dtype))
     # a bf16 pool is bf16 KV under the fp32 model (without a dtype: a bf16 model's pool)
     return ModelRunner(cfg, model.state_dict(), pool.kv, page_size,
-                       dtype=torch.float32 if kv_dtype == "bf16" else None)
+                       dtype=torch.float32 if kv_dtype == "bf16" else None,
+                       deterministic=deterministic)
 
 
 @dataclass

@@ -39,7 +39,7 @@ CHOICES = ("auto", "torch", "flex", "flash", "measure")
 def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
                    head_dim: int, kv_dtype: str = "fp32", *,
                    heads: tuple[int, int] | None = None,
-                   choice: str | None = None) -> AttentionBackend:
+                   choice: str | None = None, deterministic: bool = False) -> AttentionBackend:
     """The attention backend for a model on a device (see the module docstring).
 
     Args:
@@ -52,6 +52,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
         heads: ``(num_heads, num_kv_heads)``, the shape a measurement times (default: one
             KV head per query head, 8 of them).
         choice: one of :data:`CHOICES`; default: ``$PIE_CTX_ATTENTION``, else ``auto``.
+        deterministic: on CPU, the torch backend in its batch-invariant mode whatever the
+            choice (``TorchAttention(deterministic=True)``).
 
     Returns:
         An :class:`AttentionBackend`.
@@ -66,6 +68,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
     if choice not in CHOICES:
         raise InvalidArgument(f"{ENV}={choice!r}: pick one of {', '.join(CHOICES)}")
     h, kvh = heads or (8, 8)
+    if deterministic and device.type == "cpu":
+        return TorchAttention(deterministic=True, bf16_pool=kv_dtype == "bf16")
 
     def measured() -> AttentionBackend:
         from runtime.model.attention.measure import choose_fastest

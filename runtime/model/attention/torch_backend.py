@@ -14,6 +14,16 @@ Common cases skip the mask entirely: a single decoding sequence (all keys visibl
 batch of decodes with equal context lengths, and a single fresh causal prefill
 (``is_causal``). Padded query rows attend to real, finite pool data and are dropped, so
 no NaN can appear in rows that are kept.
+
+Deterministic mode (``deterministic=True``, on CPU with pie-ctx's kernels built): every
+causal sequence, prefill chunks of any length included, goes to the paged kernel, which
+sums a key's contribution in an order fixed by its position (16-key blocks inside
+256-key splits at fixed positions), so a row's bits depend neither on its batch nor on
+how its prompt was chunked nor on which pages came from the cache. Pools that are not
+fp32 and that it cannot read in place (bf16 pages under a bf16 model) are gathered
+and converted to fp32 per layer for it, and forks share a
+prefix through the kernel's shared splits instead of the cascade (which merges at a
+boundary that depends on the batch). Custom-masked passes still go to SDPA.
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ def fused_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
 KERNEL_MAX_QUERIES = 16  # new tokens of a sequence the kernel attends (more: SDPA)
 
 
+def head_dim(pool_kv: torch.Tensor) -> int:
+    """The head dim of a pool's entries (int8 ones carry their scale's bytes too)."""
+    return pool_kv.shape[-1] - (SCALE_BYTES if pool_kv.dtype == torch.int8 else 0)
+
+
 @dataclass(slots=True)
 class KernelGroup:
     """Sequences attended by ``runtime.model.kernels``' ``paged_attention``: each new token
@@ -65,10 +80,22 @@ class KernelGroup:
     page_tables: torch.Tensor  # [N, max_pages] int32
     seq_start: torch.Tensor  # [N + 1] int32: sequence n's rows in the group's queries
     num_cached: torch.Tensor  # [N] int32
+    # pools other than fp32: the group's pages, gathered and converted to fp32 per layer
+    # (page_tables then index this list)
+    pages: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, ops: Any, meta: AttentionMetadata, seqs: list[int]) -> KernelGroup:
+    def build(cls, ops: Any, meta: AttentionMetadata, seqs: list[int],
+              gather: bool = False) -> KernelGroup:
         tables = [meta.page_tables[i] for i in seqs]
+        pages = None
+        if gather:  # local page ids, in first-seen order (shared pages once)
+            local: dict[int, int] = {}
+            tables = [[local.setdefault(p, len(local)) for p in t[: -(-meta.kv_lens[i]
+                                                                 // meta.page_size)]]
+                      for t, i in zip(tables, seqs, strict=True)]
+            pages = torch.tensor(list(local), dtype=torch.int64,
+                                 device=meta.write_pages.device)
         width = max(1, max(len(t) for t in tables))
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         lens = [meta.query_lens[i] for i in seqs]
@@ -84,15 +111,20 @@ class KernelGroup:
                                 dtype=torch.int64)
         cached = [meta.num_cached[i] for i in seqs]
         return cls(ops, seqs, rows, padded, torch.tensor(starts, dtype=torch.int32),
-                   torch.tensor(cached, dtype=torch.int32))
+                   torch.tensor(cached, dtype=torch.int32), pages)
 
     def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor) -> torch.Tensor:
         """[Tg, H, D] queries -> [Tg, H*D] (the kernel takes fp32 queries: an int8 pool of
         a bf16 model has its queries widened and the result rounded back)."""
         if q.dtype != torch.float32:
             return self.attend(layer, q.float(), pool_kv).to(q.dtype)
-        return self.ops.paged_attention(q, pool_kv, layer, self.page_tables, self.seq_start,
-                                        self.num_cached, q.shape[-1] ** -0.5)
+        if self.pages is None:
+            return self.ops.paged_attention(q, pool_kv, layer, self.page_tables,
+                                            self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
+        # [n, S, 2, KVH, D] fp32, seen by the kernel as a one-layer pool
+        pool = decode(pool_kv[:, :, layer].index_select(0, self.pages), torch.float32)
+        return self.ops.paged_attention(q, pool.float().unsqueeze(2), 0, self.page_tables,
+                                        self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
 
 
 @dataclass(slots=True)
@@ -124,7 +156,7 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self, *, cascade: bool = True, kernels: bool = True,
-                 bf16_pool: bool = False) -> None:
+                 bf16_pool: bool = False, deterministic: bool = False) -> None:
         """Args:
             cascade: attend a shared prefix once for all decodes that share it
                 (``runtime.model.attention.cascade``).
@@ -132,8 +164,11 @@ class TorchAttention:
                 pie-ctx's own kernel when it is built (``runtime.model.kernels``).
             bf16_pool: the pool holds bf16 entries of an fp32 model (``kv_dtype="bf16"``):
                 the kernel reads them too, widened to fp32.
+            deterministic: every causal row through that kernel, whatever its query count
+                and pool dtype, and no cascade (see the module doc); it needs the kernels.
         """
-        self.cascade = cascade
+        self.deterministic = deterministic and kernels
+        self.cascade = cascade and not self.deterministic
         self.kernels = kernels
         self.bf16_pool = bf16_pool
 
@@ -148,9 +183,10 @@ class TorchAttention:
         decodes = [i for i, n in enumerate(q_lens) if n == 1 and plain[i]]
         clusters, decodes = shared_prefix_clusters(meta, decodes) if self.cascade else ([], decodes)
         clustered = {i for seqs, _ in clusters for i in seqs}
+        limit = KERNEL_MAX_QUERIES if not self.deterministic else max(q_lens, default=0)
         kernel = self._kernel_group(meta, pool_kv, [
             i for i, n in enumerate(q_lens)
-            if plain[i] and n <= KERNEL_MAX_QUERIES and i not in clustered])
+            if plain[i] and n <= limit and i not in clustered])
         if kernel is not None and kernel.rows is None:  # the whole batch, one call a layer
             meta.backend_state = [kernel]
             return
@@ -186,15 +222,16 @@ class TorchAttention:
                       seqs: list[int]) -> KernelGroup | None:
         """A group for pie-ctx's own kernel (``runtime.model.kernels``) of ``seqs`` over an
         fp32, int8 (each entry times its scale as read) or bf16 (widened to fp32 as read)
-        CPU pool; None if the kernel cannot serve them."""
+        CPU pool; in deterministic mode other pools too (bf16 pages of a bf16 model),
+        gathered and converted per layer; None if the kernel cannot serve them."""
         readable = pool_kv.dtype in (torch.float32, torch.int8) or (
             self.bf16_pool and pool_kv.dtype == torch.bfloat16)
-        head_dim = pool_kv.shape[-1] - (SCALE_BYTES if pool_kv.dtype == torch.int8 else 0)
-        if not seqs or not self.kernels or not readable \
-                or pool_kv.device.type != "cpu" or head_dim % 16:
+        gather = not readable
+        if not seqs or not self.kernels or (gather and not self.deterministic) \
+                or pool_kv.device.type != "cpu" or head_dim(pool_kv) % 16:
             return None
         ops = kernels.ops()
-        return KernelGroup.build(ops, meta, seqs) if ops is not None else None
+        return KernelGroup.build(ops, meta, seqs, gather) if ops is not None else None
 
     @staticmethod
     def _run_prefixes(meta: AttentionMetadata, clusters: list[tuple[list[int], int]],

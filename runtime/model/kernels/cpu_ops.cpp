@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -222,6 +223,12 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   std::vector<int64_t> task_rows, row_limit(T), row_splits(T);
   std::vector<Task> per_head;  // the tasks of KV head 0; other heads repeat them
   int64_t max_splits = 1, max_count = 1;
+  // A full split whose pages are the same pages in several sequences (forks of one
+  // prompt) is one task for all their rows: its keys are read once. Each row's arithmetic
+  // is the same as in a task of its own (rows never mix), so its bits are too.
+  std::vector<std::vector<int64_t>> rows_of;  // per task
+  std::map<std::vector<int32_t>, int64_t> shared;  // (lo, page ids) of a full split -> task
+  const int64_t split_pages = SPLIT_KEYS % S == 0 ? SPLIT_KEYS / S : 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t kv_len = cached[i] + starts[i + 1] - starts[i];
     const int64_t splits = (kv_len + SPLIT_KEYS - 1) / SPLIT_KEYS;
@@ -230,12 +237,33 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
       row_limit[r] = cached[i] + (r - starts[i]);
       row_splits[r] = splits;
     }
+    const int32_t* table = tables + i * max_pages;
     for (int64_t lo = 0; lo < kv_len; lo += SPLIT_KEYS) {
-      per_head.push_back({0, tables + i * max_pages, lo, std::min(kv_len, lo + SPLIT_KEYS),
-                          static_cast<int64_t>(task_rows.size()), starts[i + 1] - starts[i]});
-      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) task_rows.push_back(r);
+      const int64_t hi = std::min(kv_len, lo + SPLIT_KEYS);
+      int64_t task = -1;
+      if (split_pages > 0 && hi - lo == SPLIT_KEYS && cached[i] >= hi) {
+        std::vector<int32_t> key(table + lo / S, table + lo / S + split_pages);
+        key.push_back(static_cast<int32_t>(lo / SPLIT_KEYS));
+        auto found = shared.find(key);
+        if (found != shared.end()) {
+          task = found->second;
+        } else {
+          shared.emplace(std::move(key), static_cast<int64_t>(per_head.size()));
+        }
+      }
+      if (task < 0) {
+        task = static_cast<int64_t>(per_head.size());
+        per_head.push_back({0, table, lo, hi, 0, 0});
+        rows_of.emplace_back();
+      }
+      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) rows_of[task].push_back(r);
     }
-    max_count = std::max<int64_t>(max_count, starts[i + 1] - starts[i]);
+  }
+  for (size_t t = 0; t < per_head.size(); ++t) {
+    per_head[t].first = static_cast<int64_t>(task_rows.size());
+    per_head[t].count = static_cast<int64_t>(rows_of[t].size());
+    task_rows.insert(task_rows.end(), rows_of[t].begin(), rows_of[t].end());
+    max_count = std::max<int64_t>(max_count, per_head[t].count);
   }
   const int64_t per = static_cast<int64_t>(per_head.size());
   const int64_t nq = max_count * G;  // query heads of one task, at most
@@ -290,6 +318,10 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
         // scores of the block's keys for each query head (lane k = key k0 + k), then the
         // softmax update, leaving each key's weight in scores[qh][k]
         for (int64_t j = 0; j < task.count; ++j) {
+          if (row_limit[rows[j]] < k0) {  // every key of this block is in its future
+            for (int64_t i = 0; i < G; ++i) store(scores.data() + (j * G + i) * BLOCK, v16{});
+            continue;
+          }
           // keys after the query (causal) or past the block are out: -inf
           const v16 visible = splat(static_cast<float>(
               std::min<int64_t>(row_limit[rows[j]] - k0, kb - 1)));
@@ -469,7 +501,13 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 
 // The elementwise glue of a decoder layer, one pass each and without FMA contraction, so
 // every value is the eager op's bit for bit.
+// The attribute alone does not reach the lambdas handed to at::parallel_for (their
+// operator() is a function of its own): one copy ran inlined without FMA, the threads'
+// copy with it, so a row's bits depended on the row count (issue 35). The pragma covers
+// every function defined down to PYBIND11_MODULE, lambdas included.
 #define EXACT __attribute__((optimize("fp-contract=off")))
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 
 // Rotate the query and key heads of a fused qkv buffer in place ("rotate half", HF Llama):
 // x[:half] * cos - x[half:] * sin, x[half:] * cos + x[:half] * sin.
@@ -611,6 +649,8 @@ EXACT torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch:
   });
   return out;
 }
+
+#pragma GCC pop_options
 
 // decode_step.cpp: the whole decode step in one call (its class joins this module)
 void register_decode_step(pybind11::module_& m);

@@ -94,6 +94,7 @@ struct Kernel {
   c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the 4-bit minimums)
   int64_t group = 0;    // int4: group size; blocks: bits (4 or 8)
   int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
+  int64_t pad = 1;      // matmul.py's "name@p" (deterministic): calls of fewer rows padded
 };
 
 struct LoraBlock {
@@ -129,6 +130,7 @@ Kernel make_kernel(py::tuple spec) {
   if (!spec[4].is_none()) k.packed = torch::jit::toIValue(spec[4], c10::AnyType::get());
   k.group = spec[5].cast<int64_t>();
   if (spec.size() > 6) k.rows = spec[6].cast<int64_t>();
+  if (spec.size() > 7) k.pad = spec[7].cast<int64_t>();
   TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
   return k;
 }
@@ -192,6 +194,16 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
     }
   }
   TORCH_CHECK(false, "decode step: unknown projection kernel");
+}
+
+// matmul.py's _padded: a call of fewer than k.pad rows runs on the rows and zero rows up
+// to k.pad (the row-count-invariant calls of a deterministic choice), and keeps its own.
+torch::Tensor run_padded(const Kernel& k, const torch::Tensor& x) {
+  const int64_t m = x.size(0);
+  if (m >= k.pad) return run_kernel(k, x);
+  auto full = torch::zeros({k.pad, x.size(1)}, x.options());
+  full.narrow(0, 0, m).copy_(x);
+  return run_kernel(k, full).narrow(0, 0, m);
 }
 
 }  // namespace
@@ -281,7 +293,7 @@ class DecodeStep {
       {
         RECORD_FUNCTION(PROJ_NAMES[p], std::vector<c10::IValue>());
         const auto& ks = l.proj[p];
-        out = run_kernel(ks[std::min(bucket, ks.size() - 1)], in);
+        out = run_padded(ks[std::min(bucket, ks.size() - 1)], in);
       }
       if (!groups.empty()) lora(layer, p, in, out, groups);
       return out;

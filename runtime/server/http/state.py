@@ -175,7 +175,7 @@ def read_state(engine: Any, metrics: Any = None) -> dict[str, Any]:
             "model": info.model_name, "page_size": info.page_size,
             "num_pages": info.num_pages, "dtype": info.dtype, "device": info.device,
             "attention": info.attention, "weights": info.weights, "kv_dtype": info.kv_dtype,
-            "backend": info.backend,
+            "backend": info.backend, "deterministic": info.deterministic,
             "max_seq_len": info.max_seq_len, "max_pages_per_owner": info.max_pages_per_owner,
             "snapshot_dir": info.snapshot_dir,
         },
