@@ -43,6 +43,8 @@ KEYS = {
                        "full_passkey_acc", "truncate_passkey_acc", "ppl_full", "ppl_snapkv",
                        "ppl_h2o", "ppl_streaming", "ppl_truncate", "compaction_decode_speedup",
                        "attention_scores_overhead"},
+    "deterministic.py": {"deterministic_prefill_ratio", "deterministic_decode_ratio",
+                         "deterministic_decode8_ratio"},
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
     "fleet.py": {"fleet_computed_vs_round_robin", "fleet_computed_vs_single",
                  "fleet_router_ms_p50", "fleet_router_ms_p99", "fleet_failover_s",
