@@ -107,7 +107,8 @@ def _spec(p: Projection, name: str) -> tuple | None:
             return (kind, w.qs, w.d, bias, w.m, w.bits)
         strips = p._layouts.get(name)
         if name == "blocks_q8" and isinstance(strips, StripBlocks):
-            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features)
+            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features,
+                    strips.outliers, strips.side)
         i4 = p._layouts.get(name)
         if name == "int4pack" and isinstance(i4, Int4Weight):
             return (kind, i4.packed, i4.scales_and_zeros, bias, None, i4.group_size)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
-from runtime.model.blocks import GROUP, BlockEmbedding, BlockWeight
+from runtime.model.blocks import GROUP, BlockEmbedding, BlockWeight, outlier_channels
 from runtime.model.matmul import Projection, choose_kernels
 
 __all__ = ["use_blocks", "quantize_q8_0"]
@@ -27,6 +27,11 @@ _PARTS = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
+
+
+# The projections fed by an RMSNorm (the norm's weights): blocks_q8 keeps the channels of
+# its largest gains out of the activation rounding (runtime.model.blocks.outlier_channels).
+_NORM_FED = {"qkv": "input_norm", "gate_up": "post_norm"}
 
 
 def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
@@ -69,7 +74,9 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
             w = (_fused(blocks, i, kind) if blocks is not None
                  else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
             if w is not None:
-                setattr(lw, kind, Projection(w, proj.bias))
+                gamma = _NORM_FED.get(kind)
+                outliers = None if gamma is None else outlier_channels(getattr(lw, gamma))
+                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers))
     tied = model.lm_head.weight is model.embed
     if blocks is not None:
         table = blocks.get("model.embed_tokens.weight")
@@ -78,7 +85,7 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
         table = quantize_q8_0(model.embed)
         head = table if tied else quantize_q8_0(model.lm_head.weight)
     if head is not None:
-        model.lm_head = Projection(head, buckets=2)
+        model.lm_head = Projection(head, buckets=2, outliers=outlier_channels(model.final_norm))
     if table is not None:
         model.embed = BlockEmbedding(table, model.dtype)
     model.weight_format = "gguf"

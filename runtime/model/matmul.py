@@ -160,12 +160,15 @@ class Projection:
     ``int_mm``).
     """
 
-    __slots__ = ("weight", "bias", "pack", "buckets", "kernel_names", "_kernels", "_layouts")
+    __slots__ = ("weight", "bias", "pack", "buckets", "outliers", "kernel_names", "_kernels",
+                 "_layouts")
 
     def __init__(self, weight: torch.Tensor | Int8Weight | BlockWeight, bias: torch.Tensor | None = None, *,
-                 pack: bool = False, buckets: int = len(ROW_BUCKETS)) -> None:
+                 pack: bool = False, buckets: int = len(ROW_BUCKETS),
+                 outliers: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self.outliers = outliers
         self.pack = pack
         self.buckets = buckets
         self._layouts: dict[str, object] = {}
@@ -291,7 +294,7 @@ class Projection:
         if name == "blocks_q8":
             strips = self._layouts.get(name)
             if strips is None:
-                strips = self._layouts[name] = StripBlocks.from_blocks(w)
+                strips = self._layouts[name] = StripBlocks.from_blocks(w, self.outliers)
             if b is None:
                 return lambda x: _as(strips.matmul(_f32(x)), x)  # type: ignore[union-attr]
             return lambda x: _as(strips.matmul(_f32(x)).add_(b), x)  # type: ignore[union-attr]
@@ -450,7 +453,8 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3) -> li
             got = rep._kernel(n)(rows)
             ref = want[: rows.shape[0]]
             if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
-                ref = rep._kernel(names[0])(ROUNDS_ACTIVATIONS[n](rows).to(rows.dtype))
+                ref = rep._kernel(names[0])(
+                    ROUNDS_ACTIVATIONS[n](rows, rep.outliers).to(rows.dtype))
             if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
                                   atol=1e-3 * float(ref.abs().max())):
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,

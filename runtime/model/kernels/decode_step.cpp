@@ -94,6 +94,7 @@ struct Kernel {
   c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the 4-bit minimums)
   int64_t group = 0;    // int4: group size; blocks: bits (4 or 8)
   int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
+  torch::Tensor idx, side;  // blocks_q8: its outlier channels and their exact weights
 };
 
 struct LoraBlock {
@@ -129,6 +130,10 @@ Kernel make_kernel(py::tuple spec) {
   if (!spec[4].is_none()) k.packed = torch::jit::toIValue(spec[4], c10::AnyType::get());
   k.group = spec[5].cast<int64_t>();
   if (spec.size() > 6) k.rows = spec[6].cast<int64_t>();
+  if (spec.size() > 8) {
+    k.idx = spec[7].cast<torch::Tensor>();
+    k.side = spec[8].cast<torch::Tensor>();
+  }
   TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
   return k;
 }
@@ -185,7 +190,7 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
     case BLOCKS_Q8: {  // matmul.py's "blocks_q8": the blocks times int8-quantized activations
       static const auto op =
           c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm_q8", "");
-      torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group, k.rows};
+      torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group, k.rows, k.idx, k.side};
       op.callBoxed(&s);
       auto out = s[0].toTensor();
       return k.bias.defined() ? out.add_(k.bias) : out;
