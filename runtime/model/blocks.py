@@ -277,12 +277,12 @@ def round_activations(x: torch.Tensor, outliers: torch.Tensor | None = None) -> 
     return out
 
 
-def outlier_channels(gamma: torch.Tensor, k: int = OUTLIERS) -> torch.Tensor:
-    """The ``k`` input channels of a projection fed by an RMSNorm of weights ``gamma`` that
-    the ``blocks_q8`` kernel keeps out of its activation rounding: those of largest
-    ``|gamma|`` (the norm's output is ``gamma`` times a vector of unit mean square, so the
-    channels with the largest gains carry the largest values, token after token), sorted."""
-    return torch.topk(gamma.detach().float().abs().cpu(), min(k, gamma.numel())).indices.sort().values
+def outlier_channels(amax: torch.Tensor, k: int = OUTLIERS) -> torch.Tensor:
+    """The ``k`` input channels of a projection that the ``blocks_q8`` kernel keeps out of
+    its activation rounding: those of largest ``amax`` (its input's max |x| per channel
+    over the calibration text; the outliers of a transformer's activations sit in the same
+    few channels token after token), sorted."""
+    return torch.topk(amax.detach().float().cpu(), min(k, amax.numel())).indices.sort().values
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,11 +156,37 @@ def test_bad_shapes_are_refused() -> None:
                         torch.tensor([64]), torch.zeros(1, 32))
 
 
-def test_outlier_channels_are_the_largest_gains() -> None:
-    gamma = torch.ones(96)
-    gamma[[70, 4, 50]] = torch.tensor([-9.0, 5.0, 7.0])
-    assert outlier_channels(gamma, 3).tolist() == [4, 50, 70]
-    assert outlier_channels(gamma[:2], 8).tolist() == [0, 1]
+def test_outlier_channels_are_the_largest_inputs() -> None:
+    amax = torch.ones(96)
+    amax[[70, 4, 50]] = torch.tensor([9.0, 5.0, 7.0])
+    assert outlier_channels(amax, 3).tolist() == [4, 50, 70]
+    assert outlier_channels(amax[:2], 8).tolist() == [0, 1]
+
+
+def test_a_calibrated_gguf_model_splits_its_norm_fed_projections(tmp_path: Path) -> None:
+    """With calibration tokens, qkv, gate_up and the lm_head keep their inputs' largest
+    channels (max |x| over the pass) out of the rounding; o_proj and down do not."""
+    hf = hf_reference_weights(seed=5, scaled=True)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf,
+                           formats={**{f"{n}.weight": "Q4_1" for n in names},
+                                    "token_embd.weight": "Q8_0"})
+    loaded = load_model(path, device="cpu", progress=False)
+    c = loaded.config
+    ours = ModelRunner(c, loaded.weights, _pool(c), 16, weight_format="gguf",
+                       blocks=load_blocks(loaded.path), calibration=list(range(3, 40)))
+    lw = ours.model.layers[0]
+    assert lw.qkv.outliers is not None and lw.qkv.outliers.numel() == min(8, c.hidden_size)
+    assert lw.gate_up.outliers is not None and ours.model.lm_head.outliers is not None
+    assert lw.o_proj.outliers is None and lw.down.outliers is None
+    fp32 = ModelRunner(c, loaded.weights, _pool(c), 16)
+    for p in ours.model.projections():
+        p.use(["blocks_q8"] * p.buckets)
+    ids = [3, 7, 1, 9, 4, 4, 12, 5, 8, 2, 6, 11]
+    want, want_logits = _greedy(fp32, ids, 6)
+    got, got_logits = _greedy(ours, ids, 6)
+    assert got == want
+    assert (got_logits - want_logits).abs().max().item() <= MODEL_TOL * want_logits.abs().max().item()
 
 
 @pytest.mark.parametrize("kind", FORMATS)
