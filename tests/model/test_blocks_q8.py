@@ -164,8 +164,8 @@ def test_outlier_channels_are_the_largest_inputs() -> None:
 
 
 def test_a_calibrated_gguf_model_splits_its_norm_fed_projections(tmp_path: Path) -> None:
-    """With calibration tokens, qkv, gate_up and the lm_head keep their inputs' largest
-    channels (max |x| over the pass) out of the rounding; o_proj and down do not."""
+    """With calibration tokens, every projection and the lm_head keep their inputs' largest
+    channels (max |x| over the pass) out of the rounding."""
     hf = hf_reference_weights(seed=5, scaled=True)
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     path = write_tiny_gguf(tmp_path / "tiny.gguf", hf,
@@ -178,7 +178,7 @@ def test_a_calibrated_gguf_model_splits_its_norm_fed_projections(tmp_path: Path)
     lw = ours.model.layers[0]
     assert lw.qkv.outliers is not None and lw.qkv.outliers.numel() == min(8, c.hidden_size)
     assert lw.gate_up.outliers is not None and ours.model.lm_head.outliers is not None
-    assert lw.o_proj.outliers is None and lw.down.outliers is None
+    assert lw.o_proj.outliers is not None and lw.down.outliers is not None
     fp32 = ModelRunner(c, loaded.weights, _pool(c), 16)
     for p in ours.model.projections():
         p.use(["blocks_q8"] * p.buckets)

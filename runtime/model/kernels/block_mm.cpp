@@ -485,14 +485,20 @@ namespace q8 {
 void add_side(const float* x, int64_t M, int64_t xs, const int64_t* idx, int64_t K,
               const float* side, int64_t N, float* out) {
   at::parallel_for(0, (N + L - 1) / L, 8, [&](int64_t begin, int64_t end) {
-    const int64_t lo = begin * L, hi = std::min(N, end * L);
+    constexpr int64_t C = 128;  // columns a pass: the k loop runs over a vector of them
+    float acc[C];
     for (int64_t r = 0; r < M; ++r) {
       const float* xr = x + r * xs;
       float* o = out + r * N;
-      for (int64_t j = lo; j < hi; ++j) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[idx[k]], side[k * N + j], acc);
-        o[j] += acc;
+      for (int64_t lo = begin * L, hi = std::min(N, end * L); lo < hi; lo += C) {
+        const int64_t w = std::min(C, hi - lo);
+        for (int64_t j = 0; j < w; ++j) acc[j] = 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const float xk = xr[idx[k]];
+          const float* sk = side + k * N + lo;
+          for (int64_t j = 0; j < w; ++j) acc[j] = std::fma(xk, sk[j], acc[j]);
+        }
+        for (int64_t j = 0; j < w; ++j) o[lo + j] += acc[j];
       }
     }
   });
@@ -530,10 +536,13 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
     TORCH_CHECK(ip[k] >= 0 && ip[k] < nb * 32, "block_mm_q8: outlier channel out of range");
   torch::Tensor xz = x;
   if (K > 0) {  // the rounded input: x with the outlier channels zeroed
-    xz = x.contiguous().clone();
+    xz = torch::empty({M, nb * 32}, x.options());
     float* p = xz.data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
+    const float* src = x.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r) {
+      std::memcpy(p + r * nb * 32, src + r * x.stride(0), nb * 32 * sizeof(float));
       for (int64_t k = 0; k < K; ++k) p[r * nb * 32 + ip[k]] = 0.f;
+    }
   }
   const q8::Acts a = q8::quantize(xz.data_ptr<float>(), M, xz.stride(0), nb, bits == 8);
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
