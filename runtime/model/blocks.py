@@ -48,11 +48,10 @@ __all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weigh
 GROUP = 32  # weights per block in every supported format
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-# Read once; PIE_CTX_BLOCKS_Q8=1 lets the int8-activation kernel into the choice. It is off
-# by default: its activation rounding misses the issue's quality gates narrowly (+0.25% ppl,
-# greedy agreement 0.972; docs/performance.md), so by default the block projections keep
-# fp32 activations, the file's model exactly.
-INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "0").lower() in (
+# Read once; the int8-activation kernel joins the choice unless PIE_CTX_BLOCKS_Q8=0. With its
+# outlier split it meets the quality gates (greedy agreement 0.9891, +0.08% ppl;
+# docs/performance.md); off, the block projections keep fp32 activations, the file's model.
+INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "1").lower() in (
     "1", "true", "yes", "on")
 OUTLIERS = 8  # input channels a norm-fed projection keeps out of blocks_q8's rounding
 
@@ -249,8 +248,8 @@ class Int4Weight:
 
 
 def int8_activations() -> bool:
-    """Whether the ``blocks_q8`` kernel may run here: asked for by ``PIE_CTX_BLOCKS_Q8=1``
-    (read at import), and the block kernels built with it."""
+    """Whether the ``blocks_q8`` kernel may run here: not turned off by
+    ``PIE_CTX_BLOCKS_Q8=0`` (read at import), and the block kernels built with it."""
     if not INT8_ACTIVATIONS:
         return False
     ops = kernels.block_ops()

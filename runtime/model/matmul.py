@@ -27,8 +27,8 @@ Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activat
 ``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
 then ``F.linear``: for many rows), ``blocks_q8`` (the blocks times int8-quantized
 activations, llama.cpp's Q8 per 32, in integer SIMD: the same weights, the activations
-rounded; see :class:`runtime.model.blocks.StripBlocks`; only with ``PIE_CTX_BLOCKS_Q8=1``:
-its rounding misses the quality gates narrowly) and ``int4pack`` (torch's groupwise int4 kernel,
+rounded, its calibrated outlier channels exactly; see :class:`runtime.model.blocks.StripBlocks`;
+``PIE_CTX_BLOCKS_Q8=0`` leaves it out) and ``int4pack`` (torch's groupwise int4 kernel,
 ``_weight_int4pack_mm_for_cpu`` on bf16 activations, see :class:`Int4Weight`), offered only
 where it computes the same weights: when every scale and zero is exact in bf16, which a
 file's float16 scales are not in general.
