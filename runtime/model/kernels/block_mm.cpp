@@ -484,7 +484,9 @@ namespace q8 {
 
 void add_side(const float* x, int64_t M, int64_t xs, const int64_t* idx, int64_t K,
               const float* side, int64_t N, float* out) {
-  at::parallel_for(0, (N + L - 1) / L, 8, [&](int64_t begin, int64_t end) {
+  // a few rows: one thread (waking the pool costs more than the work); the bits are the same
+  const int64_t strips = (N + L - 1) / L;
+  at::parallel_for(0, strips, M <= 8 ? strips : 8, [&](int64_t begin, int64_t end) {
     constexpr int64_t C = 128;  // columns a pass: the k loop runs over a vector of them
     float acc[C];
     for (int64_t r = 0; r < M; ++r) {
