@@ -10,6 +10,8 @@ lm_head) it times one pass over every projection on:
 
 * ``blocks``: block_mm.cpp's kernel, fp32 activations (the file's model exactly);
 * ``blocks_q8``: block_mm_q8, the activations rounded to int8 per 32 (VNNI);
+* ``blocks_q8_split``: the same with its outlier split (``OUTLIERS`` input channels kept
+  out of the rounding and multiplied exactly: the default gguf path);
 * ``int8``: the int8 weight path (per-row int8 weights, ``torch._int_mm``).
 
 The kernels take turns within each repeat, so a busy machine slows them alike; the best
@@ -34,18 +36,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parse_args(parser, layers=1, repeats=1)
 
-    from runtime.model.blocks import BlockWeight
+    from runtime.model.blocks import OUTLIERS, BlockWeight
     from runtime.model.gguf_weights import quantize_q8_0
     from runtime.model.matmul import Int8Weight, Projection
 
     torch.manual_seed(0)
-    kernels = {"blocks": "blocks", "blocks_q8": "blocks_q8", "int8": "int_mm"}
+    kernels = {"blocks": "blocks", "blocks_q8": "blocks_q8", "blocks_q8_split": "blocks_q8",
+               "int8": "int_mm"}
 
     def projections(w: torch.Tensor, block: BlockWeight, buckets: int) -> dict[str, Projection]:
         out = {}
+        outliers = torch.randperm(w.shape[1])[:OUTLIERS].sort().values
         for label, name in kernels.items():
             p = Projection(Int8Weight.quantize(w) if label == "int8" else block,
-                           buckets=buckets)
+                           buckets=buckets,
+                           outliers=outliers if label == "blocks_q8_split" else None)
             p.use([name] * buckets)
             out[label] = p
         return out

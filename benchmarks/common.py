@@ -53,7 +53,8 @@ class Ours:
         w = loaded.weights["model.embed_tokens.weight"]
         pool = PagePool(PoolShape(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
                         dtype=w.dtype, device=w.device, kv_dtype=kv_dtype))
-        calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        calibration = (calibration_tokens(loaded.tokenizer) if weights in ("int8", "gguf")
+                       else None)
         blocks = load_blocks(loaded.path) if weights == "gguf" else None
         self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
                                   calibration=calibration, dtype=w.dtype, blocks=blocks,

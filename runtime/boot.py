@@ -328,7 +328,8 @@ def _load(kind: str, model: str | None, deterministic: bool,
     m = _Model.native(loaded)
 
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
-        calibration = calibration_tokens(loaded.tokenizer) if weights == "int8" else None
+        calibration = (calibration_tokens(loaded.tokenizer) if weights in ("int8", "gguf")
+                       else None)  # gguf: blocks_q8's outlier channels
         blocks = load_blocks(loaded.path) if weights == "gguf" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
                            weight_format=weights, calibration=calibration, dtype=m.dtype,

@@ -43,17 +43,17 @@ from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 
 __all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weight",
-           "StripBlocks", "int8_activations", "round_activations"]
+           "StripBlocks", "int8_activations", "outlier_channels", "round_activations"]
 
 GROUP = 32  # weights per block in every supported format
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-# Read once; PIE_CTX_BLOCKS_Q8=1 lets the int8-activation kernel into the choice. It is off
-# by default: its activation rounding misses the issue's quality gates narrowly (+0.25% ppl,
-# greedy agreement 0.972; docs/performance.md), so by default the block projections keep
-# fp32 activations, the file's model exactly.
-INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "0").lower() in (
+# Read once; the int8-activation kernel joins the choice unless PIE_CTX_BLOCKS_Q8=0. With its
+# outlier split it meets the quality gates (greedy agreement 0.9891, +0.08% ppl;
+# docs/performance.md); off, the block projections keep fp32 activations, the file's model.
+INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "1").lower() in (
     "1", "true", "yes", "on")
+OUTLIERS = 8  # input channels a norm-fed projection keeps out of blocks_q8's rounding
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,23 +248,40 @@ class Int4Weight:
 
 
 def int8_activations() -> bool:
-    """Whether the ``blocks_q8`` kernel may run here: asked for by ``PIE_CTX_BLOCKS_Q8=1``
-    (read at import), and the block kernels built with it."""
+    """Whether the ``blocks_q8`` kernel may run here: not turned off by
+    ``PIE_CTX_BLOCKS_Q8=0`` (read at import), and the block kernels built with it."""
     if not INT8_ACTIVATIONS:
         return False
     ops = kernels.block_ops()
     return ops is not None and hasattr(ops, "block_mm_q8")
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
+def round_activations(x: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``x`` [..., K] as the ``blocks_q8`` kernel rounds it (llama.cpp's Q8_0 of
     activations): per group of 32, ``d = max|x| / 127`` and ``q = round(x * (1 / d))`` (ties
-    to even); the values ``q * d``. The kernel's exact input, for tests and the check of
-    :func:`runtime.model.matmul.choose_kernels`."""
-    g = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    to even); the values ``q * d``. With ``outliers`` (input channels, int64 [n]) those
+    channels are zeroed before the rounding and keep their exact values (the kernel's
+    outlier split: their product is exact). The kernel's exact input, for tests and the check
+    of :func:`runtime.model.matmul.choose_kernels`."""
+    xf = x.float()
+    if outliers is not None and outliers.numel():
+        xf = xf.clone()
+        xf[..., outliers] = 0
+    g = xf.reshape(*x.shape[:-1], -1, GROUP)
     d = g.abs().amax(dim=-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(g * inv) * d).reshape(x.shape)
+    out = (torch.round(g * inv) * d).reshape(x.shape)
+    if outliers is not None and outliers.numel():
+        out[..., outliers] = x.float()[..., outliers]
+    return out
+
+
+def outlier_channels(amax: torch.Tensor, k: int = OUTLIERS) -> torch.Tensor:
+    """The ``k`` input channels of a projection that the ``blocks_q8`` kernel keeps out of
+    its activation rounding: those of largest ``amax`` (its input's max |x| per channel
+    over the calibration text; the outliers of a transformer's activations sit in the same
+    few channels token after token), sorted."""
+    return torch.topk(amax.detach().float().cpu(), min(k, amax.numel())).indices.sort().values
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +296,12 @@ class StripBlocks:
             row 16 s + l's block b) or [strips, nb, 8, 16, 4] (8 bits: ``q + 128`` of
             element 4k + t).
         d: float16 [strips, nb, 16] scales; m: the same minimums (4 bits) or empty.
+        outliers: int64 [K] input channels kept out of the rounding (K may be 0).
+        side: float32 [K, out]: the file's dequantized weights of those channels (exact).
+
+    The outlier split: the channels ``outliers`` are zeroed before the activations are
+    rounded (so a group's scale follows its ordinary channels) and multiplied exactly by
+    ``side`` instead (:func:`round_activations` with ``outliers`` is the kernel's input).
     """
 
     bits: int
@@ -287,10 +310,13 @@ class StripBlocks:
     m: torch.Tensor
     out_features: int
     in_features: int
+    outliers: torch.Tensor
+    side: torch.Tensor
 
     @classmethod
-    def from_blocks(cls, w: BlockWeight) -> StripBlocks:
-        """The same weights as ``w`` (every quant, scale and minimum, moved)."""
+    def from_blocks(cls, w: BlockWeight, outliers: torch.Tensor | None = None) -> StripBlocks:
+        """The same weights as ``w`` (every quant, scale and minimum, moved), with the input
+        channels ``outliers`` (None: none) kept out of the activation rounding."""
         n, nb = w.out_features, w.in_features // GROUP
         strips = -(-n // 16)
         pad = strips * 16 - n
@@ -308,7 +334,10 @@ class StripBlocks:
             q = rows(w.qs.view(torch.uint8) ^ 0x80, 0x80).view(strips, 16, nb, 8, 4)
             m = torch.empty(0, dtype=torch.float16)
         qs = q.permute(0, 2, 3, 1, 4).contiguous()  # [s, b, k, l, t]
-        return cls(w.bits, qs, per_strip(w.d), m, n, w.in_features)
+        idx = (torch.empty(0, dtype=torch.int64) if outliers is None
+               else outliers.to(torch.int64).contiguous())
+        side = w.dequantize()[:, idx].t().contiguous()  # [K, out]
+        return cls(w.bits, qs, per_strip(w.d), m, n, w.in_features, idx, side)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """float32 ``x`` [M, in] @ W.T -> [M, out] on ``x`` rounded per group of 32 to int8
@@ -317,4 +346,4 @@ class StripBlocks:
         if ops is None or not hasattr(ops, "block_mm_q8"):
             raise RuntimeError("the int8-activation block kernel is not built here")
         return ops.block_mm_q8(x if x.stride(-1) == 1 else x.contiguous(), self.qs, self.d,
-                               self.m, self.bits, self.out_features)
+                               self.m, self.bits, self.out_features, self.outliers, self.side)

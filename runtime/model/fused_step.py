@@ -95,8 +95,9 @@ def _spec(p: Projection, name: str) -> tuple | None:
     spec = _base_spec(p, base)
     if spec is None:
         return None
+    # (kind, w, scale, bias, packed, group, rows, pad, *blocks_q8's outlier idx and side)
     rows = spec[6] if len(spec) > 6 else 0  # blocks_q8: its output rows (strips pad to 16s)
-    return (*spec[:6], rows, int(pad or 1))
+    return (*spec[:6], rows, int(pad or 1), *spec[7:])
 
 
 def _base_spec(p: Projection, name: str) -> tuple | None:
@@ -121,7 +122,8 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
             return (kind, w.qs, w.d, bias, w.m, w.bits)
         strips = p._layouts.get(name)
         if name == "blocks_q8" and isinstance(strips, StripBlocks):
-            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features)
+            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features,
+                    strips.outliers, strips.side)
         i4 = p._layouts.get(name)
         if name == "int4pack" and isinstance(i4, Int4Weight):
             return (kind, i4.packed, i4.scales_and_zeros, bias, None, i4.group_size)

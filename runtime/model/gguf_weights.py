@@ -16,8 +16,15 @@ from typing import Any
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
-from runtime.model.blocks import GROUP, BlockEmbedding, BlockWeight
+from runtime.model.blocks import (
+    GROUP,
+    BlockEmbedding,
+    BlockWeight,
+    int8_activations,
+    outlier_channels,
+)
 from runtime.model.matmul import Projection, choose_kernels
+from runtime.model.quant import _calibrate
 
 __all__ = ["use_blocks", "quantize_q8_0"]
 
@@ -27,6 +34,12 @@ _PARTS = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
+
+
+# The projections where blocks_q8 keeps its inputs' largest channels out of the activation
+# rounding (runtime.model.blocks.outlier_channels), and the lm_head: all of them (qkv and
+# gate_up alone reached greedy agreement 0.982 in simulation, all 0.989; docs/performance.md).
+_SPLIT = ("qkv", "o_proj", "gate_up", "down")
 
 
 def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
@@ -48,13 +61,17 @@ def _fused(blocks: dict[str, BlockWeight], layer: int, kind: str) -> BlockWeight
     return parts[0] if len(parts) == 1 else BlockWeight.cat(parts)  # type: ignore[arg-type]
 
 
-def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
+def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
+               calibration: list[int] | None = None) -> None:
     """Replace ``model``'s float projections, lm_head and embedding with block weights, in
     place (see the module docstring), then choose their kernels.
 
     Args:
         model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
         blocks: HF-named block weights of its GGUF; None: quantize the float weights now.
+        calibration: token ids (``runtime.model.quant.calibration_tokens``) whose dense pass
+            picks the input channels ``blocks_q8`` keeps out of its rounding (every
+            projection and the lm_head); None, or ``blocks_q8`` off: no pass, no split.
 
     Raises:
         InvalidArgument: the model is not on CPU or not float.
@@ -63,13 +80,18 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
         raise InvalidArgument("weights='gguf' runs on CPU; on a GPU use dtype bfloat16")
     if model.weight_format != "fp32":
         raise InvalidArgument(f"the model is already {model.weight_format}")
+    layer_amax, head_amax = [], None
+    if calibration and int8_activations():
+        layer_amax, head_amax = _calibrate(model, calibration)  # on the float weights
     for i, lw in enumerate(model.layers):
         for kind in _PARTS:
             proj: Projection = getattr(lw, kind)
             w = (_fused(blocks, i, kind) if blocks is not None
                  else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
             if w is not None:
-                setattr(lw, kind, Projection(w, proj.bias))
+                outliers = (outlier_channels(layer_amax[i][kind])
+                            if layer_amax and kind in _SPLIT else None)
+                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers))
     tied = model.lm_head.weight is model.embed
     if blocks is not None:
         table = blocks.get("model.embed_tokens.weight")
@@ -78,7 +100,8 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None) -> None:
         table = quantize_q8_0(model.embed)
         head = table if tied else quantize_q8_0(model.lm_head.weight)
     if head is not None:
-        model.lm_head = Projection(head, buckets=2)
+        model.lm_head = Projection(head, buckets=2, outliers=(
+            outlier_channels(head_amax) if head_amax is not None else None))
     if table is not None:
         model.embed = BlockEmbedding(table, model.dtype)
     model.weight_format = "gguf"

@@ -27,8 +27,8 @@ Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activat
 ``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
 then ``F.linear``: for many rows), ``blocks_q8`` (the blocks times int8-quantized
 activations, llama.cpp's Q8 per 32, in integer SIMD: the same weights, the activations
-rounded; see :class:`runtime.model.blocks.StripBlocks`; only with ``PIE_CTX_BLOCKS_Q8=1``:
-its rounding misses the quality gates narrowly) and ``int4pack`` (torch's groupwise int4 kernel,
+rounded, its calibrated outlier channels exactly; see :class:`runtime.model.blocks.StripBlocks`;
+``PIE_CTX_BLOCKS_Q8=0`` leaves it out) and ``int4pack`` (torch's groupwise int4 kernel,
 ``_weight_int4pack_mm_for_cpu`` on bf16 activations, see :class:`Int4Weight`), offered only
 where it computes the same weights: when every scale and zero is exact in bf16, which a
 file's float16 scales are not in general.
@@ -188,12 +188,15 @@ class Projection:
     ``int_mm``).
     """
 
-    __slots__ = ("weight", "bias", "pack", "buckets", "kernel_names", "_kernels", "_layouts")
+    __slots__ = ("weight", "bias", "pack", "buckets", "outliers", "kernel_names", "_kernels",
+                 "_layouts")
 
     def __init__(self, weight: torch.Tensor | Int8Weight | BlockWeight, bias: torch.Tensor | None = None, *,
-                 pack: bool = False, buckets: int = len(ROW_BUCKETS)) -> None:
+                 pack: bool = False, buckets: int = len(ROW_BUCKETS),
+                 outliers: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self.outliers = outliers
         self.pack = pack
         self.buckets = buckets
         self._layouts: dict[str, object] = {}
@@ -323,7 +326,7 @@ class Projection:
         if name == "blocks_q8":
             strips = self._layouts.get(name)
             if strips is None:
-                strips = self._layouts[name] = StripBlocks.from_blocks(w)
+                strips = self._layouts[name] = StripBlocks.from_blocks(w, self.outliers)
             if b is None:
                 return lambda x: _as(strips.matmul(_f32(x)), x)  # type: ignore[union-attr]
             return lambda x: _as(strips.matmul(_f32(x)).add_(b), x)  # type: ignore[union-attr]
@@ -503,7 +506,8 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
             got = rep._kernel(n)(rows)
             ref = want[: rows.shape[0]]
             if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
-                ref = rep._kernel(names[0])(ROUNDS_ACTIVATIONS[n](rows).to(rows.dtype))
+                ref = rep._kernel(names[0])(
+                    ROUNDS_ACTIVATIONS[n](rows, rep.outliers).to(rows.dtype))
             if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
                                   atol=1e-3 * float(ref.abs().max())):
                 log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,

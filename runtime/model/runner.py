@@ -74,7 +74,8 @@ class ModelRunner:
         weight_format: ``"fp32"`` (unquantized, in the compute dtype), ``"int8"`` (see
             ``runtime.model.quant``; needs ``calibration``) or ``"gguf"`` (a GGUF's own
             blocks, see ``runtime.model.gguf_weights``; ``blocks``).
-        calibration: token ids int8 measures activation ranges on.
+        calibration: token ids int8 measures activation ranges on (with ``"gguf"``: where
+            ``blocks_q8`` is on, the pass that picks its outlier channels).
         blocks: with ``"gguf"``, the block weights of the model's GGUF
             (``runtime.model.loader.load_blocks``); None: Q4_1 blocks made at load.
         dtype: the compute dtype; default: the pool's, or float32 for an int8 pool.
@@ -118,7 +119,7 @@ class ModelRunner:
         if weight_format == "int8":
             quantize_int8(self.model, calibration or [])
         elif weight_format == "gguf":
-            use_blocks(self.model, blocks)
+            use_blocks(self.model, blocks, calibration)
         self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.score_heads = c.num_heads
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,

@@ -20,7 +20,12 @@ from loader_fixtures import hf_reference_weights, write_tiny_gguf
 from test_blocks import FORMATS, _file_weight, _greedy, _pool
 
 from runtime.model import blocks as blocks_mod
-from runtime.model.blocks import StripBlocks, int8_activations, round_activations
+from runtime.model.blocks import (
+    StripBlocks,
+    int8_activations,
+    outlier_channels,
+    round_activations,
+)
 from runtime.model.loader import load_blocks, load_model
 from runtime.model.matmul import Projection, _one_rounding, choose_kernels
 from runtime.model.runner import ModelRunner
@@ -71,10 +76,35 @@ def test_the_kernel_is_the_twins_product_on_rounded_activations(kind, shape) -> 
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_a_rows_bits_do_not_depend_on_its_batch(kind) -> None:
+@pytest.mark.parametrize("shape", [(48, 96), (40, 128)])
+def test_the_outlier_split_is_exact_on_its_channels(kind, shape) -> None:
+    """Channels kept out of the rounding: zeroed before it (each group's scale follows the
+    rest), multiplied exactly by the file's weights of those columns."""
+    out_f, in_f = shape
+    bw, twin = _file_weight(kind, out_f, in_f, seed=15)
+    idx = torch.tensor([3, 33, in_f - 1])
+    strips = StripBlocks.from_blocks(bw, idx)
+    assert torch.equal(strips.side, twin[:, idx].t())  # the file's values, bit for bit
+    x = _activations(9, in_f)
+    x[:, idx] *= 30  # static outliers, as an RMSNorm's large gains make them
+    got = strips.matmul(x)
+    ref = F.linear(round_activations(x, idx), twin)
+    assert (got - ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item())
+    xz = x.clone()
+    xz[:, idx] = 0
+    want = F.linear(round_activations(xz), twin) + x[:, idx] @ twin[:, idx].t()
+    assert (ref - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    plain = F.linear(x, twin)  # closer to the unrounded product than without the split
+    unsplit = StripBlocks.from_blocks(bw).matmul(x)
+    assert (got - plain).abs().max().item() < 0.5 * (unsplit - plain).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("outliers", [None, torch.tensor([0, 7, 100, 191])])
+def test_a_rows_bits_do_not_depend_on_its_batch(kind, outliers) -> None:
     """1 row, 8 rows, 512 rows, and a strided view: the same bits for the same row."""
     bw, _ = _file_weight(kind, 72, 192, seed=12)
-    strips = StripBlocks.from_blocks(bw)
+    strips = StripBlocks.from_blocks(bw, outliers)
     x = _activations(512, 192, seed=3)
     whole = strips.matmul(x)
     for r in (0, 1, 5, 300, 511):
@@ -120,6 +150,43 @@ def test_bad_shapes_are_refused() -> None:
     strips = StripBlocks.from_blocks(bw)
     with pytest.raises(RuntimeError, match="columns"):
         strips.matmul(torch.randn(2, 96))
+    ops = blocks_mod.kernels.block_ops()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.block_mm_q8(torch.randn(2, 64), strips.qs, strips.d, strips.m, 8, 32,
+                        torch.tensor([64]), torch.zeros(1, 32))
+
+
+def test_outlier_channels_are_the_largest_inputs() -> None:
+    amax = torch.ones(96)
+    amax[[70, 4, 50]] = torch.tensor([9.0, 5.0, 7.0])
+    assert outlier_channels(amax, 3).tolist() == [4, 50, 70]
+    assert outlier_channels(amax[:2], 8).tolist() == [0, 1]
+
+
+def test_a_calibrated_gguf_model_splits_its_norm_fed_projections(tmp_path: Path) -> None:
+    """With calibration tokens, every projection and the lm_head keep their inputs' largest
+    channels (max |x| over the pass) out of the rounding."""
+    hf = hf_reference_weights(seed=5, scaled=True)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf,
+                           formats={**{f"{n}.weight": "Q4_1" for n in names},
+                                    "token_embd.weight": "Q8_0"})
+    loaded = load_model(path, device="cpu", progress=False)
+    c = loaded.config
+    ours = ModelRunner(c, loaded.weights, _pool(c), 16, weight_format="gguf",
+                       blocks=load_blocks(loaded.path), calibration=list(range(3, 40)))
+    lw = ours.model.layers[0]
+    assert lw.qkv.outliers is not None and lw.qkv.outliers.numel() == min(8, c.hidden_size)
+    assert lw.gate_up.outliers is not None and ours.model.lm_head.outliers is not None
+    assert lw.o_proj.outliers is not None and lw.down.outliers is not None
+    fp32 = ModelRunner(c, loaded.weights, _pool(c), 16)
+    for p in ours.model.projections():
+        p.use(["blocks_q8"] * p.buckets)
+    ids = [3, 7, 1, 9, 4, 4, 12, 5, 8, 2, 6, 11]
+    want, want_logits = _greedy(fp32, ids, 6)
+    got, got_logits = _greedy(ours, ids, 6)
+    assert got == want
+    assert (got_logits - want_logits).abs().max().item() <= MODEL_TOL * want_logits.abs().max().item()
 
 
 @pytest.mark.parametrize("kind", FORMATS)

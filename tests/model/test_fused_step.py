@@ -202,13 +202,17 @@ def test_bf16_and_int8_pages_give_the_eager_steps_bits(kv: str) -> None:
 
 
 def _blocks(p: Projection, kernel: str = "blocks") -> Projection:
-    """``p``'s weight as Q4_1 blocks (runtime/model/blocks.py) on block kernel ``kernel``."""
-    proj = Projection(BlockWeight.quantize_q4_1(p.weight.float()), p.bias)
+    """``p``'s weight as Q4_1 blocks (runtime/model/blocks.py) on block kernel ``kernel``
+    (``blocks_q8_split``: blocks_q8 with three input channels kept out of the rounding)."""
+    outliers = None
+    if kernel == "blocks_q8_split":
+        kernel, outliers = "blocks_q8", torch.tensor([1, 5, 40])
+    proj = Projection(BlockWeight.quantize_q4_1(p.weight.float()), p.bias, outliers=outliers)
     proj.use([kernel] * proj.buckets)
     return proj
 
 
-@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8"])
+@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8", "blocks_q8_split"])
 def test_int8_and_block_weights_match_the_eager_step(weights: str) -> None:
     hf = make_hf_model("qwen2", seed=7)  # q/k/v biases too
 

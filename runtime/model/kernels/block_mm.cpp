@@ -474,8 +474,42 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
 
 // x [M, K] float32 (rows may be strided) times a StripBlocks weight of N output rows
 // -> [M, N], on int8-quantized activations (see the section's comment).
+//
+// Outlier split (idx, side): the input channels idx (int64 [K], K may be 0) are zeroed before
+// the rounding, so that each group's scale follows its ordinary channels, and added back
+// exactly: out[r, j] += sum_k x[r, idx[k]] * side[k, j] (side float32 [K, n]: the file's
+// dequantized weights of those columns), one fma chain a value in k order, threads split
+// the columns: a row's bits still do not depend on its batch.
+namespace q8 {
+
+void add_side(const float* x, int64_t M, int64_t xs, const int64_t* idx, int64_t K,
+              const float* side, int64_t N, float* out) {
+  // a few rows: one thread (waking the pool costs more than the work); the bits are the same
+  const int64_t strips = (N + L - 1) / L;
+  at::parallel_for(0, strips, M <= 8 ? strips : 8, [&](int64_t begin, int64_t end) {
+    constexpr int64_t C = 128;  // columns a pass: the k loop runs over a vector of them
+    float acc[C];
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * xs;
+      float* o = out + r * N;
+      for (int64_t lo = begin * L, hi = std::min(N, end * L); lo < hi; lo += C) {
+        const int64_t w = std::min(C, hi - lo);
+        for (int64_t j = 0; j < w; ++j) acc[j] = 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const float xk = xr[idx[k]];
+          const float* sk = side + k * N + lo;
+          for (int64_t j = 0; j < w; ++j) acc[j] = std::fma(xk, sk[j], acc[j]);
+        }
+        for (int64_t j = 0; j < w; ++j) o[lo + j] += acc[j];
+      }
+    }
+  });
+}
+
+}  // namespace q8
+
 torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                          int64_t bits, int64_t n) {
+                          int64_t bits, int64_t n, torch::Tensor idx, torch::Tensor side) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8");
   TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 3 && d.is_contiguous() &&
               d.size(2) == q8::L, "block_mm_q8: d float16 [strips, nb, 16]");
@@ -493,7 +527,26 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
   const int64_t M = x.size(0);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0) return out;
-  const q8::Acts a = q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8);
+  const int64_t K = idx.numel();
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 1 && idx.is_contiguous(),
+              "block_mm_q8: idx int64 [K]");
+  TORCH_CHECK(side.scalar_type() == torch::kFloat32 && side.dim() == 2 &&
+              side.is_contiguous() && side.size(0) == K && (K == 0 || side.size(1) == n),
+              "block_mm_q8: side float32 [K, n]");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t k = 0; k < K; ++k)
+    TORCH_CHECK(ip[k] >= 0 && ip[k] < nb * 32, "block_mm_q8: outlier channel out of range");
+  torch::Tensor xz = x;
+  if (K > 0) {  // the rounded input: x with the outlier channels zeroed
+    xz = torch::empty({M, nb * 32}, x.options());
+    float* p = xz.data_ptr<float>();
+    const float* src = x.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r) {
+      std::memcpy(p + r * nb * 32, src + r * x.stride(0), nb * 32 * sizeof(float));
+      for (int64_t k = 0; k < K; ++k) p[r * nb * 32 + ip[k]] = 0.f;
+    }
+  }
+  const q8::Acts a = q8::quantize(xz.data_ptr<float>(), M, xz.stride(0), nb, bits == 8);
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
   if (bits == 4)
@@ -501,6 +554,9 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
               out.data_ptr<float>());
   else
     q8::mm<8>(a, M, q, dp, nullptr, n, out.data_ptr<float>());
+  if (K > 0)
+    q8::add_side(x.data_ptr<float>(), M, x.stride(0), ip, K, side.data_ptr<float>(), n,
+                 out.data_ptr<float>());
   return out;
 }
 
@@ -509,7 +565,8 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
 // Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits).
 TORCH_LIBRARY(pie_ctx_blocks, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
-  m.def("block_mm_q8(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n) -> Tensor",
+  m.def("block_mm_q8(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n, Tensor idx, "
+        "Tensor side) -> Tensor",
         &block_mm_q8);
 }
 

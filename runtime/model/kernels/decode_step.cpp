@@ -95,6 +95,7 @@ struct Kernel {
   int64_t group = 0;    // int4: group size; blocks: bits (4 or 8)
   int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
   int64_t pad = 1;      // matmul.py's "name@p" (deterministic): calls of fewer rows padded
+  torch::Tensor idx, side;  // blocks_q8: its outlier channels and their exact weights
 };
 
 struct LoraBlock {
@@ -131,6 +132,10 @@ Kernel make_kernel(py::tuple spec) {
   k.group = spec[5].cast<int64_t>();
   if (spec.size() > 6) k.rows = spec[6].cast<int64_t>();
   if (spec.size() > 7) k.pad = spec[7].cast<int64_t>();
+  if (spec.size() > 9) {
+    k.idx = spec[8].cast<torch::Tensor>();
+    k.side = spec[9].cast<torch::Tensor>();
+  }
   TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
   return k;
 }
@@ -187,7 +192,7 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
     case BLOCKS_Q8: {  // matmul.py's "blocks_q8": the blocks times int8-quantized activations
       static const auto op =
           c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm_q8", "");
-      torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group, k.rows};
+      torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group, k.rows, k.idx, k.side};
       op.callBoxed(&s);
       auto out = s[0].toTensor();
       return k.bias.defined() ? out.add_(k.bias) : out;
