@@ -42,8 +42,7 @@ test-backend: $(STAMP)
 
 # Same seed, same tokens over the whole matrix of weights and KV formats (issue 35; the
 # default suite runs fp32 only): 5 formats of the default model, an engine and a restart each
-# (not timed quietly yet; on the shared machine at load 5-10 the fp32 case took 10-14 min, the
-# gguf one 5 min).
+# (256 tokens each; the int8 configurations and gguf took 12 min beside another busy run).
 test-determinism: $(STAMP)
 	PIE_CTX_TEST_DETERMINISM=full $(BIN)/python -m pytest -q tests/precision/test_deterministic.py
 
