@@ -94,7 +94,7 @@ async def main_async(args: argparse.Namespace) -> None:
         for r in range(args.repeats):  # interleaved, so machine noise hits every side alike
             salted = [1000 + r] + prompt[1:]  # a fresh prompt each repeat: no prefix reuse
             for b in BACKENDS:
-                wall, _ = await run_ours(engines[b], salted, args.n, args.new_tokens, r)
+                wall, _, _ = await run_ours(engines[b], salted, args.n, args.new_tokens, r)
                 bon[b].append(wall)
                 step, greedy[b] = await decode_ours(engines[b], [2000 + r] + short[1:],
                                                     args.decode_tokens)

@@ -415,7 +415,7 @@ async def measure(args: argparse.Namespace, lib: Any, gguf: Path,
                         salted = [1000 + r] + bon_prompt[1:]  # a fresh prompt each repeat
                         rows["llamacpp"]["bon"].append(
                             on_model(llama.best_of, salted, args.n, args.bon_new_tokens, r))
-                        wall, _ = await run_ours(engine, salted, args.n, args.bon_new_tokens, r)
+                        wall, _, _ = await run_ours(engine, salted, args.n, args.bon_new_tokens, r)
                         rows[fmt]["bon"].append(wall)
                     if many:  # distinct first tokens: no page shared between them or repeats
                         prompts = [[2000 + 64 * r + s] + many_prompt[1:]
