@@ -36,12 +36,6 @@ _PARTS = {
 }
 
 
-# The projections where blocks_q8 keeps its inputs' largest channels out of the activation
-# rounding (runtime.model.blocks.outlier_channels), and the lm_head: all of them (qkv and
-# gate_up alone reached greedy agreement 0.982 in simulation, all 0.989; docs/performance.md).
-_SPLIT = ("qkv", "o_proj", "gate_up", "down")
-
-
 def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
     """Q8_0 blocks of a float ``weight`` [out, in] (llama.cpp's reference quantizer:
     ``d = max|w| / 127`` per group of 32, ``q = round(w / d)``)."""
@@ -89,8 +83,10 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
             w = (_fused(blocks, i, kind) if blocks is not None
                  else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
             if w is not None:
-                outliers = (outlier_channels(layer_amax[i][kind])
-                            if layer_amax and kind in _SPLIT else None)
+                # blocks_q8 keeps every projection's (and the lm_head's) largest input
+                # channels out of its rounding: qkv and gate_up alone reached greedy
+                # agreement 0.982 in simulation, all 0.989 (docs/performance.md)
+                outliers = outlier_channels(layer_amax[i][kind]) if layer_amax else None
                 setattr(lw, kind, Projection(w, proj.bias, outliers=outliers))
     tied = model.lm_head.weight is model.embed
     if blocks is not None:
