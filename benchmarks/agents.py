@@ -1,6 +1,6 @@
 """Programs vs prompts: three agent workloads as inferlets and as OpenAI clients, side by side.
 
-    .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights int8,fp32]
+    .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights gguf,int8,fp32]
         [--workloads react,codeact,swarm] [--systems a1,a2,a3,b,c,d,e]
         [--llama-server PATH] [--threads 2] [--smoke] [--model M]
 
@@ -28,10 +28,12 @@ Systems, each agent its own process, released together once all are ready:
 * e:  ReAct with its tools as server-side MCP tools (``serve --mcp react=...``,
   benchmarks/agent_mcp.py): one ``/v1/responses`` request per agent.
 
-Our server runs with ``--weights int8`` (what a CPU user picks beside a Q4_1 GGUF) and
-fp32. Each (workload, concurrency, system) run gets a fresh session prefix in its prompts
-and warms it first, so no run reuses another's pages. Swarm runs at 4, 8 and 32 agents
-(a ring needs 4) where the others run at 1, 8 and 32.
+Our server runs with ``--weights gguf`` by default: the default model's own Q4_1 blocks,
+what ``pie-ctx serve`` picks for a GGUF on CPU and what llama-server computes on
+(``--weights`` takes a comma list: gguf, int8, fp32). Each (workload, concurrency, system)
+run gets a fresh session prefix in its prompts and warms it first, so no run reuses
+another's pages. Swarm runs at 4, 8 and 32 agents (a ring needs 4) where the others run
+at 1, 8 and 32.
 
 Reports per run: per-agent latency p50/p99, agents per minute, generated tokens/s,
 prompt tokens sent and computed; the last line is one JSON object with the ratios at 8
@@ -409,13 +411,13 @@ def _print_run(run: Run) -> None:
 
 
 def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[str, Any]:
-    """The ratios at ``at`` agents (int8 for our side when it ran), the socket hop per
+    """The ratios at ``at`` agents (our side on gguf when it ran, else int8), the socket hop per
     token, and every run's raw figures."""
     def find(workload: str, system: str) -> Run | None:
         found = [r for r in runs if r.workload == workload and r.system == system and
                  r.agents == at]
-        # our side with int8 weights (beside llama.cpp's Q4_1), else what ran
-        found.sort(key=lambda r: r.weights not in ("int8", "q4_1"))
+        # our side on the file's own blocks (llama.cpp's Q4_1), then int8, else what ran
+        found.sort(key=lambda r: {"gguf": 0, "int8": 1}.get(r.weights, 2))
         return found[0] if found else None
 
     def ratio(workload: str, a: str, b: str, what: str = "tput") -> float | None:
@@ -455,7 +457,7 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--weights", default="int8,fp32")
+    ap.add_argument("--weights", default="gguf")
     ap.add_argument("--workloads", default="react,codeact,swarm")
     ap.add_argument("--systems", default="a1,a2,a3,b,c,d,e")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
