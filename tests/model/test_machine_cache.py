@@ -112,7 +112,8 @@ def test_a_damaged_entry_is_probed_again_and_rewritten(cache, probes, caplog) ->
         matmul._CHOSEN.clear()
         p = _proj("fp32")
         choose_kernels([p], deterministic=True, repeats=1)
-        assert p.kernel_names == probes[0].chosen
+        # (a probe again: its timing may pick another class than the first did)
+        assert p.kernel_names == probes[-1].chosen
         assert json.loads(entry.read_text())["value"] == probes[-1].encode()
     assert len(probes) == 4
     assert "ignoring" in caplog.text
