@@ -61,13 +61,13 @@ def _machine_cache(tmp_path_factory: pytest.TempPathFactory):
     depends on what an earlier run left there (the compiled kernels stay where they are:
     building them takes minutes). Servers the tests start inherit the folder, so a model
     probed once in the session is not probed again by each server."""
-    old = os.environ.get("PIE_CTX_CACHE_DIR")
-    os.environ["PIE_CTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine-cache"))
+    old = os.environ.get("PIE_CTX_MACHINE_CACHE_DIR")
+    os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine-cache"))
     yield
     if old is None:
-        os.environ.pop("PIE_CTX_CACHE_DIR", None)
+        os.environ.pop("PIE_CTX_MACHINE_CACHE_DIR", None)
     else:
-        os.environ["PIE_CTX_CACHE_DIR"] = old
+        os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

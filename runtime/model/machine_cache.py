@@ -8,10 +8,12 @@ of everything that decides the result: the caller's inputs and :func:`machine_fa
 CPU, torch and its build, pie-ctx's compiled kernels, the thread count). A changed input
 gives another key, so an entry is never stale, only unused; nothing is ever guessed.
 
-Where: ``$PIE_CTX_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/pie-ctx`` (``~/.cache/pie-ctx``)
-beside the compiled kernels' ``kernels/`` folder. ``PIE_CTX_CACHE``: ``1`` (default) reads
-and writes; ``0`` / ``off`` neither (every load computes, as before); ``refresh`` computes
-and overwrites (to re-time the kernels on a quiet machine, say). Deleting the folder is
+Where: ``$PIE_CTX_MACHINE_CACHE_DIR`` if set, else the cache root the models live in
+(``runtime.model.loader.cache.cache_root``: ``$PIE_CTX_CACHE``, else
+``$XDG_CACHE_HOME/pie-ctx``, else ``~/.cache/pie-ctx``), beside its ``models/`` and the
+compiled kernels' ``kernels/``. ``PIE_CTX_MACHINE_CACHE``: ``1`` (default) reads and
+writes; ``0`` / ``off`` neither (every load computes, as before); ``refresh`` computes and
+overwrites (to re-time the kernels on a quiet machine, say). Deleting the folders is
 always safe.
 
 Invariants:
@@ -44,6 +46,7 @@ from typing import Any, TypeVar
 import torch
 
 from runtime.model import kernels
+from runtime.model.loader.cache import cache_root
 
 __all__ = ["cached", "enabled", "entry_path", "key", "machine_facts", "mode", "root"]
 
@@ -57,24 +60,24 @@ _ENV_PREFIXES = ("MKL_", "KMP_", "OMP_", "ONEDNN_", "DNNL_", "ATEN_", "GOMP_")
 
 
 def mode() -> str:
-    """``"on"``, ``"off"`` or ``"refresh"``, from ``PIE_CTX_CACHE`` (read at every call)."""
-    value = os.environ.get("PIE_CTX_CACHE", "1").strip().lower()
+    """``"on"``, ``"off"`` or ``"refresh"``, from ``PIE_CTX_MACHINE_CACHE`` (read at every
+    call)."""
+    value = os.environ.get("PIE_CTX_MACHINE_CACHE", "1").strip().lower()
     if value in ("0", "off", "false", "no"):
         return "off"
     return "refresh" if value == "refresh" else "on"
 
 
 def enabled() -> bool:
-    """Whether entries are read (``PIE_CTX_CACHE`` not ``0`` / ``off`` / ``refresh``)."""
+    """Whether entries are read (``PIE_CTX_MACHINE_CACHE`` not ``0`` / ``off`` /
+    ``refresh``)."""
     return mode() == "on"
 
 
 def root() -> Path:
     """The cache's folder (see the module doc)."""
-    forced = os.environ.get("PIE_CTX_CACHE_DIR")
-    if forced:
-        return Path(forced)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pie-ctx"
+    forced = os.environ.get("PIE_CTX_MACHINE_CACHE_DIR")
+    return Path(forced).expanduser() if forced else cache_root()
 
 
 def _digest(*parts: bytes | str) -> str:
@@ -175,6 +178,7 @@ def _write(path: Path, entry: str, value: Any) -> None:
                 json.dump(doc, f)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # (mkstemp's 0600) as any other file of the cache
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

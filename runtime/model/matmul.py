@@ -528,8 +528,8 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
     with the same shapes reuse the choice, so two engines in one process compute alike;
     and once per machine: the choice is kept in :mod:`runtime.model.machine_cache` (kind
     ``"probe"``, keyed by the signature, the candidates, the probe's code and the
-    machine), which later processes reuse without timing (``PIE_CTX_CACHE=0``: time
-    every time; ``refresh``: time again and keep the new choice).
+    machine), which later processes reuse without timing (``PIE_CTX_MACHINE_CACHE=0``:
+    time every time; ``refresh``: time again and keep the new choice).
 
     ``deterministic``: only kernels whose row results do not depend on the call's row
     count, all of one class of equal bits (see the module doc); the choice is kept apart

@@ -34,8 +34,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty cache folder of this test's own; no in-process choices either (they would
     answer before the cache is asked)."""
     folder = tmp_path / "cache"
-    monkeypatch.setenv("PIE_CTX_CACHE_DIR", str(folder))
-    monkeypatch.delenv("PIE_CTX_CACHE", raising=False)
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE_DIR", str(folder))
+    monkeypatch.delenv("PIE_CTX_MACHINE_CACHE", raising=False)
     monkeypatch.setattr(matmul, "_CHOSEN", {})
     return folder
 
@@ -146,15 +146,15 @@ def test_the_key_changes_with_every_input_that_decides_a_probe(cache, monkeypatc
 
 def test_off_never_touches_the_cache_and_refresh_probes_again(cache, probes,
                                                               monkeypatch) -> None:
-    monkeypatch.setenv("PIE_CTX_CACHE", "0")
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE", "0")
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     assert len(probes) == 1 and not cache.exists()
-    monkeypatch.setenv("PIE_CTX_CACHE", "1")
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE", "1")
     matmul._CHOSEN.clear()
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     (entry,) = _entries(cache)
     before = entry.stat().st_mtime_ns
-    monkeypatch.setenv("PIE_CTX_CACHE", "refresh")
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE", "refresh")
     matmul._CHOSEN.clear()
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     assert len(probes) == 3 and entry.stat().st_mtime_ns >= before
@@ -165,13 +165,21 @@ def test_a_cache_that_cannot_be_written_falls_back_to_computing(tmp_path, probes
                                                                  monkeypatch) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder would be")
-    monkeypatch.setenv("PIE_CTX_CACHE_DIR", str(blocker / "pie-ctx"))
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE_DIR", str(blocker / "pie-ctx"))
     monkeypatch.setattr(matmul, "_CHOSEN", {})
     for _ in range(2):
         p = _proj("int8")
         choose_kernels([p], deterministic=True, repeats=1)
         matmul._CHOSEN.clear()
     assert len(probes) == 2 and p.kernel_names == probes[0].chosen
+
+
+def test_the_cache_lives_beside_the_models_unless_moved(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("PIE_CTX_MACHINE_CACHE_DIR")
+    monkeypatch.setenv("PIE_CTX_CACHE", str(tmp_path / "root"))  # the models' cache root
+    assert machine_cache.root() == tmp_path / "root"
+    monkeypatch.setenv("PIE_CTX_MACHINE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert machine_cache.entry_path("probe", "k") == tmp_path / "elsewhere" / "probe" / "k.json"
 
 
 def test_threads_that_need_one_entry_compute_it_once(cache) -> None:
@@ -206,7 +214,8 @@ def test_processes_starting_at_once_compute_one_entry_once(cache, tmp_path) -> N
         value, hit = machine_cache.cached("test", {"x": 2}, compute, int, int)
         print(value, hit)
     """)
-    env = {"PIE_CTX_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    env = {"PIE_CTX_MACHINE_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT),
+           "PATH": "/usr/bin:/bin"}
     runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                              text=True) for _ in range(2)]
     outs = [r.communicate(timeout=120)[0].split() for r in runs]
