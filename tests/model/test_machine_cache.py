@@ -171,7 +171,7 @@ def test_a_cache_that_cannot_be_written_falls_back_to_computing(tmp_path, probes
         p = _proj("int8")
         choose_kernels([p], deterministic=True, repeats=1)
         matmul._CHOSEN.clear()
-    assert len(probes) == 2 and p.kernel_names == probes[0].chosen
+    assert len(probes) == 2 and p.kernel_names == probes[-1].chosen
 
 
 def test_the_cache_lives_beside_the_models_unless_moved(tmp_path, monkeypatch) -> None:
