@@ -47,8 +47,8 @@ one class from 4 rows up, with a one-row and a two-to-three-row path of its own)
 Candidates whose invariant results are the same bits form a class; each bucket takes the
 fastest member of one class, the class that costs least against the free choice.
 
-Once per machine: the deterministic probe takes ~15 s for the default model's five
-signatures (the free timing a few), so each signature's choice (:class:`KernelChoice`:
+Once per machine: the deterministic probe takes ~20-45 s for the default model's five
+signatures on a busy 2-core EPYC (the free timing up to ~25 s), so each signature's choice (:class:`KernelChoice`:
 the kernels with their pads, the classes) is kept in :mod:`runtime.model.machine_cache`,
 keyed by the signature, the candidates, this code and the machine; a later process on the
 same machine uses it without probing (docs/performance.md, "Start-up").
