@@ -54,6 +54,22 @@ def _data_home(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_DATA_HOME"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _machine_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The kernel probe and calibration results (``runtime.model.machine_cache``) go to a
+    session folder, never to the developer's ~/.cache/pie-ctx: a test's result never
+    depends on what an earlier run left there (the compiled kernels stay where they are:
+    building them takes minutes). Servers the tests start inherit the folder, so a model
+    probed once in the session is not probed again by each server."""
+    old = os.environ.get("PIE_CTX_MACHINE_CACHE_DIR")
+    os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine-cache"))
+    yield
+    if old is None:
+        os.environ.pop("PIE_CTX_MACHINE_CACHE_DIR", None)
+    else:
+        os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_folder_path(tmp_path_factory: pytest.TempPathFactory):
     return tiny_model_folder(tmp_path_factory.mktemp("sdk"))

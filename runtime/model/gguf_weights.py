@@ -24,7 +24,7 @@ from runtime.model.blocks import (
     outlier_channels,
 )
 from runtime.model.matmul import Projection, choose_kernels
-from runtime.model.quant import _calibrate
+from runtime.model.quant import calibrate
 
 __all__ = ["use_blocks", "quantize_q8_0"]
 
@@ -76,7 +76,8 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
         raise InvalidArgument(f"the model is already {model.weight_format}")
     layer_amax, head_amax = [], None
     if calibration and int8_activations():
-        layer_amax, head_amax = _calibrate(model, calibration)  # on the float weights
+        # on the float weights; kept per machine (runtime.model.quant.calibrate)
+        layer_amax, head_amax = calibrate(model, calibration)
     for i, lw in enumerate(model.layers):
         for kind in _PARTS:
             proj: Projection = getattr(lw, kind)

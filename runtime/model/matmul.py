@@ -46,10 +46,17 @@ padded with zero rows to ``p`` (kernel ``name@p``; on the EPYC, MKL's ``F.linear
 one class from 4 rows up, with a one-row and a two-to-three-row path of its own).
 Candidates whose invariant results are the same bits form a class; each bucket takes the
 fastest member of one class, the class that costs least against the free choice.
+
+Once per machine: the deterministic probe takes ~20-45 s for the default model's five
+signatures on a busy 2-core EPYC (the free timing up to ~25 s), so each signature's choice (:class:`KernelChoice`:
+the kernels with their pads, the classes) is kept in :mod:`runtime.model.machine_cache`,
+keyed by the signature, the candidates, this code and the machine; a later process on the
+same machine uses it without probing (docs/performance.md, "Start-up").
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -57,13 +64,15 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pie_ctx.proto.errors import ModelError
-from runtime.model import kernels
+from runtime.model import blocks as blocks_module
+from runtime.model import kernels, machine_cache
 from runtime.model.blocks import (
     BlockWeight,
     Int4Weight,
@@ -72,9 +81,9 @@ from runtime.model.blocks import (
     round_activations,
 )
 
-__all__ = ["Int4Weight", "Int8Weight", "Projection", "ROW_BUCKETS", "STEP_KINDS",
-           "adopt_kernel_choices", "choose_kernels", "has_step_form", "kernel_choices",
-           "should_pack"]
+__all__ = ["Int4Weight", "Int8Weight", "KernelChoice", "Projection", "ROW_BUCKETS",
+           "STEP_KINDS", "adopt_kernel_choices", "choose_kernels", "has_step_form",
+           "kernel_choices", "probe_signature", "should_pack"]
 
 log = logging.getLogger(__name__)
 
@@ -465,6 +474,50 @@ def _one_rounding(chosen: list[str], times: list[dict[str, float]]) -> list[str]
     return [name] * len(times) if ratio <= 1 else others
 
 
+@dataclass(slots=True)
+class KernelChoice:
+    """What the probe of one signature decided: the kernel per row bucket (``name@p`` for a
+    kernel padded to ``p`` rows), the log line, and (deterministic) the classes of
+    row-count-invariant kernels with equal bits it chose among."""
+
+    chosen: list[str]
+    line: str
+    classes: list[list[str]]
+
+    def encode(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "line": self.line, "classes": self.classes}
+
+    @classmethod
+    def decode(cls, data: Any, candidates: list[str], buckets: int) -> KernelChoice:
+        """The choice stored by :meth:`encode`; ValueError unless it names ``buckets``
+        kernels of ``candidates``."""
+        chosen, line, classes = data["chosen"], data["line"], data["classes"]
+        if (not isinstance(line, str) or not isinstance(chosen, list) or len(chosen) != buckets
+                or not all(isinstance(n, str) and n.split("@")[0] in candidates
+                           for n in chosen)
+                or not all(isinstance(c, list) and all(isinstance(n, str) for n in c)
+                           for c in classes)):
+            raise ValueError(f"not a choice of {buckets} of {candidates}")
+        return cls(list(chosen), line, [list(c) for c in classes])
+
+
+@functools.cache
+def _probe_code() -> str:
+    """The version of the probe's code: this module's and the block kernels' Python side
+    (the compiled kernels are in the machine facts)."""
+    return machine_cache.source_digest(Path(__file__), Path(blocks_module.__file__))
+
+
+def _probe_inputs(rep: Projection, sig: tuple, names: list[str], repeats: int) -> dict[str, Any]:
+    """Everything besides the machine that decides the probe of ``rep``'s signature ``sig``
+    (:mod:`runtime.model.machine_cache` adds the machine's facts)."""
+    w = rep.weight
+    return {"signature": sig, "candidates": names, "repeats": repeats,
+            "source": w.source if isinstance(w, BlockWeight) else None,
+            "outliers": 0 if rep.outliers is None else int(rep.outliers.numel()),
+            "probe": [PROBE_ROWS, ROW_BUCKETS, _MAX_PAD, _WINDOW], "code": _probe_code()}
+
+
 def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
                    deterministic: bool = False) -> list[str]:
     """Time every candidate kernel per projection signature and row bucket; route each
@@ -472,7 +525,11 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
 
     Candidates that disagree with the reference kernel beyond rounding are discarded
     (with a log line) before timing. A signature is timed once per process: later models
-    with the same shapes reuse the choice, so two engines in one process compute alike.
+    with the same shapes reuse the choice, so two engines in one process compute alike;
+    and once per machine: the choice is kept in :mod:`runtime.model.machine_cache` (kind
+    ``"probe"``, keyed by the signature, the candidates, the probe's code and the
+    machine), which later processes reuse without timing (``PIE_CTX_MACHINE_CACHE=0``:
+    time every time; ``refresh``: time again and keep the new choice).
 
     ``deterministic``: only kernels whose row results do not depend on the call's row
     count, all of one class of equal bits (see the module doc); the choice is kept apart
@@ -483,7 +540,6 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
         sig = p.signature + (("deterministic",) if deterministic else ())
         groups.setdefault(sig, []).append(p)
     lines = []
-    gen = torch.Generator().manual_seed(0)
     for sig, members in groups.items():
         if sig in _CHOSEN and ({n.split("@")[0] for n in _CHOSEN[sig][0]}
                                <= set(members[0].candidate_names())):
@@ -493,60 +549,77 @@ def choose_kernels(projections: Iterable[Projection], *, repeats: int = 3,
             lines.append(line)
             continue
         rep = members[0]
-        out_f, in_f = rep.shape
         names = rep.candidate_names()
         if len(names) == 1 and not deterministic:
             continue
-        dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
-                 else rep.weight.dtype)  # type: ignore[union-attr]
-        probe = torch.randn(_PACK_HINT, in_f, generator=gen).to(dtype=dtype, device=rep.device)
-        want = rep._kernel(names[0])(probe)
-        for n in names[1:]:
-            rows = probe[:1] if not rep.allowed(n, 1) else probe
-            got = rep._kernel(n)(rows)
-            ref = want[: rows.shape[0]]
-            if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
-                ref = rep._kernel(names[0])(
-                    ROUNDS_ACTIVATIONS[n](rows, rep.outliers).to(rows.dtype))
-            if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
-                                  atol=1e-3 * float(ref.abs().max())):
-                log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
-                         names[0], out_f, in_f)
-                names.remove(n)
-        if deterministic:
-            chosen, line = _choose_invariant(rep, members, names, gen, repeats)
-            for p in members:
-                p.use(chosen)
-            log.info("projection kernels: %s", line)
-            _CHOSEN[sig] = (chosen, line)
-            lines.append(line)
-            continue
-        kernels = {n: [p._kernel(n) for p in members] for n in names}
-        chosen, report, all_times = [], [], []
-        for b in range(rep.buckets):
-            rows = ROW_BUCKETS[b]
-            x = torch.randn(rows, in_f, generator=gen).to(dtype=dtype, device=rep.device)
-            # Few rows are memory-bound (cycle through every member's weight); many rows are
-            # compute-bound, where four members time the same and cost less to load.
-            sample = slice(None) if rows < 64 else slice(4)
-            times = {n: _best_seconds(k[sample], x, repeats) for n, k in kernels.items()
-                     if rep.allowed(n, b)}
-            best = min(times, key=times.__getitem__)
-            chosen.append(best)
-            all_times.append(times)
-        chosen = _one_rounding(chosen, all_times)
-        for b, (best, times) in enumerate(zip(chosen, all_times, strict=True)):
-            rows = ROW_BUCKETS[b]
-            report.append(f"{rows} row{'s' if rows > 1 else ''}: {best} ("
-                          + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()) + " ms)")
+        choice, hit = machine_cache.cached(
+            "probe", _probe_inputs(rep, sig, names, repeats),
+            lambda rep=rep, members=members, names=names: probe_signature(
+                rep, members, names, repeats, deterministic),
+            KernelChoice.encode,
+            lambda data, names=names, rep=rep: KernelChoice.decode(data, names, rep.buckets))
         for p in members:
-            p.use(chosen)
-        line = (f"{len(members)} x {out_f}x{in_f} {rep.form}: "
-                + "; ".join(report))
-        log.info("projection kernels: %s", line)
-        _CHOSEN[sig] = (chosen, line)
-        lines.append(line)
+            p.use(choice.chosen)
+        log.info("projection kernels%s: %s", " (machine cache)" if hit else "", choice.line)
+        _CHOSEN[sig] = (choice.chosen, choice.line)
+        lines.append(choice.line)
     return lines
+
+
+def probe_signature(rep: Projection, members: list[Projection], names: list[str],
+                    repeats: int, deterministic: bool) -> KernelChoice:
+    """The probe of one signature (what :func:`choose_kernels` caches per machine): check
+    each of the candidates ``names`` against the first, then time them per row bucket
+    over ``members`` (all of ``rep``'s signature) and keep the fastest, or with
+    ``deterministic`` the fastest of the best class of row-count-invariant kernels.
+
+    Raises:
+        ModelError: deterministic, and no candidate class is invariant for every bucket.
+    """
+    names = list(names)
+    out_f, in_f = rep.shape
+    # one seed per signature: a signature probes the same inputs whichever were probed
+    # before it (or came from the cache)
+    gen = torch.Generator().manual_seed(0)
+    dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
+             else rep.weight.dtype)  # type: ignore[union-attr]
+    probe = torch.randn(_PACK_HINT, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+    want = rep._kernel(names[0])(probe)
+    for n in names[1:]:
+        rows = probe[:1] if not rep.allowed(n, 1) else probe
+        got = rep._kernel(n)(rows)
+        ref = want[: rows.shape[0]]
+        if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
+            ref = rep._kernel(names[0])(
+                ROUNDS_ACTIVATIONS[n](rows, rep.outliers).to(rows.dtype))
+        if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
+                              atol=1e-3 * float(ref.abs().max())):
+            log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,
+                     names[0], out_f, in_f)
+            names.remove(n)
+    if deterministic:
+        return _choose_invariant(rep, members, names, gen, repeats)
+    kernels = {n: [p._kernel(n) for p in members] for n in names}
+    chosen, report, all_times = [], [], []
+    for b in range(rep.buckets):
+        rows = ROW_BUCKETS[b]
+        x = torch.randn(rows, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+        # Few rows are memory-bound (cycle through every member's weight); many rows are
+        # compute-bound, where four members time the same and cost less to load.
+        sample = slice(None) if rows < 64 else slice(4)
+        times = {n: _best_seconds(k[sample], x, repeats) for n, k in kernels.items()
+                 if rep.allowed(n, b)}
+        best = min(times, key=times.__getitem__)
+        chosen.append(best)
+        all_times.append(times)
+    chosen = _one_rounding(chosen, all_times)
+    for b, (best, times) in enumerate(zip(chosen, all_times, strict=True)):
+        rows = ROW_BUCKETS[b]
+        report.append(f"{rows} row{'s' if rows > 1 else ''}: {best} ("
+                      + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items()) + " ms)")
+    line = (f"{len(members)} x {out_f}x{in_f} {rep.form}: "
+            + "; ".join(report))
+    return KernelChoice(chosen, line, [])
 
 
 def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, bytes] | None:
@@ -603,12 +676,11 @@ def _step_kernels(rep: Projection, dtype: torch.dtype) -> Callable[[str], bool]:
 
 
 def _choose_invariant(rep: Projection, members: list[Projection], names: list[str],
-                      gen: torch.Generator, repeats: int) -> tuple[list[str], str]:
+                      gen: torch.Generator, repeats: int) -> KernelChoice:
     """The deterministic choice for one signature: per bucket, the fastest member of the
     class of row-count-invariant kernels (equal bits) that costs least against the
     fastest kernel of each bucket, among the classes whose decode buckets the fused decode
-    step can run when there are any (:func:`_step_kernels`). Returns (kernel per bucket,
-    log line)."""
+    step can run when there are any (:func:`_step_kernels`)."""
     out_f, in_f = rep.shape
     dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
              else rep.weight.dtype)  # type: ignore[union-attr]
@@ -659,4 +731,4 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
               for b, n in enumerate(chosen)]
     line = (f"{len(members)} x {out_f}x{in_f} {rep.form} "
             "deterministic: " + "; ".join(report))
-    return chosen, line
+    return KernelChoice(chosen, line, list(classes.values()))

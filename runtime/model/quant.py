@@ -9,11 +9,13 @@ Owner: the model runner, once at load, on a model built in float. Why each step:
 * SmoothQuant (Xiao et al. 2023) moves that range into the weights: for each input
   channel j, ``s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha)``, then ``x / s`` and
   ``W * s`` give the same product with both sides easy to quantize. ``max|x_j|`` comes from
-  one dense forward over :data:`CALIBRATION` at load. ``1/s`` is folded where it costs
-  nothing: into the RMSNorm weight before q/k/v and before gate/up, into the ``up`` rows
-  before ``down``, into the ``v`` rows before ``o_proj`` (one factor per kv head and dim,
-  shared by the query heads of a group); the lm_head divides its input at run time (the
-  final norm's output is also returned as hidden states, so it must stay unscaled).
+  one dense forward over :data:`CALIBRATION` at load (:func:`calibrate`, which GGUF
+  blocks' outlier split uses too; kept per machine, so only a machine's first load of a
+  model runs it). ``1/s`` is folded where it costs nothing: into the RMSNorm weight
+  before q/k/v and before gate/up, into the ``up`` rows before ``down``, into the ``v``
+  rows before ``o_proj`` (one factor per kv head and dim, shared by the query heads of a
+  group); the lm_head divides its input at run time (the final norm's output is also
+  returned as hidden states, so it must stay unscaled).
 * Weights are then quantized per output row (symmetric int8). The embedding table, tied
   to the lm_head or not, is stored the same way and dequantized row by row on lookup.
 
@@ -24,17 +26,23 @@ activations +33%.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import zlib
+from array import array
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.model import machine_cache
 from runtime.model.layers import LayerWeights
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels
 
-__all__ = ["ALPHA", "CALIBRATION", "WEIGHT_FORMATS", "QuantEmbedding", "calibration_tokens",
-           "quantize_int8"]
+__all__ = ["ALPHA", "CALIBRATION", "WEIGHT_FORMATS", "QuantEmbedding", "calibrate",
+           "calibration_tokens", "quantize_int8"]
 
 # fp32: unquantized, in the compute dtype; gguf: a GGUF's own Q4_0/Q4_1/Q8_0 blocks
 # (runtime.model.gguf_weights)
@@ -113,8 +121,99 @@ class _Recorder:
 _NAMES = ("qkv", "o_proj", "gate_up", "down")
 
 
-def _calibrate(model: Any, tokens: list[int]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-    """Input ``max|x|`` per channel of every projection over one dense pass of ``tokens``."""
+# the code whose numbers a calibration pass's amax are: its forward and this module
+_CALIBRATION_CODE = [Path(__file__).with_name(n) for n in (
+    "quant.py", "reference.py", "model.py", "layers.py", "rope.py", "matmul.py")] + [
+    Path(__file__).parents[1] / "kv" / "layout.py"]
+
+
+def calibrate(model: Any, tokens: list[int]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Each projection's input ``max|x|`` per channel over one dense pass of ``tokens``.
+
+    What both users of a calibration start from: ``quantize_int8`` (SmoothQuant's factors)
+    and ``runtime.model.gguf_weights.use_blocks`` (``blocks_q8``'s outlier channels,
+    ``runtime.model.blocks.outlier_channels``). The pass is one dense forward of the
+    float model (~10 s for the default model on a busy 2-core machine), so its result is
+    kept per machine (:mod:`runtime.model.machine_cache`, kind ``"calibration"``), keyed
+    by a digest of the model's weights and config, its dtype, the tokens, and the code of
+    the pass; a hit returns the same bits the pass would.
+
+    Args:
+        model: a :class:`runtime.model.model.Transformer` with float weights, on CPU.
+        tokens: the token ids to run (:func:`calibration_tokens`).
+
+    Returns:
+        (per layer ``{"qkv" | "o_proj" | "gate_up" | "down": Tensor[in] fp32}``,
+        the lm_head's Tensor[hidden] fp32).
+    """
+    if machine_cache.mode() == "off":  # (no digest of the weights either)
+        return _dense_pass(model, tokens)
+    sizes = [{n: getattr(lw, n).shape[1] for n in _NAMES} for lw in model.layers]
+    head_size = model.config.hidden_size
+    inputs = {"weights": _weights_digest(model), "config": model.config, "dtype": model.dtype,
+              "device": model.device,
+              "tokens": hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest(),
+              "code": machine_cache.source_digest(*_CALIBRATION_CODE)}
+    (layers, head), _ = machine_cache.cached(
+        "calibration", inputs, lambda: _dense_pass(model, tokens), _encode_amax,
+        lambda data: _decode_amax(data, sizes, head_size))
+    return layers, head
+
+
+def _weights_digest(model: Any) -> str:
+    """A digest of every float tensor the dense pass reads (a CRC-32 of each one's bytes:
+    ~0.2 s for the default model's 540 MB, against seconds for the pass)."""
+    parts = [("embed", model.embed), ("final_norm", model.final_norm)]
+    head = getattr(model.lm_head, "weight", None)
+    if head is not model.embed:
+        parts.append(("lm_head", head))
+    for i, lw in enumerate(model.layers):
+        parts += [(f"{i}.norm{j}", t) for j, t in enumerate(lw.norms())]
+        for n in _NAMES:
+            proj = getattr(lw, n)
+            parts += [(f"{i}.{n}", proj.weight), (f"{i}.{n}.bias", proj.bias)]
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in parts:
+        if t is None:
+            h.update(f"{name}:none;".encode())
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"calibration runs on a float model; {name} is "
+                                  f"{type(t).__name__}")
+        flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{zlib.crc32(flat)};".encode())
+    return h.hexdigest()
+
+
+def _encode_amax(value: tuple[list[dict[str, torch.Tensor]], torch.Tensor]) -> dict[str, Any]:
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.float().contiguous().numpy().tobytes()).decode()
+
+    layers, head = value
+    return {"layers": [{n: b64(t) for n, t in amax.items()} for amax in layers],
+            "head": b64(head)}
+
+
+def _decode_amax(data: Any, sizes: list[dict[str, int]],
+                 head_size: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The amax stored by :func:`_encode_amax`; ValueError unless they have ``sizes``."""
+
+    def tensor(text: str, size: int) -> torch.Tensor:
+        raw = base64.b64decode(text, validate=True)
+        if len(raw) != 4 * size:
+            raise ValueError(f"{len(raw)} bytes where {size} floats belong")
+        return torch.frombuffer(bytearray(raw), dtype=torch.float32)
+
+    layers = data["layers"]
+    if len(layers) != len(sizes) or any(set(a) != set(s) for a, s in zip(layers, sizes, strict=True)):
+        raise ValueError("another model's layers")
+    return ([{n: tensor(a[n], s[n]) for n in _NAMES} for a, s in zip(layers, sizes, strict=True)],
+            tensor(data["head"], head_size))
+
+
+def _dense_pass(model: Any, tokens: list[int]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """:func:`calibrate`'s pass itself: every projection's input recorded over one dense
+    forward of ``tokens``."""
     from runtime.model.reference import dense_forward  # the reference imports the model
 
     recorders = [{n: _Recorder(getattr(lw, n)) for n in _NAMES} for lw in model.layers]
@@ -207,7 +306,7 @@ def quantize_int8(model: Any, calibration: list[int], alpha: float = ALPHA) -> N
         raise InvalidArgument("the model is already int8")
     if not calibration:
         raise InvalidArgument("int8 weights need calibration tokens (calibration_tokens())")
-    layer_amax, head_amax = _calibrate(model, calibration)
+    layer_amax, head_amax = calibrate(model, calibration)
     for lw, amax in zip(model.layers, layer_amax, strict=True):
         _quantize_layer(lw, amax, model.config, alpha)
     head_w = model.lm_head.weight.float()
