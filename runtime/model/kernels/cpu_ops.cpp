@@ -118,12 +118,14 @@ inline v16 fmadd(v16 a, v16 b, v16 c) {
 #endif
 }
 
-// Ask for every cache line of [p, p + bytes) (a hint: nothing waits for it).
+// Ask for every cache line of [p, p + bytes) (a hint: nothing waits for it). LOCALITY:
+// __builtin_prefetch's, 3 (prefetcht0, every cache) to 1 (prefetcht2, the outer ones).
+template <int LOCALITY>
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
   const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
   for (uintptr_t a = first; a <= last; a += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, LOCALITY);
 }
 
 // The online-softmax state of one query head: running max, running sum.
@@ -385,12 +387,12 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
   const bool packed = c.head_stride == c.width;
   auto prefetch_key = [&](const KV* e) {
     if (packed) {
-      prefetch_bytes(e + g0 * c.head_stride, heads * c.width * sizeof(KV));
-      prefetch_bytes(e + c.v_off + g0 * c.head_stride, heads * c.width * sizeof(KV));
+      prefetch_bytes<3>(e + g0 * c.head_stride, heads * c.width * sizeof(KV));
+      prefetch_bytes<3>(e + c.v_off + g0 * c.head_stride, heads * c.width * sizeof(KV));
     } else {
       for (int64_t g = g0; g < g1; ++g) {
-        prefetch_bytes(e + g * c.head_stride, c.width * sizeof(KV));
-        prefetch_bytes(e + c.v_off + g * c.head_stride, c.width * sizeof(KV));
+        prefetch_bytes<3>(e + g * c.head_stride, c.width * sizeof(KV));
+        prefetch_bytes<3>(e + c.v_off + g * c.head_stride, c.width * sizeof(KV));
       }
     }
   };
@@ -678,6 +680,45 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   return out;
 }
 
+// Ask for every K/V entry (all KV heads) of one layer that paged_attention over the same
+// tables would read, each page once. The fused decode step calls it for the next layer
+// while this one's projections still run, so the keys' memory latency (all layers of a
+// slot sit together: one layer's consecutive keys are a layer-stride apart) overlaps them.
+void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tables,
+                       torch::Tensor seq_start, torch::Tensor num_cached) {
+  const int64_t P = pool.size(0), S = pool.size(1), KVH = pool.size(4);
+  const int64_t N = num_cached.size(0), max_pages = page_tables.size(1);
+  const int64_t es = pool.element_size();
+  const int64_t span = (pool.stride(3) + (KVH - 1) * pool.stride(4) + pool.size(5)) * es;
+  const bool packed = pool.stride(4) == pool.size(5) && pool.stride(3) == KVH * pool.size(5);
+  const char* base = static_cast<const char*>(pool.data_ptr()) + layer * pool.stride(2) * es;
+  const int32_t* tables = page_tables.data_ptr<int32_t>();
+  const int32_t* starts = seq_start.data_ptr<int32_t>();
+  const int32_t* cached = num_cached.data_ptr<int32_t>();
+  static thread_local std::vector<uint8_t> seen;
+  seen.assign(P, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t kv_len = cached[i] + starts[i + 1] - starts[i];
+    for (int64_t p = 0; p * S < kv_len; ++p) {
+      const int32_t page = tables[i * max_pages + p];
+      if (page < 0 || page >= P || seen[page]) continue;
+      seen[page] = 1;
+      const int64_t slots = std::min(S, kv_len - p * S);
+      for (int64_t s = 0; s < slots; ++s) {
+        const char* e = base + (page * pool.stride(0) + s * pool.stride(1)) * es;
+        if (packed) {
+          prefetch_bytes<1>(e, span);
+        } else {
+          for (int64_t kv = 0; kv < 2; ++kv)
+            for (int64_t g = 0; g < KVH; ++g)
+              prefetch_bytes<1>(e + (kv * pool.stride(3) + g * pool.stride(4)) * es,
+                                pool.size(5) * es);
+        }
+      }
+    }
+  }
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
                               torch::Tensor page_tables, torch::Tensor seq_start,
                               torch::Tensor num_cached, double scale) {
@@ -909,6 +950,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new K/V into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention over the paged KV pool");
+  m.def("prefetch_paged_kv", &prefetch_paged_kv, "ask for one layer's K/V entries ahead");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("quantize_rows", &quantize_rows, "symmetric int8 per row");
 }
