@@ -695,17 +695,25 @@ void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tab
   const int32_t* tables = page_tables.data_ptr<int32_t>();
   const int32_t* starts = seq_start.data_ptr<int32_t>();
   const int32_t* cached = num_cached.data_ptr<int32_t>();
+  // the pages to read (each once: forks share theirs) and how many of their slots
   static thread_local std::vector<uint8_t> seen;
+  static thread_local std::vector<std::pair<int32_t, int32_t>> pages;
+  auto& todo = pages;  // (the workers below see the caller's list, not their own)
   seen.assign(P, 0);
+  todo.clear();
   for (int64_t i = 0; i < N; ++i) {
     const int64_t kv_len = cached[i] + starts[i + 1] - starts[i];
     for (int64_t p = 0; p * S < kv_len; ++p) {
       const int32_t page = tables[i * max_pages + p];
       if (page < 0 || page >= P || seen[page]) continue;
       seen[page] = 1;
-      const int64_t slots = std::min(S, kv_len - p * S);
-      for (int64_t s = 0; s < slots; ++s) {
-        const char* e = base + (page * pool.stride(0) + s * pool.stride(1)) * es;
+      todo.emplace_back(page, static_cast<int32_t>(std::min(S, kv_len - p * S)));
+    }
+  }
+  auto fetch = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t s = 0; s < todo[t].second; ++s) {
+        const char* e = base + (todo[t].first * pool.stride(0) + s * pool.stride(1)) * es;
         if (packed) {
           prefetch_bytes<1>(e, span);
         } else {
@@ -716,7 +724,10 @@ void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tab
         }
       }
     }
-  }
+  };
+  const int64_t n = static_cast<int64_t>(todo.size());
+  // both threads issue (each core's own miss buffers): halves the time the caller waits
+  at::parallel_for(0, n, std::max<int64_t>(1, (n + 1) / 2), fetch);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
