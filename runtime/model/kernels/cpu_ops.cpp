@@ -697,8 +697,7 @@ void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tab
   const int32_t* cached = num_cached.data_ptr<int32_t>();
   // the pages to read (each once: forks share theirs) and how many of their slots
   static thread_local std::vector<uint8_t> seen;
-  static thread_local std::vector<std::pair<int32_t, int32_t>> pages;
-  auto& todo = pages;  // (the workers below see the caller's list, not their own)
+  static thread_local std::vector<std::pair<int32_t, int32_t>> todo;
   seen.assign(P, 0);
   todo.clear();
   for (int64_t i = 0; i < N; ++i) {
@@ -726,8 +725,10 @@ void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tab
     }
   };
   const int64_t n = static_cast<int64_t>(todo.size());
-  // both threads issue (each core's own miss buffers): halves the time the caller waits
-  at::parallel_for(0, n, std::max<int64_t>(1, (n + 1) / 2), fetch);
+  // One thread issues them: both threads took no clearly shorter time in a noisy probe, and
+  // a parallel region per layer more is one more wait on a descheduled thread on a busy
+  // machine.
+  fetch(0, n);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
