@@ -25,7 +25,7 @@ HELPERS = {
     "agent_mcp.py": "the ReAct tools as an MCP server (agents.py, system e)",
 }
 # Benchmarks whose smoke runs without the default model.
-NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py"}
+NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py"}
 # Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
 FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
@@ -34,6 +34,8 @@ KEYS = {
                   "react_hosted_tput_vs_socket", "socket_hop_us_per_token",
                   "react_responses_tput_vs_http", "react_responses_tput_vs_program",
                   "react_mcp_tput_vs_program", "responses_prompt_tokens_sent_per_round"},
+    "attention_kernel.py": {"us_bf16_warm_1x512", "us_bf16_cold_1x512", "us_fp32_warm_8x1024",
+                            "us_int8_cold_fork8x1024"},
     "backend_hooks.py": {"cache_over_attention_ms"},
     "backends.py": {"transformers_backend_over_hf_bon", "native_over_transformers_backend_decode",
                     "backend_max_abs_logit_diff"},

@@ -99,17 +99,36 @@ inline v16 exp_neg(v16 x) {
   return p * (v16)e;
 }
 
-constexpr int64_t PREFETCH = 32;  // keys asked for ahead of the one being read
-
-template <typename KV>
-inline void prefetch_kv(const KV* key, int64_t v_off, int64_t d) {
-  for (int64_t c = 0; c < d; c += 64 / sizeof(KV)) {  // one 64-byte line at a time
-    __builtin_prefetch(key + c, 0, 3);
-    __builtin_prefetch(key + v_off + c, 0, 3);
-  }
+// a * b + c, rounded once where the CPU has an FMA (the paged kernel's dot products and
+// weighted sums; every path of one build rounds alike, so a row's bits stay its own)
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  __m256 x[2], y[2], z[2];
+  std::memcpy(x, &a, sizeof a);
+  std::memcpy(y, &b, sizeof b);
+  std::memcpy(z, &c, sizeof c);
+  z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+  z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+  std::memcpy(&c, z, sizeof c);
+  return c;
+#else
+  return a * b + c;
+#endif
 }
 
-// The online-softmax state of one query head: running max, running sum, output.
+// Ask for every cache line of [p, p + bytes) (a hint: nothing waits for it). LOCALITY:
+// __builtin_prefetch's, 3 (prefetcht0, every cache) to 1 (prefetcht2, the outer ones).
+template <int LOCALITY>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
+  for (uintptr_t a = first; a <= last; a += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, LOCALITY);
+}
+
+// The online-softmax state of one query head: running max, running sum.
 struct Partial {
   float m;
   float l;
@@ -117,30 +136,6 @@ struct Partial {
 
 }  // namespace
 
-// One unit of attention work: the new tokens of one sequence (all query heads of one KV
-// head) over one split of its keys.
-struct Task {
-  int64_t g;           // KV head
-  const int32_t* table;
-  int64_t lo, hi;      // keys [lo, hi), within one split
-  int64_t first, count;  // its rows: task_rows[first .. first + count)
-};
-
-// Attention of each new token over its own sequence's KV entries, read in place from the
-// pool, causal. Keys are cut into splits of SPLIT_KEYS at fixed positions (0, SPLIT_KEYS,
-// ...) whatever else is in the batch, and a row's splits are merged by their log-sum-exp:
-// so a row's result does not depend on its batch (nor on the threads).
-//
-// Args:
-//   q: [T, H, D] float32 queries (rows of one sequence consecutive; row stride free).
-//   pool: [P, S, L, 2, KVH, D] float32 (any strides, D contiguous).
-//   layer: which layer's K/V to read.
-//   page_tables: [N, max_pages] int32, the sequences' pages in KV order.
-//   seq_start: [N + 1] int32, sequence i's queries are rows seq_start[i]..seq_start[i+1].
-//   num_cached: [N] int32, KV entries before each sequence's first new token (query j of
-//     sequence i sees KV entries 0 .. num_cached[i] + j).
-//   scale: the softmax scale (1 / sqrt(D)).
-// Returns: [T, H * D] float32.
 // KV entries of a bf16 pool, widened to fp32 (exact: the bf16 bits are the top half).
 inline v16 load_kv(const float* p) { return load(p); }
 inline v16 load_kv(const at::BFloat16* p) {
@@ -188,6 +183,348 @@ inline float entry_scale(const int8_t* entry, int64_t d) {
   return s;
 }
 
+namespace {
+
+// ---- the paged attention kernel ------------------------------------------------------
+//
+// Work: a task is the new tokens of one sequence (or the forks sharing one full split) over
+// one split of its keys; a unit is a task over a range of KV heads. Per block of BLOCK keys
+// and per KV head, the query heads (the task's rows x the G heads of the KV head) are taken
+// QMAX at a time: each key's K (and V) vector is loaded and widened once for all of them, and
+// their dot products and weighted sums are fused multiply-adds into registers. A query
+// head's arithmetic is the same whatever it is grouped with (its own chain of FMAs over its
+// own keys, in key order), so grouping, threads and batches never change its bits.
+
+constexpr int QMAX = 4;           // query heads sharing each K/V load
+constexpr int64_t PREFETCH = 32;  // keys asked for ahead of the block being read
+#if defined(__AVX512F__)
+constexpr int CMAX = 4;  // vectors of a value row held per pass (4 x 4 accumulators)
+#else
+constexpr int CMAX = 2;  // 16 ymm registers: fewer accumulators
+#endif
+
+// The per-lane products of QN query heads with each of the block's kb keys, summed over
+// the head dim's nv vectors (one FMA chain per key): dots[a][k].
+template <typename T, int QN>
+inline void qk_block(const float* const* q, const T* const* kp, int64_t kb, int64_t nv,
+                     v16 (*dots)[BLOCK]) {
+  for (int64_t k = 0; k < kb; ++k) {
+    v16 d[QN];
+    for (int a = 0; a < QN; ++a) d[a] = v16{};
+    for (int64_t c = 0; c < nv; ++c) {
+      const v16 kv = load_kv(kp[k] + c * W);
+      for (int a = 0; a < QN; ++a) d[a] = fmadd(load(q[a] + c * W), kv, d[a]);
+    }
+    for (int a = 0; a < QN; ++a) dots[a][k] = d[a];
+  }
+}
+
+// acc[a][c0 .. c0 + CN) += w[a][k] * V[k][c0 .. c0 + CN) for the block's kb keys, in key
+// order, the accumulators in registers.
+template <typename T, int QN, int CN>
+inline void v_block(const T* const* vp, int64_t c0, int64_t kb, const float* w, v16* acc,
+                    int64_t nv) {
+  v16 ac[QN][CN];
+  for (int a = 0; a < QN; ++a)
+    for (int c = 0; c < CN; ++c) ac[a][c] = acc[a * nv + c0 + c];
+  for (int64_t k = 0; k < kb; ++k) {
+    v16 v[CN];
+    for (int c = 0; c < CN; ++c) v[c] = load_kv(vp[k] + (c0 + c) * W);
+    for (int a = 0; a < QN; ++a) {
+      const v16 wk = splat(w[a * BLOCK + k]);
+      for (int c = 0; c < CN; ++c) ac[a][c] = fmadd(v[c], wk, ac[a][c]);
+    }
+  }
+  for (int a = 0; a < QN; ++a)
+    for (int c = 0; c < CN; ++c) acc[a * nv + c0 + c] = ac[a][c];
+}
+
+template <typename T, int QN>
+inline void v_block_cn(int cn, const T* const* vp, int64_t c0, int64_t kb, const float* w,
+                       v16* acc, int64_t nv) {
+  if (cn == CMAX) return v_block<T, QN, CMAX>(vp, c0, kb, w, acc, nv);
+  if (cn == 2) return v_block<T, QN, 2>(vp, c0, kb, w, acc, nv);
+  return v_block<T, QN, 1>(vp, c0, kb, w, acc, nv);
+}
+
+// One unit of attention work: the new tokens of one sequence (or the forks sharing a split)
+// over one split of its keys, for the KV heads [g0, g1).
+struct Task {
+  const int32_t* table;
+  int64_t lo, hi;        // keys [lo, hi), within one split
+  int64_t first, count;  // its rows: task_rows[first .. first + count)
+};
+
+// What every unit of one call reads.
+template <typename KV>
+struct Paged {
+  const KV* base;
+  int64_t S, page_stride, slot_stride, kv_off, v_off, head_stride, width;
+  int64_t D, nv, G, H, max_splits, cn;
+  const float* qp;
+  int64_t q_row, q_head;
+  float scale;
+  const int64_t* task_rows;
+  const int64_t* row_limit;  // the last key each row sees
+  const int64_t* row_splits;
+  float* out;                // [T, H * D]
+  float* part_ml;            // per (row, head, split): m and l
+  float* part_acc;           // per (row, head, split): D outputs
+};
+
+// A thread's buffers, reused from call to call.
+struct Scratch {
+  std::vector<v16> acc;
+  std::vector<Partial> st;
+  std::vector<float> w, kf, vf;
+};
+
+// The scores, softmax update and weighted values of one KV head over one block, for the
+// task's nqt query heads (row j, head i -> a = j * G + i). kp, vp: each key's K and V.
+template <typename KV, typename T>
+void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const* kp,
+                const T* const* vp, int64_t k0, int64_t kb, v16 k_scale, v16 v_scale,
+                v16* acc, Partial* st, float* w) {
+  constexpr bool QUANT = std::is_same<KV, int8_t>::value;
+  const int64_t G = c.G, nv = c.nv;
+  const int64_t nqt = task.count * G;
+  const int64_t* rows = c.task_rows + task.first;
+  bool live[64];  // chunk a0 / QMAX sees a key of this block (64 chunks; more: always)
+  for (int64_t a0 = 0; a0 < nqt; a0 += QMAX) {
+    const int an = static_cast<int>(std::min<int64_t>(QMAX, nqt - a0));
+    bool any = false;
+    for (int a = 0; a < an; ++a) any |= c.row_limit[rows[(a0 + a) / G]] >= k0;
+    if (a0 / QMAX < 64) live[a0 / QMAX] = any;
+    if (!any) {
+      for (int a = 0; a < an; ++a) store(w + (a0 + a) * BLOCK, v16{});
+      continue;
+    }
+    const float* qs[QMAX];
+    for (int a = 0; a < an; ++a)
+      qs[a] = c.qp + rows[(a0 + a) / G] * c.q_row + (g * G + (a0 + a) % G) * c.q_head;
+    v16 dots[QMAX][BLOCK];
+    switch (an) {
+      case 1: qk_block<T, 1>(qs, kp, kb, nv, dots); break;
+      case 2: qk_block<T, 2>(qs, kp, kb, nv, dots); break;
+      case 3: qk_block<T, 3>(qs, kp, kb, nv, dots); break;
+      default: qk_block<T, 4>(qs, kp, kb, nv, dots); break;
+    }
+    for (int a = 0; a < an; ++a) {
+      const int64_t qa = a0 + a;
+      float* wa = w + qa * BLOCK;
+      const int64_t limit = c.row_limit[rows[qa / G]];
+      if (limit < k0) {  // every key of this block is in its future
+        store(wa, v16{});
+        continue;
+      }
+      for (int64_t k = kb; k < BLOCK; ++k) dots[a][k] = v16{};
+      // keys after the query (causal) or past the block are out: -inf
+      const v16 visible = splat(static_cast<float>(std::min<int64_t>(limit - k0, kb - 1)));
+      const auto out = LANE > visible;
+      v16 sc;
+      if constexpr (QUANT)
+        sc = out ? splat(NEG_INF) : sum16(dots[a]) * k_scale * c.scale;
+      else
+        sc = out ? splat(NEG_INF) : sum16(dots[a]) * c.scale;
+      const float bm = hmax(sc);
+      if (bm == NEG_INF) {
+        store(wa, v16{});
+        continue;
+      }
+      Partial& p = st[qa];
+      const float m = std::max(p.m, bm);
+      v16 wv = out ? v16{} : exp_neg(sc - m);
+      if (p.m != NEG_INF && p.m != m) {
+        const float alpha = std::exp(p.m - m);
+        p.l *= alpha;
+        for (int64_t cc = 0; cc < nv; ++cc) acc[qa * nv + cc] *= alpha;
+      }
+      p.l += hsum(wv);
+      p.m = m;
+      if constexpr (QUANT) wv = wv * v_scale;  // each value's scale, in its weight
+      store(wa, wv);
+    }
+  }
+  // weighted values: CMAX vectors of QMAX heads' outputs in registers per pass
+  for (int64_t c0 = 0; c0 < nv; c0 += c.cn) {
+    for (int64_t a0 = 0; a0 < nqt; a0 += QMAX) {
+      if (a0 / QMAX < 64 && !live[a0 / QMAX]) continue;
+      const int an = static_cast<int>(std::min<int64_t>(QMAX, nqt - a0));
+      const float* wa = w + a0 * BLOCK;
+      v16* aa = acc + a0 * nv;
+      const int cn = static_cast<int>(c.cn);
+      switch (an) {
+        case 1: v_block_cn<T, 1>(cn, vp, c0, kb, wa, aa, nv); break;
+        case 2: v_block_cn<T, 2>(cn, vp, c0, kb, wa, aa, nv); break;
+        case 3: v_block_cn<T, 3>(cn, vp, c0, kb, wa, aa, nv); break;
+        default: v_block_cn<T, 4>(cn, vp, c0, kb, wa, aa, nv); break;
+      }
+    }
+  }
+}
+
+template <typename KV>
+void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, Scratch& s) {
+  constexpr bool QUANT = std::is_same<KV, int8_t>::value;
+  const int64_t G = c.G, nv = c.nv, D = c.D, S = c.S;
+  const int64_t nqt = task.count * G, heads = g1 - g0;
+  const int64_t* rows = c.task_rows + task.first;
+  s.acc.assign(heads * nqt * nv, v16{});
+  s.st.assign(heads * nqt, Partial{NEG_INF, 0.f});
+  s.w.resize(nqt * BLOCK);
+  // several chunks of query heads read each key: widen the block once, into fp32
+  const bool widen = !std::is_same<KV, float>::value && nqt > QMAX;
+  if (widen) {
+    s.kf.resize(BLOCK * D);
+    s.vf.resize(BLOCK * D);
+  }
+  const int64_t lo = task.lo, hi = task.hi;
+  const int32_t* table = task.table;
+  auto entry_at = [&](int64_t idx) {  // this layer's K of head 0 for key idx
+    return c.base + table[idx / S] * c.page_stride + (idx % S) * c.slot_stride + c.kv_off;
+  };
+  // the lines of every head [g0, g1) of one key, K and V
+  const bool packed = c.head_stride == c.width;
+  auto prefetch_key = [&](const KV* e) {
+    if (packed) {
+      prefetch_bytes<3>(e + g0 * c.head_stride, heads * c.width * sizeof(KV));
+      prefetch_bytes<3>(e + c.v_off + g0 * c.head_stride, heads * c.width * sizeof(KV));
+    } else {
+      for (int64_t g = g0; g < g1; ++g) {
+        prefetch_bytes<3>(e + g * c.head_stride, c.width * sizeof(KV));
+        prefetch_bytes<3>(e + c.v_off + g * c.head_stride, c.width * sizeof(KV));
+      }
+    }
+  };
+  // Keys of one layer sit far apart (the pool is page-major, all layers of a slot
+  // together): ask for the ones PREFETCH keys ahead, so the loads overlap.
+  for (int64_t idx = lo; idx < std::min(hi, lo + PREFETCH); ++idx) prefetch_key(entry_at(idx));
+  for (int64_t k0 = lo; k0 < hi; k0 += BLOCK) {
+    const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);
+    const KV* entry[BLOCK];
+    {
+      int64_t page = k0 / S, slot = k0 % S;
+      for (int64_t k = 0; k < kb; ++k) {
+        entry[k] = c.base + table[page] * c.page_stride + slot * c.slot_stride + c.kv_off;
+        if (++slot == S) slot = 0, ++page;
+      }
+    }
+    {
+      const int64_t p0 = k0 + PREFETCH, p1 = std::min(hi, k0 + PREFETCH + BLOCK);
+      if (p0 < p1) {
+        int64_t page = p0 / S, slot = p0 % S;
+        for (int64_t idx = p0; idx < p1; ++idx) {
+          prefetch_key(c.base + table[page] * c.page_stride + slot * c.slot_stride + c.kv_off);
+          if (++slot == S) slot = 0, ++page;
+        }
+      }
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      const KV* kp[BLOCK];
+      const KV* vp[BLOCK];
+      for (int64_t k = 0; k < kb; ++k) {
+        kp[k] = entry[k] + g * c.head_stride;
+        vp[k] = kp[k] + c.v_off;
+      }
+      v16 k_scale{}, v_scale{};  // int8: each key's and value's scale (lane k = key k0 + k)
+      if constexpr (QUANT) {
+        for (int64_t k = 0; k < kb; ++k) {
+          k_scale[k] = entry_scale(kp[k], D);
+          v_scale[k] = entry_scale(vp[k], D);
+        }
+      }
+      v16* acc = s.acc.data() + (g - g0) * nqt * nv;
+      Partial* st = s.st.data() + (g - g0) * nqt;
+      if (widen) {
+        const float* kf[BLOCK];
+        const float* vf[BLOCK];
+        for (int64_t k = 0; k < kb; ++k) {
+          float* kd = s.kf.data() + k * D;
+          float* vd = s.vf.data() + k * D;
+          for (int64_t cc = 0; cc < nv; ++cc) {
+            store(kd + cc * W, load_kv(kp[k] + cc * W));
+            store(vd + cc * W, load_kv(vp[k] + cc * W));
+          }
+          kf[k] = kd;
+          vf[k] = vd;
+        }
+        head_block<KV, float>(c, task, g, kf, vf, k0, kb, k_scale, v_scale, acc, st,
+                              s.w.data());
+      } else {
+        head_block<KV, KV>(c, task, g, kp, vp, k0, kb, k_scale, v_scale, acc, st, s.w.data());
+      }
+    }
+  }
+  // write out: the final result of a row with one split, else this split's partial
+  const int64_t split = lo / SPLIT_KEYS, H = c.H;
+  for (int64_t g = g0; g < g1; ++g) {
+    const v16* acc = s.acc.data() + (g - g0) * nqt * nv;
+    const Partial* st = s.st.data() + (g - g0) * nqt;
+    for (int64_t j = 0; j < task.count; ++j) {
+      const int64_t row = rows[j];
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t a = j * G + i, h = g * G + i;
+        const Partial& p = st[a];
+        if (c.row_splits[row] == 1) {
+          const float inv = p.l > 0.f ? 1.f / p.l : 0.f;
+          float* o = c.out + row * H * D + h * D;
+          for (int64_t cc = 0; cc < nv; ++cc) store(o + cc * W, acc[a * nv + cc] * inv);
+        } else {
+          const int64_t slot = (row * H + h) * c.max_splits + split;
+          c.part_ml[slot * 2] = p.m;
+          c.part_ml[slot * 2 + 1] = p.l;
+          float* o = c.part_acc + slot * D;
+          for (int64_t cc = 0; cc < nv; ++cc) store(o + cc * W, acc[a * nv + cc]);
+        }
+      }
+    }
+  }
+}
+
+// Units to threads: each unit (task, KV heads [g0, g1)) costs keys x rows x heads; the
+// longest first, each to the least loaded thread. Returns the busiest thread's cost.
+struct Unit {
+  int64_t task, g0, g1, cost;
+};
+inline int64_t plan_units(const std::vector<Task>& tasks, int64_t KVH, int64_t per_unit,
+                          int64_t threads, std::vector<Unit>& units,
+                          std::vector<int64_t>& owner) {
+  units.clear();
+  for (size_t t = 0; t < tasks.size(); ++t)
+    for (int64_t g = 0; g < KVH; g += per_unit)
+      units.push_back({static_cast<int64_t>(t), g, std::min(KVH, g + per_unit),
+                       (tasks[t].hi - tasks[t].lo) * tasks[t].count *
+                           (std::min(KVH, g + per_unit) - g)});
+  std::vector<int64_t> order(units.size()), load(threads, 0);
+  for (size_t u = 0; u < units.size(); ++u) order[u] = static_cast<int64_t>(u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
+  owner.assign(units.size(), 0);
+  for (int64_t u : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[u] = t;
+    load[t] += units[u].cost;
+  }
+  return *std::max_element(load.begin(), load.end());
+}
+
+}  // namespace
+
+// Attention of each new token over its own sequence's KV entries, read in place from the
+// pool, causal. Keys are cut into splits of SPLIT_KEYS at fixed positions (0, SPLIT_KEYS,
+// ...) whatever else is in the batch, and a row's splits are merged by their log-sum-exp:
+// so a row's result does not depend on its batch (nor on the threads).
+//
+// Args:
+//   q: [T, H, D] float32 queries (rows of one sequence consecutive; row stride free).
+//   pool: [P, S, L, 2, KVH, D] float32 (any strides, D contiguous).
+//   layer: which layer's K/V to read.
+//   page_tables: [N, max_pages] int32, the sequences' pages in KV order.
+//   seq_start: [N + 1] int32, sequence i's queries are rows seq_start[i]..seq_start[i+1].
+//   num_cached: [N] int32, KV entries before each sequence's first new token (query j of
+//     sequence i sees KV entries 0 .. num_cached[i] + j).
+//   scale: the softmax scale (1 / sqrt(D)).
+// Returns: [T, H * D] float32.
 // KV: float (an fp32 pool), at::BFloat16 (kv_dtype "bf16": read widened, every sum and
 // the softmax in fp32) or int8_t (kv_dtype "int8": each entry times its scale, in fp32).
 template <typename KV>
@@ -209,19 +546,10 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   const int32_t* tables = page_tables.data_ptr<int32_t>();
   const int32_t* starts = seq_start.data_ptr<int32_t>();
   const int32_t* cached = num_cached.data_ptr<int32_t>();
-  const float* qp = q.data_ptr<float>();
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const KV* base = pool.data_ptr<KV>();
-  // Strides of the pool's dims [P, S, L, 2, KVH, D], whatever its physical order.
-  const int64_t page_stride = pool.stride(0), slot_stride = pool.stride(1);
-  const int64_t kv_off = layer * pool.stride(2);  // this layer's K of head 0
-  const int64_t v_off = pool.stride(3);           // V after K
-  const int64_t head_stride = pool.stride(4);
-  const int64_t nv = D / W;
 
   // Rows of each task, and the last KV index each row sees.
   std::vector<int64_t> task_rows, row_limit(T), row_splits(T);
-  std::vector<Task> per_head;  // the tasks of KV head 0; other heads repeat them
+  std::vector<Task> tasks;
   int64_t max_splits = 1, max_count = 1;
   // A full split whose pages are the same pages in several sequences (forks of one
   // prompt) is one task for all their rows: its keys are read once. Each row's arithmetic
@@ -241,166 +569,87 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
     for (int64_t lo = 0; lo < kv_len; lo += SPLIT_KEYS) {
       const int64_t hi = std::min(kv_len, lo + SPLIT_KEYS);
       int64_t task = -1;
-      if (split_pages > 0 && hi - lo == SPLIT_KEYS && cached[i] >= hi) {
+      if (N > 1 && split_pages > 0 && hi - lo == SPLIT_KEYS && cached[i] >= hi) {
         std::vector<int32_t> key(table + lo / S, table + lo / S + split_pages);
         key.push_back(static_cast<int32_t>(lo / SPLIT_KEYS));
         auto found = shared.find(key);
         if (found != shared.end()) {
           task = found->second;
         } else {
-          shared.emplace(std::move(key), static_cast<int64_t>(per_head.size()));
+          shared.emplace(std::move(key), static_cast<int64_t>(tasks.size()));
         }
       }
       if (task < 0) {
-        task = static_cast<int64_t>(per_head.size());
-        per_head.push_back({0, table, lo, hi, 0, 0});
+        task = static_cast<int64_t>(tasks.size());
+        tasks.push_back({table, lo, hi, 0, 0});
         rows_of.emplace_back();
       }
       for (int64_t r = starts[i]; r < starts[i + 1]; ++r) rows_of[task].push_back(r);
     }
   }
-  for (size_t t = 0; t < per_head.size(); ++t) {
-    per_head[t].first = static_cast<int64_t>(task_rows.size());
-    per_head[t].count = static_cast<int64_t>(rows_of[t].size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    tasks[t].first = static_cast<int64_t>(task_rows.size());
+    tasks[t].count = static_cast<int64_t>(rows_of[t].size());
     task_rows.insert(task_rows.end(), rows_of[t].begin(), rows_of[t].end());
-    max_count = std::max<int64_t>(max_count, per_head[t].count);
+    max_count = std::max<int64_t>(max_count, tasks[t].count);
   }
-  const int64_t per = static_cast<int64_t>(per_head.size());
-  const int64_t nq = max_count * G;  // query heads of one task, at most
 
   auto out = torch::empty({T, H * D}, q.options());
-  float* op = out.data_ptr<float>();
   const bool merge = max_splits > 1;
   // Every (row, head, split)'s partial result: m and l, then D outputs.
   std::vector<float> part_ml(merge ? T * H * max_splits * 2 : 0);
   std::vector<float> part_acc(merge ? T * H * max_splits * D : 0);
 
-  // Tasks are ordered sequence (and split) first, then KV head: consecutive tasks read
-  // the KV heads of the same slots, which sit side by side in the pool (an entry of a
-  // slot and layer is [2, KVH, D]), so one memory page (and TLB entry) and neighbouring
-  // cache lines serve them all; KV head first went to a new page every key.
-  at::parallel_for(0, KVH * per, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16> acc(nq * nv);
-    std::vector<Partial> st(nq);
-    std::vector<float> scores(nq * BLOCK);
-    for (int64_t ti = begin; ti < end; ++ti) {
-      const Task& task = per_head[ti / KVH];
-      const int64_t g = ti % KVH;
-      const int32_t* table = task.table;
-      const int64_t lo = task.lo, hi = task.hi;
-      const int64_t* rows = task_rows.data() + task.first;
-      const int64_t nqt = task.count * G;  // query heads: (row j, head i) -> j * G + i
-      for (int64_t a = 0; a < nqt * nv; ++a) acc[a] = v16{};
-      for (int64_t a = 0; a < nqt; ++a) st[a] = {NEG_INF, 0.f};
-      auto key_at = [&](int64_t idx) {
-        return base + table[idx / S] * page_stride + (idx % S) * slot_stride + kv_off
-               + g * head_stride;
-      };
-      // Each key and value is a few cache lines far from the next (the pool is page-major,
-      // all layers of a slot together): ask for the ones PREFETCH keys ahead now, so the
-      // loads overlap instead of waiting one after the other.
-      for (int64_t idx = lo; idx < std::min(hi, lo + PREFETCH); ++idx)
-        prefetch_kv(key_at(idx), v_off, width);
-      for (int64_t k0 = lo; k0 < hi; k0 += BLOCK) {
-        const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);
-        const KV* keys[BLOCK];
-        for (int64_t k = 0; k < kb; ++k) keys[k] = key_at(k0 + k);
-        for (int64_t idx = k0 + PREFETCH; idx < std::min(hi, k0 + PREFETCH + BLOCK); ++idx)
-          prefetch_kv(key_at(idx), v_off, width);
-        // int8: each key's and value's scale (lane k = key k0 + k)
-        v16 k_scale{}, v_scale{};
-        if constexpr (QUANT) {
-          for (int64_t k = 0; k < kb; ++k) {
-            k_scale[k] = entry_scale(keys[k], D);
-            v_scale[k] = entry_scale(keys[k] + v_off, D);
-          }
-        }
-        // scores of the block's keys for each query head (lane k = key k0 + k), then the
-        // softmax update, leaving each key's weight in scores[qh][k]
-        for (int64_t j = 0; j < task.count; ++j) {
-          if (row_limit[rows[j]] < k0) {  // every key of this block is in its future
-            for (int64_t i = 0; i < G; ++i) store(scores.data() + (j * G + i) * BLOCK, v16{});
-            continue;
-          }
-          // keys after the query (causal) or past the block are out: -inf
-          const v16 visible = splat(static_cast<float>(
-              std::min<int64_t>(row_limit[rows[j]] - k0, kb - 1)));
-          const auto out = LANE > visible;
-          for (int64_t i = 0; i < G; ++i) {
-            const float* qv = qp + rows[j] * q_row + (g * G + i) * q_head;
-            v16 dots[BLOCK];
-            for (int64_t k = 0; k < kb; ++k) {
-              v16 d{};
-              for (int64_t c = 0; c < nv; ++c) d += load(qv + c * W) * load_kv(keys[k] + c * W);
-              dots[k] = d;
-            }
-            for (int64_t k = kb; k < BLOCK; ++k) dots[k] = v16{};
-            v16 sc;
-            if constexpr (QUANT)
-              sc = out ? splat(NEG_INF) : sum16(dots) * k_scale * static_cast<float>(scale);
-            else
-              sc = out ? splat(NEG_INF) : sum16(dots) * static_cast<float>(scale);
-            const int64_t a = j * G + i;
-            float* s = scores.data() + a * BLOCK;
-            const float bm = hmax(sc);
-            if (bm == NEG_INF) {  // every key of this block is in its future
-              store(s, v16{});
-              continue;
-            }
-            Partial& p = st[a];
-            const float m = std::max(p.m, bm);
-            const v16 w = out ? v16{} : exp_neg(sc - m);
-            if (p.m != NEG_INF && p.m != m) {
-              const float alpha = std::exp(p.m - m);
-              p.l *= alpha;
-              for (int64_t c = 0; c < nv; ++c) acc[a * nv + c] *= alpha;
-            }
-            p.l += hsum(w);
-            p.m = m;
-            store(s, w);
-          }
-        }
-        // weighted values: each query head's output stays in registers (up to 128 floats
-        // at a time) while the block's values, hot in L1, stream past it
-        for (int64_t c0 = 0; c0 < nv; c0 += 8) {
-          const int64_t cn = std::min<int64_t>(8, nv - c0);
-          for (int64_t a = 0; a < nqt; ++a) {
-            v16 ac[8];
-            for (int64_t c = 0; c < cn; ++c) ac[c] = acc[a * nv + c0 + c];
-            const float* wa = scores.data() + a * BLOCK;
-            for (int64_t k = 0; k < kb; ++k) {
-              float wk = wa[k];
-              if (wk == 0.f) continue;
-              if constexpr (QUANT) wk *= v_scale[k];
-              const KV* val = keys[k] + v_off + c0 * W;
-              for (int64_t c = 0; c < cn; ++c) ac[c] += load_kv(val + c * W) * wk;
-            }
-            for (int64_t c = 0; c < cn; ++c) acc[a * nv + c0 + c] = ac[c];
-          }
-        }
-      }
-      // write out: the final result of a row with one split, else this split's partial
-      const int64_t split = lo / SPLIT_KEYS;
-      for (int64_t j = 0; j < task.count; ++j) {
-        const int64_t row = rows[j];
-        for (int64_t i = 0; i < G; ++i) {
-          const int64_t a = j * G + i, h = g * G + i;
-          const Partial& p = st[a];
-          if (row_splits[row] == 1) {
-            const float inv = p.l > 0.f ? 1.f / p.l : 0.f;
-            float* o = op + row * H * D + h * D;
-            for (int64_t c = 0; c < nv; ++c) store(o + c * W, acc[a * nv + c] * inv);
-          } else {
-            const int64_t slot = (row * H + h) * max_splits + split;
-            part_ml[slot * 2] = p.m;
-            part_ml[slot * 2 + 1] = p.l;
-            float* o = part_acc.data() + slot * D;
-            for (int64_t c = 0; c < nv; ++c) store(o + c * W, acc[a * nv + c]);
-          }
-        }
-      }
+  Paged<KV> c;
+  c.base = pool.data_ptr<KV>();
+  // Strides of the pool's dims [P, S, L, 2, KVH, D], whatever its physical order.
+  c.S = S;
+  c.page_stride = pool.stride(0);
+  c.slot_stride = pool.stride(1);
+  c.kv_off = layer * pool.stride(2);  // this layer's K of head 0
+  c.v_off = pool.stride(3);           // V after K
+  c.head_stride = pool.stride(4);
+  c.width = width;
+  c.D = D;
+  c.nv = D / W;
+  c.cn = c.nv % CMAX == 0 ? CMAX : c.nv % 2 == 0 ? 2 : 1;
+  c.G = G;
+  c.H = H;
+  c.max_splits = max_splits;
+  c.qp = q.data_ptr<float>();
+  c.q_row = q.stride(0);
+  c.q_head = q.stride(1);
+  c.scale = static_cast<float>(scale);
+  c.task_rows = task_rows.data();
+  c.row_limit = row_limit.data();
+  c.row_splits = row_splits.data();
+  c.out = out.data_ptr<float>();
+  c.part_ml = part_ml.data();
+  c.part_acc = part_acc.data();
+
+  // A unit takes every KV head of its task (each key's entry, all heads side by side in
+  // the pool, is read as one run of lines) when the threads stay as busy so; one head a
+  // unit otherwise (and for many rows, whose state would not stay in cache).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<Unit> units, whole;
+  std::vector<int64_t> owner, whole_owner;
+  const int64_t per_head = plan_units(tasks, KVH, 1, threads, units, owner);
+  if (KVH > 1 && max_count * G <= 4 * QMAX) {
+    const int64_t grouped = plan_units(tasks, KVH, KVH, threads, whole, whole_owner);
+    if (grouped * 8 <= per_head * 9) {
+      units.swap(whole);
+      owner.swap(whole_owner);
     }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    static thread_local Scratch scratch;
+    for (int64_t t = begin; t < end; ++t)
+      for (size_t u = 0; u < units.size(); ++u)
+        if (owner[u] == t)
+          attend_unit(c, tasks[units[u].task], units[u].g0, units[u].g1, scratch);
   });
+  float* op = c.out;
+  const int64_t nv = c.nv;
   if (merge) {  // merge the splits of every (row, head) of a row with several
     at::parallel_for(0, T * H, 16, [&](int64_t begin, int64_t end) {
       v16 o[8];
@@ -429,6 +678,57 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
     });
   }
   return out;
+}
+
+// Ask for every K/V entry (all KV heads) of one layer that paged_attention over the same
+// tables would read, each page once. The fused decode step calls it for the next layer
+// while this one's projections still run, so the keys' memory latency (all layers of a
+// slot sit together: one layer's consecutive keys are a layer-stride apart) overlaps them.
+void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tables,
+                       torch::Tensor seq_start, torch::Tensor num_cached) {
+  const int64_t P = pool.size(0), S = pool.size(1), KVH = pool.size(4);
+  const int64_t N = num_cached.size(0), max_pages = page_tables.size(1);
+  const int64_t es = pool.element_size();
+  const int64_t span = (pool.stride(3) + (KVH - 1) * pool.stride(4) + pool.size(5)) * es;
+  const bool packed = pool.stride(4) == pool.size(5) && pool.stride(3) == KVH * pool.size(5);
+  const char* base = static_cast<const char*>(pool.data_ptr()) + layer * pool.stride(2) * es;
+  const int32_t* tables = page_tables.data_ptr<int32_t>();
+  const int32_t* starts = seq_start.data_ptr<int32_t>();
+  const int32_t* cached = num_cached.data_ptr<int32_t>();
+  // the pages to read (each once: forks share theirs) and how many of their slots
+  static thread_local std::vector<uint8_t> seen;
+  static thread_local std::vector<std::pair<int32_t, int32_t>> todo;
+  seen.assign(P, 0);
+  todo.clear();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t kv_len = cached[i] + starts[i + 1] - starts[i];
+    for (int64_t p = 0; p * S < kv_len; ++p) {
+      const int32_t page = tables[i * max_pages + p];
+      if (page < 0 || page >= P || seen[page]) continue;
+      seen[page] = 1;
+      todo.emplace_back(page, static_cast<int32_t>(std::min(S, kv_len - p * S)));
+    }
+  }
+  auto fetch = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t s = 0; s < todo[t].second; ++s) {
+        const char* e = base + (todo[t].first * pool.stride(0) + s * pool.stride(1)) * es;
+        if (packed) {
+          prefetch_bytes<1>(e, span);
+        } else {
+          for (int64_t kv = 0; kv < 2; ++kv)
+            for (int64_t g = 0; g < KVH; ++g)
+              prefetch_bytes<1>(e + (kv * pool.stride(3) + g * pool.stride(4)) * es,
+                                pool.size(5) * es);
+        }
+      }
+    }
+  };
+  const int64_t n = static_cast<int64_t>(todo.size());
+  // One thread issues them: both threads took no clearly shorter time in a noisy probe, and
+  // a parallel region per layer more is one more wait on a descheduled thread on a busy
+  // machine.
+  fetch(0, n);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
@@ -662,6 +962,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new K/V into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention over the paged KV pool");
+  m.def("prefetch_paged_kv", &prefetch_paged_kv, "ask for one layer's K/V entries ahead");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("quantize_rows", &quantize_rows, "symmetric int8 per row");
 }

@@ -35,6 +35,8 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer,
                               torch::Tensor page_tables, torch::Tensor seq_start,
                               torch::Tensor num_cached, double scale);
+void prefetch_paged_kv(torch::Tensor pool, int64_t layer, torch::Tensor page_tables,
+                       torch::Tensor seq_start, torch::Tensor num_cached);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
@@ -324,6 +326,11 @@ class DecodeStep {
         RECORD_FUNCTION("pie::paged_attention", std::vector<c10::IValue>());
         attn = paged_attention(qkv.narrow(1, 0, qd).view({T, heads_, D}), pool, i, tables,
                                seq_start, cached, scale);
+      }
+      // the next layer's keys and values, fetched while this layer's projections run
+      if (i + 1 < static_cast<int64_t>(layers_.size())) {
+        RECORD_FUNCTION("pie::prefetch_paged_kv", std::vector<c10::IValue>());
+        prefetch_paged_kv(pool, i + 1, tables, seq_start, cached);
       }
       auto o = project(l, i, 1, attn);
       x.add_(o);

@@ -1,0 +1,154 @@
+"""The paged attention kernel alone (``cpu_ops.cpp`` ``paged_attention``), warm and cold.
+
+    python benchmarks/attention_kernel.py [--repeats 20] [--baseline DIR] [--smoke]
+
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, pages of 16
+slots), one layer's call, for:
+
+* ``1x512``, ``1x2048``: one decode row over 512 / 2,048 keys;
+* ``8x1024``: 8 unrelated decode rows, 1,024 keys each;
+* ``fork8x1024``: 8 forks of one 1,024-token prompt (its 64 pages shared), each with 8
+  keys of its own (the shared splits are read once for the 8 rows);
+
+over fp32, bf16 and int8 pools (``--kv-dtype``), in two settings:
+
+* ``warm``: a one-layer pool, called over and over (its KV stays in the caches: the
+  kernel's arithmetic);
+* ``cold``: a pool of the real model's 30 layers, a different layer each call, and a
+  64 MB buffer read between calls (as the step's ~96 MB of weights do between two calls
+  of one layer): keys come from DRAM with the real strides (all layers of a slot
+  together, so consecutive keys of one layer sit 23 KB apart).
+
+``--baseline FILE`` also builds another ``cpu_ops.cpp`` (e.g. main's: ``git show
+main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``) and runs its kernel interleaved with
+this one, call for call, so a busy machine slows both alike. Times are the best call's, in µs (on a
+shared machine a descheduled thread stretches single calls by milliseconds). The last line is one JSON object: ``us_<kv>_<setting>_<case>`` (and
+``base_us_...`` for the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import emit, parse_args, table
+
+S, KVH, D, H = 16, 3, 64, 9
+FLUSH_MB = 64
+
+
+def build_baseline(source: Path) -> Any:
+    """The kernels of another ``cpu_ops.cpp`` (e.g. main's: ``git show
+    main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``), built alone under its own name
+    (its decode step left out: two modules cannot both register it)."""
+    import hashlib
+    import platform
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.blake2b(source.read_bytes(), digest_size=6).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"pie-ctx-attention-baseline-{digest}"
+    folder.mkdir(exist_ok=True)
+    stub = folder / "no_decode_step.cpp"
+    stub.write_text("#include <torch/extension.h>\n"
+                    "void register_decode_step(pybind11::module_&) {}\n")
+    flags = ["-O3", "-std=c++17", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    return load(name=f"pie_ctx_attention_baseline_{digest}", sources=[str(source), str(stub)],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+
+
+def cases(context: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    """name -> (page tables, num_cached) of decode rows; pages numbered from 0."""
+    out = {}
+    out["1x512"] = ([list(range(context // 2 // S))], [context // 2 - 1])
+    out["1x2048"] = ([list(range(2 * context // S))], [2 * context - 1])
+    per = context // S
+    out["8x1024"] = ([list(range(i * per, (i + 1) * per)) for i in range(8)], [context - 1] * 8)
+    out["fork8x1024"] = ([list(range(per)) + [per + i] for i in range(8)], [context + 7] * 8)
+    return out
+
+
+def make_pool(kv: str, pages: int, layers: int) -> torch.Tensor:
+    from runtime.kv.layout import encode
+
+    torch.manual_seed(0)
+    x = torch.randn(pages, S, layers, 2, KVH, D)
+    if kv == "fp32":
+        return x
+    if kv == "bf16":
+        return x.to(torch.bfloat16)
+    return encode(x, torch.empty(0, dtype=torch.int8))
+
+
+def run_case(kernels: dict[str, Any], pool: torch.Tensor, tables: list[list[int]],
+             cached: list[int], calls: int, flush: torch.Tensor | None) -> dict[str, float]:
+    """Best µs a call of each kernel, called in turns on the same layers."""
+    layers = pool.shape[2]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = torch.arange(len(tables) + 1, dtype=torch.int32)
+    nc = torch.tensor(cached, dtype=torch.int32)
+    q = torch.randn(len(tables), H, D)
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for i in range(calls + 2):  # two calls warm up
+        for label, ops in kernels.items():
+            if flush is not None:
+                flush.sum()
+            t0 = time.perf_counter()
+            ops.paged_attention(q, pool, i % layers, padded, starts, nc, D ** -0.5)
+            if i >= 2:
+                times[label].append(time.perf_counter() - t0)
+    return {k: min(v) * 1e6 for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20, help="calls a case, per kernel")
+    parser.add_argument("--context", type=int, default=1024, help="keys of the 8-row cases")
+    parser.add_argument("--kv-dtype", default="fp32,bf16,int8")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", default="1x512,1x2048,8x1024,fork8x1024")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another cpu_ops.cpp (e.g. main's) to build and run interleaved")
+    args = parse_args(parser, repeats=2, context=64)
+
+    from runtime.model import kernels as kmod
+
+    torch.set_num_threads(args.threads)
+    ops = kmod.ops()
+    if ops is None:
+        raise SystemExit("the CPU kernels did not build here")
+    kernels = {"new": ops}
+    if args.baseline is not None:
+        kernels["base"] = build_baseline(args.baseline)
+    flush = torch.ones(FLUSH_MB * 2**20 // 4 if not args.smoke else 2**16)
+    all_cases = {k: v for k, v in cases(args.context).items() if k in args.cases.split(",")}
+    pages = max(max(map(max, t)) for t, _ in all_cases.values()) + 1
+    result: dict[str, float] = {}
+    rows = []
+    for kv in args.kv_dtype.split(","):
+        for setting, layers in (("warm", 1), ("cold", 30 if not args.smoke else 2)):
+            pool = make_pool(kv, pages, layers)
+            for name, (tables, cached) in all_cases.items():
+                got = run_case(kernels, pool, tables, cached, args.repeats,
+                               flush if setting == "cold" else None)
+                for label, us in got.items():
+                    prefix = "" if label == "new" else "base_"
+                    result[f"{prefix}us_{kv}_{setting}_{name}"] = us
+                line = f"{got['new']:.1f} us"
+                if "base" in got:
+                    line += f" (baseline {got['base']:.1f} us, x{got['base'] / got['new']:.2f})"
+                rows.append((f"{kv} {setting} {name}", line))
+            del pool
+    table(rows)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
