@@ -61,6 +61,7 @@ def inv_freq_for(config: ModelConfig) -> torch.Tensor:
 
 _BLOCK = 64  # positions of one cos/sin table (64 x head_dim values: one layout, one thread)
 _MAX_BLOCKS = 4096  # tables kept (~260k positions); more: start over
+_FEW = 16  # positions a forward looked up in Python (a decode step's), not with tensor ops
 
 
 class RotaryEmbedding:
@@ -102,23 +103,36 @@ class RotaryEmbedding:
         split long ones over the threads), so a position's value computed among others
         would depend on how many there were and where it sat (docs/performance.md,
         "Deterministic numerics")."""
+        if 0 < positions.numel() <= _FEW:  # a decode: no unique / searchsorted / cat
+            firsts = positions.tolist()
+            b = firsts[0] // _BLOCK
+            if all(p // _BLOCK == b for p in firsts):
+                table = self._table(b)
+                lo = firsts[0] - b * _BLOCK
+                if firsts == list(range(firsts[0], firsts[0] + len(firsts))):
+                    return table[0][lo: lo + len(firsts)], table[1][lo: lo + len(firsts)]
+                rows = positions - b * _BLOCK
+                return table[0].index_select(0, rows), table[1].index_select(0, rows)
         blocks = torch.div(positions, _BLOCK, rounding_mode="floor")
         wanted = blocks.unique()  # sorted
-        tables = []
-        for b in wanted.tolist():
-            table = self._blocks.get(b)
-            if table is None:
-                if len(self._blocks) >= _MAX_BLOCKS:
-                    self._blocks.clear()
-                start = b * _BLOCK
-                table = self._blocks[b] = self._rows(torch.arange(
-                    start, start + _BLOCK, dtype=torch.int64).to(torch.float32))
-            tables.append(table)
+        tables = [self._table(b) for b in wanted.tolist()]
         rows = torch.searchsorted(wanted, blocks) * _BLOCK + (positions - blocks * _BLOCK)
         if len(tables) == 1:
             return tables[0][0].index_select(0, rows), tables[0][1].index_select(0, rows)
         return (torch.cat([t[0] for t in tables]).index_select(0, rows),
                 torch.cat([t[1] for t in tables]).index_select(0, rows))
+
+
+    def _table(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables [_BLOCK, D] of positions ``b * _BLOCK`` on (made once)."""
+        table = self._blocks.get(b)
+        if table is None:
+            if len(self._blocks) >= _MAX_BLOCKS:
+                self._blocks.clear()
+            start = b * _BLOCK
+            table = self._blocks[b] = self._rows(torch.arange(
+                start, start + _BLOCK, dtype=torch.int64).to(torch.float32))
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -229,3 +229,53 @@ def test_a_rounding_kernel_serves_every_bucket_or_none() -> None:
     proj = Projection(bw)
     choose_kernels([proj], repeats=1)
     assert ("blocks_q8" in proj.kernel_names) == (set(proj.kernel_names) == {"blocks_q8"})
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_outlier_product_inside_the_tiles_is_the_two_pass_sum(kind) -> None:
+    """The kernel adds the outlier channels' exact product in the tile that computes a
+    value (one pass a call): the block product of the zeroed input plus an fp32 fma chain
+    over the channels. Against the two passes (the kernel without a split on the zeroed
+    input, plus that chain in fp64): within the chain's own fp32 roundings (K fmas and
+    one add: (K + 1) ulps of the magnitudes summed)."""
+    bw, twin = _file_weight(kind, 72, 192, seed=21)
+    idx = torch.tensor([0, 7, 100, 191])
+    split, plain = StripBlocks.from_blocks(bw, idx), StripBlocks.from_blocks(bw)
+    for rows in (1, 8, 512):
+        x = _activations(rows, 192, seed=rows)
+        x[:, idx] *= 30
+        xz = x.clone()
+        xz[:, idx] = 0
+        first = plain.matmul(xz).double()
+        terms = x[:, idx].double()[:, :, None] * split.side.double()[None]  # [M, K, out]
+        want = first + terms.sum(dim=1)
+        eps = torch.finfo(torch.float32).eps
+        bound = (len(idx) + 1) * eps * (terms.abs().sum(dim=1) + first.abs()) + 1e-30
+        assert ((split.matmul(x).double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_into_form_writes_adds_and_takes_a_bias_as_the_eager_ops(kind) -> None:
+    """``block_mm_q8_out`` (the fused decode step's call): into strided rows of a buffer,
+    ``=`` or ``+=`` (a residual), with a bias: the bits of ``block_mm_q8``, ``.add_(bias)``
+    and ``residual.add_(...)``, eagerly."""
+    ops = blocks_mod.kernels.block_ops()
+    bw, _ = _file_weight(kind, 72, 192, seed=22)
+    strips = StripBlocks.from_blocks(bw, torch.tensor([3, 64]))
+    bias = torch.randn(72)
+    for rows in (1, 8, 33):
+        x = _activations(rows, 192, seed=rows + 1)
+        want = strips.matmul(x).add_(bias)
+        buf = torch.full((rows, 100), 7.0)
+        ops.block_mm_q8_out(x, strips.qs, strips.d, strips.m, strips.bits, 72, strips.outliers,
+                            strips.side, bias, buf[:, 10:82], False)
+        assert torch.equal(buf[:, 10:82], want)
+        assert (buf[:, :10] == 7).all() and (buf[:, 82:] == 7).all()  # nothing else written
+        residual = torch.randn(rows, 72)
+        eager = residual.clone().add_(want)
+        ops.block_mm_q8_out(x, strips.qs, strips.d, strips.m, strips.bits, 72, strips.outliers,
+                            strips.side, bias, residual, True)
+        assert torch.equal(residual, eager)
+    with pytest.raises(RuntimeError, match="out float32"):
+        ops.block_mm_q8_out(x, strips.qs, strips.d, strips.m, strips.bits, 72, strips.outliers,
+                            strips.side, bias, torch.empty(rows, 71), False)

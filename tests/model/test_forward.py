@@ -102,3 +102,17 @@ def test_transformers4_layout_config() -> None:
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is not None
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.num_queries_per_kv == 4
     assert cfg.tie_word_embeddings
+
+
+def test_a_decodes_rotary_lookup_is_the_tables_rows() -> None:
+    """A few positions (a decode step's) are looked up without tensor ops: the same bits as
+    the general lookup, for one position, a run, scattered positions and a block edge."""
+    from runtime.model.rope import RotaryEmbedding
+
+    rot = RotaryEmbedding(config_of(make_hf_model("llama3")), torch.device("cpu"))
+    many = torch.arange(0, 300, dtype=torch.int64)
+    cos_all, sin_all = rot.cos_sin(many, torch.float32)  # 300 positions: the general path
+    for ps in ([5], [200, 201, 202], [70, 3, 70, 100], [63, 64], [299]):
+        cos, sin = rot.cos_sin(torch.tensor(ps), torch.float32)
+        assert torch.equal(cos, cos_all[ps]) and torch.equal(sin, sin_all[ps])
+        assert cos.is_contiguous() and cos.shape == (len(ps), 1, cos_all.shape[-1])

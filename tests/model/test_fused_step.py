@@ -348,3 +348,31 @@ def test_forks_of_a_long_shared_prefix_stay_on_the_cascade(kv: str, tmp_path: Pa
                                         adapters={short[0]: key}, tol=LORA_TOL), strict=True))
     assert _steps(fused) == 2
     twin.check_pools()
+
+
+def test_blocks_q8_split_in_the_step_is_the_eager_bits() -> None:
+    """blocks_q8 with its outlier split, q/k/v biases, the o and down projections added
+    into the residual inside the kernel: the step's logits and K/V are the eager forward's
+    bits (one op, the same arithmetic), for decode rows of two sequences and one."""
+    hf = make_hf_model("qwen2", seed=8)
+
+    def make() -> ModelRunner:
+        runner = make_runner(hf, num_pages=32)
+        for lw in runner.model.layers:
+            lw.qkv, lw.o_proj = _blocks(lw.qkv, "blocks_q8_split"), _blocks(lw.o_proj,
+                                                                             "blocks_q8_split")
+            lw.gate_up = _blocks(lw.gate_up, "blocks_q8_split")
+            lw.down = _blocks(lw.down, "blocks_q8_split")
+        return runner
+
+    fused, eager = _pair(make)
+    twin = _Twin(fused, eager)
+    a, b = twin.add(), twin.add()
+    twin.step({a: random_tokens(20, seed=3), b: random_tokens(9, seed=4)}, tol=0.0)
+    last = {a: 1, b: 2}
+    for _ in range(3):
+        last = dict(zip(last, twin.step({i: [t] for i, t in last.items()}, tol=0.0),
+                        strict=True))
+    twin.step({a: [last[a]]}, tol=0.0)
+    assert _steps(fused) == 4
+    twin.check_pools(tol=0.0)

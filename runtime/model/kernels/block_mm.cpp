@@ -277,13 +277,16 @@ namespace q8 {
 
 constexpr int64_t L = 16;  // output rows a strip
 
-// A batch of activation rows quantized per group of 32.
+// A batch of activation rows quantized per group of 32, and the exact values of its
+// outlier channels. The arrays live in the calling thread's buffers (no allocation a call
+// once they are big enough); the worker threads of one call only read them.
 struct Acts {
-  int64_t nb = 0;
-  std::vector<int8_t> q;      // [M, nb * 32]
-  std::vector<float> d;       // [M, nb]
-  std::vector<float> s;       // [M, nb]: d * sum(q) per block
-  std::vector<int32_t> corr;  // [M, nb]: -128 * sum(q) per block (8-bit weights)
+  int64_t nb = 0, K = 0;
+  const int8_t* q = nullptr;      // [M, nb * 32]
+  const float* d = nullptr;       // [M, nb]
+  const float* s = nullptr;       // [M, nb]: d * sum(q) per block
+  const int32_t* corr = nullptr;  // [M, nb]: -128 * sum(q) per block (8-bit weights)
+  const float* xo = nullptr;      // [M, K]: x[r, idx[k]] (the outlier split's inputs)
 };
 
 inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float* ss,
@@ -321,30 +324,91 @@ inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float
   }
 }
 
-Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr) {
+// The calling thread's buffers (grown, never shrunk).
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, xo, row;
+  std::vector<int32_t> corr;
+};
+
+// Rows x [M, K] (row stride xs) quantized with the channels idx [K] zeroed first (so each
+// group's scale follows its ordinary channels), and those channels' exact values kept.
+// The rows are few in a decode (<= 8): one thread quantizes them (waking the pool costs
+// more); a prefill chunk's rows are split between the threads. Either way each row is the
+// same instructions: its bits do not depend on its batch.
+Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
+              const int64_t* idx, int64_t K) {
+  thread_local Scratch t;
+  const int64_t k32 = nb * 32;
+  t.q.resize(std::max<size_t>(t.q.size(), M * k32));
+  t.d.resize(std::max<size_t>(t.d.size(), M * nb));
+  t.s.resize(std::max<size_t>(t.s.size(), M * nb));
+  if (corr) t.corr.resize(std::max<size_t>(t.corr.size(), M * nb));
+  if (K) t.xo.resize(std::max<size_t>(t.xo.size(), M * K));
   Acts a;
   a.nb = nb;
-  a.q.resize(M * nb * 32);
-  a.d.resize(M * nb);
-  a.s.resize(M * nb);
-  if (corr) a.corr.resize(M * nb);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * xs, nb, a.q.data() + r * nb * 32, a.d.data() + r * nb,
-                   a.s.data() + r * nb, corr ? a.corr.data() + r * nb : nullptr);
-  });
+  a.K = K;
+  a.q = t.q.data();
+  a.d = t.d.data();
+  a.s = t.s.data();
+  a.corr = corr ? t.corr.data() : nullptr;
+  a.xo = K ? t.xo.data() : nullptr;
+  int8_t* q = t.q.data();
+  float *dd = t.d.data(), *ss = t.s.data(), *xo = t.xo.data();
+  int32_t* cr = corr ? t.corr.data() : nullptr;
+  auto rows = [&](int64_t begin, int64_t end, float* row) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* src = x + r * xs;
+      if (K) {  // the row with its outlier channels zeroed, and their values
+        std::memcpy(row, src, k32 * sizeof(float));
+        for (int64_t k = 0; k < K; ++k) {
+          xo[r * K + k] = src[idx[k]];
+          row[idx[k]] = 0.f;
+        }
+        src = row;
+      }
+      quantize_row(src, nb, q + r * k32, dd + r * nb, ss + r * nb, cr ? cr + r * nb : nullptr);
+    }
+  };
+  if (M <= 16) {
+    if (K) t.row.resize(std::max<size_t>(t.row.size(), k32));
+    rows(0, M, t.row.data());
+  } else {
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(K ? k32 : 0);
+      rows(begin, end, row.data());
+    });
+  }
   return a;
 }
 
 inline float h2f(_Float16 h) { return static_cast<float>(h); }
 
+// Where a tile's results go: out[r * os + column] (= if acc; += if acc, the residual),
+// bias[column] added first when given (the eager ``.add_(b)``), and the outlier split's
+// exact weights side[k * sn + column] (K of them, may be 0).
+struct Dest {
+  float* out;
+  int64_t os;
+  bool acc;
+  const float* bias;
+  const float* side;
+  int64_t sn;
+};
+
 // out[r, 16 s + l] for R activation rows from r0 and NS strips from the one at w / d / m
-// (strips `sw` bytes and `sd` scales apart); `cols`: the valid columns from this strip on.
+// (strips `sw` bytes and `sd` scales apart); `cols`: the valid columns from this strip on;
+// `col0`: the first column of this strip (bias and side columns are absolute).
+//
+// Value of (r, j): v = sum over blocks (in block order) of the block products; then, with
+// outliers, v = v + (the fma chain over k of x[r, idx[k]] * side[k, j], from 0, in k
+// order): exactly the two-pass form's bits (block_mm_q8's product, then its side product
+// added); then v = v + bias[j]; then out = out + v with `acc`.
 template <int BITS, int R, int NS>
 inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
-                       const _Float16* dp, const _Float16* mp, int64_t sd, float* out,
-                       int64_t os, int64_t cols) {
-  const int64_t nb = a.nb;
+                       const _Float16* dp, const _Float16* mp, int64_t sd, const Dest& o,
+                       int64_t col0, int64_t cols) {
+  const int64_t nb = a.nb, K = a.K;
   constexpr int64_t BLK = BITS == 4 ? 256 : 512;  // bytes of a block of a strip
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R][NS];
@@ -365,7 +429,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
-            const int8_t* aq = a.q.data() + ((r0 + r) * nb + b) * 32;
+            const int8_t* aq = a.q + ((r0 + r) * nb + b) * 32;
             int32_t a0, a1;
             std::memcpy(&a0, aq + 4 * k, 4);
             std::memcpy(&a1, aq + 16 + 4 * k, 4);
@@ -375,7 +439,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
         } else {
           for (int r = 0; r < R; ++r) {
             int32_t a0;
-            std::memcpy(&a0, a.q.data() + ((r0 + r) * nb + b) * 32 + 4 * k, 4);
+            std::memcpy(&a0, a.q + ((r0 + r) * nb + b) * 32 + 4 * k, 4);
             isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], v, _mm512_set1_epi32(a0));
           }
         }
@@ -396,12 +460,25 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int s = 0; s < NS; ++s) {
-      const int64_t left = cols - s * L;
-      const __mmask16 keep = left >= L ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      _mm512_mask_storeu_ps(out + r * os + s * L, keep, acc[r][s]);
+  for (int s = 0; s < NS; ++s) {
+    const int64_t left = cols - s * L, c = col0 + s * L;
+    const __mmask16 keep = left >= L ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) {
+      __m512 v = acc[r][s];
+      if (K) {
+        __m512 side = _mm512_setzero_ps();
+        const float* xo = a.xo + (r0 + r) * K;
+        for (int64_t k = 0; k < K; ++k)
+          side = _mm512_fmadd_ps(_mm512_set1_ps(xo[k]),
+                                 _mm512_maskz_loadu_ps(keep, o.side + k * o.sn + c), side);
+        v = _mm512_add_ps(v, side);
+      }
+      if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, o.bias + c));
+      float* dst = o.out + (r0 + r) * o.os + c;
+      if (o.acc) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, dst), v);
+      _mm512_mask_storeu_ps(dst, keep, v);
     }
+  }
 #else
   float acc[R][NS][L] = {};
   for (int64_t b = 0; b < nb; ++b) {
@@ -409,7 +486,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
       const uint8_t* wb = w + s * sw + b * BLK;
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
-        const int8_t* aq = a.q.data() + i * 32;
+        const int8_t* aq = a.q + i * 32;
         for (int l = 0; l < L; ++l) {
           int32_t isum = BITS == 8 ? a.corr[i] : 0;
           for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k)
@@ -430,27 +507,41 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
   }
   for (int r = 0; r < R; ++r)
     for (int s = 0; s < NS; ++s)
-      for (int l = 0; l < L && s * L + l < cols; ++l) out[r * os + s * L + l] = acc[r][s][l];
+      for (int l = 0; l < L && s * L + l < cols; ++l) {
+        const int64_t c = col0 + s * L + l;
+        float v = acc[r][s][l];
+        if (K) {
+          float side = 0.f;
+          for (int64_t k = 0; k < K; ++k)
+            side = std::fma(a.xo[(r0 + r) * K + k], o.side[k * o.sn + c], side);
+          v += side;
+        }
+        if (o.bias) v += o.bias[c];
+        float& dst = o.out[(r0 + r) * o.os + c];
+        dst = o.acc ? dst + v : v;
+      }
 #endif
 }
 
 template <int BITS, int NS>
 void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _Float16* dp,
-                 const _Float16* mp, int64_t sd, float* out, int64_t N, int64_t cols) {
+                 const _Float16* mp, int64_t sd, const Dest& o, int64_t col0, int64_t cols) {
   int64_t r = 0;
   for (; r + 4 <= M; r += 4)
-    strip_tile<BITS, 4, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols);
+    strip_tile<BITS, 4, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
   switch (M - r) {
     case 0: break;
-    case 1: strip_tile<BITS, 1, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
-    case 2: strip_tile<BITS, 2, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
-    default: strip_tile<BITS, 3, NS>(a, r, w, sw, dp, mp, sd, out + r * N, N, cols); break;
+    case 1: strip_tile<BITS, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    case 2: strip_tile<BITS, 2, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    default: strip_tile<BITS, 3, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
   }
 }
 
+// One parallel region a call: threads split the strips; each tile adds its outlier
+// product, bias and residual while its accumulators are in registers.
 template <int BITS>
 void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _Float16* mp,
-        int64_t N, float* out) {
+        int64_t N, const Dest& o) {
   const int64_t nb = a.nb, strips = (N + L - 1) / L;
   const int64_t sw = nb * (BITS == 4 ? 256 : 512), sd = nb * L;
   const int64_t group = M <= 2 ? 4 : 2;  // strips a tile: independent chains for few rows
@@ -458,13 +549,13 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
     for (int64_t s = begin; s < end;) {
       const int64_t ns = s + group <= end ? group : 1;
       const _Float16* m = BITS == 4 ? mp + s * sd : nullptr;
-      const int64_t cols = N - s * L;
+      const int64_t col0 = s * L, cols = N - col0;
       if (ns == 4)
-        strips_rows<BITS, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+        strips_rows<BITS, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else if (ns == 2)
-        strips_rows<BITS, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+        strips_rows<BITS, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else
-        strips_rows<BITS, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, out + s * L, N, cols);
+        strips_rows<BITS, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       s += ns;
     }
   });
@@ -472,44 +563,19 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
 
 }  // namespace q8
 
-// x [M, K] float32 (rows may be strided) times a StripBlocks weight of N output rows
-// -> [M, N], on int8-quantized activations (see the section's comment).
+// x [M, K] float32 (rows may be strided) times a StripBlocks weight of N output rows, on
+// int8-quantized activations (see the section's comment), into out [M, n] (rows may be
+// strided): out = x W^T (+ bias), or out += that with `accumulate` (a residual).
 //
 // Outlier split (idx, side): the input channels idx (int64 [K], K may be 0) are zeroed before
 // the rounding, so that each group's scale follows its ordinary channels, and added back
-// exactly: out[r, j] += sum_k x[r, idx[k]] * side[k, j] (side float32 [K, n]: the file's
-// dequantized weights of those columns), one fma chain a value in k order, threads split
-// the columns: a row's bits still do not depend on its batch.
-namespace q8 {
-
-void add_side(const float* x, int64_t M, int64_t xs, const int64_t* idx, int64_t K,
-              const float* side, int64_t N, float* out) {
-  // a few rows: one thread (waking the pool costs more than the work); the bits are the same
-  const int64_t strips = (N + L - 1) / L;
-  at::parallel_for(0, strips, M <= 8 ? strips : 8, [&](int64_t begin, int64_t end) {
-    constexpr int64_t C = 128;  // columns a pass: the k loop runs over a vector of them
-    float acc[C];
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * xs;
-      float* o = out + r * N;
-      for (int64_t lo = begin * L, hi = std::min(N, end * L); lo < hi; lo += C) {
-        const int64_t w = std::min(C, hi - lo);
-        for (int64_t j = 0; j < w; ++j) acc[j] = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          const float xk = xr[idx[k]];
-          const float* sk = side + k * N + lo;
-          for (int64_t j = 0; j < w; ++j) acc[j] = std::fma(xk, sk[j], acc[j]);
-        }
-        for (int64_t j = 0; j < w; ++j) o[lo + j] += acc[j];
-      }
-    }
-  });
-}
-
-}  // namespace q8
-
-torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                          int64_t bits, int64_t n, torch::Tensor idx, torch::Tensor side) {
+// exactly: out[r, j] gets + sum_k x[r, idx[k]] * side[k, j] (side float32 [K, n]: the file's
+// dequantized weights of those columns), one fma chain a value in k order, added to the
+// value's block sum in the tile that computes it: a row's bits do not depend on its batch.
+void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                     const torch::Tensor& m, int64_t bits, int64_t n, const torch::Tensor& idx,
+                     const torch::Tensor& side, const torch::Tensor& bias,
+                     const torch::Tensor& out, bool accumulate) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8");
   TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 3 && d.is_contiguous() &&
               d.size(2) == q8::L, "block_mm_q8: d float16 [strips, nb, 16]");
@@ -525,54 +591,61 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
   TORCH_CHECK(x.size(1) == nb * 32, "block_mm_q8: x has ", x.size(1), " columns, weight ",
               nb * 32);
   const int64_t M = x.size(0);
-  auto out = torch::empty({M, n}, x.options());
-  if (M == 0) return out;
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M &&
+              out.size(1) == n && out.stride(1) == 1, "block_mm_q8: out float32 [M, n]");
   const int64_t K = idx.numel();
   TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 1 && idx.is_contiguous(),
               "block_mm_q8: idx int64 [K]");
   TORCH_CHECK(side.scalar_type() == torch::kFloat32 && side.dim() == 2 &&
               side.is_contiguous() && side.size(0) == K && (K == 0 || side.size(1) == n),
               "block_mm_q8: side float32 [K, n]");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 &&
+                                    bias.is_contiguous() && bias.numel() == n),
+              "block_mm_q8: bias float32 [n] or empty");
+  if (M == 0) return;
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t k = 0; k < K; ++k)
     TORCH_CHECK(ip[k] >= 0 && ip[k] < nb * 32, "block_mm_q8: outlier channel out of range");
-  torch::Tensor xz = x;
-  if (K > 0) {  // the rounded input: x with the outlier channels zeroed
-    xz = torch::empty({M, nb * 32}, x.options());
-    float* p = xz.data_ptr<float>();
-    const float* src = x.data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r) {
-      std::memcpy(p + r * nb * 32, src + r * x.stride(0), nb * 32 * sizeof(float));
-      for (int64_t k = 0; k < K; ++k) p[r * nb * 32 + ip[k]] = 0.f;
-    }
-  }
-  const q8::Acts a = q8::quantize(xz.data_ptr<float>(), M, xz.stride(0), nb, bits == 8);
+  const q8::Acts a = q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8, ip, K);
+  const q8::Dest o{out.data_ptr<float>(), out.stride(0), accumulate,
+                   bias.numel() ? bias.data_ptr<float>() : nullptr,
+                   K ? side.data_ptr<float>() : nullptr, n};
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
   if (bits == 4)
-    q8::mm<4>(a, M, q, dp, reinterpret_cast<const _Float16*>(m.data_ptr()), n,
-              out.data_ptr<float>());
+    q8::mm<4>(a, M, q, dp, reinterpret_cast<const _Float16*>(m.data_ptr()), n, o);
   else
-    q8::mm<8>(a, M, q, dp, nullptr, n, out.data_ptr<float>());
-  if (K > 0)
-    q8::add_side(x.data_ptr<float>(), M, x.stride(0), ip, K, side.data_ptr<float>(), n,
-                 out.data_ptr<float>());
-  return out;
+    q8::mm<8>(a, M, q, dp, nullptr, n, o);
 }
 
+// The same into a new [M, n] (no bias: Python adds it).
+torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                          int64_t bits, int64_t n, torch::Tensor idx, torch::Tensor side) {
+  TORCH_CHECK(x.dim() == 2, "block_mm_q8: x float32 [M, K]");
+  auto out = torch::empty({x.size(0), n}, x.options());
+  static const torch::Tensor none = torch::empty({0}, torch::kFloat32);
+  block_mm_q8_out(x, qs, d, m, bits, n, idx, side, none, out, false);
+  return out;
+}
 // Also a dispatcher op, for C++ callers in other extensions (a fused decode step):
 // c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "") or, from
-// Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits).
+// Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits). block_mm_q8_out's C++
+// signature is decode_step.cpp's typed call: keep the two alike.
 TORCH_LIBRARY(pie_ctx_blocks, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
   m.def("block_mm_q8(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n, Tensor idx, "
         "Tensor side) -> Tensor",
         &block_mm_q8);
+  m.def("block_mm_q8_out(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n, "
+        "Tensor idx, Tensor side, Tensor bias, Tensor(a!) out, bool accumulate) -> ()",
+        &block_mm_q8_out);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q8_0)");
   m.def("block_mm_q8", &block_mm_q8,
         "x @ W.T for W in strips of GGUF blocks, on int8-quantized activations (VNNI)");
+  m.def("block_mm_q8_out", &block_mm_q8_out,
+        "block_mm_q8 into out (rows may be strided): = or += x @ W.T (+ bias)");
   m.def("block_rows", &block_rows, "rows of a GGUF block weight, dequantized to float32");
 }

@@ -98,7 +98,23 @@ struct Kernel {
   int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
   int64_t pad = 1;      // matmul.py's "name@p" (deterministic): calls of fewer rows padded
   torch::Tensor idx, side;  // blocks_q8: its outlier channels and their exact weights
+  torch::Tensor m, bias_or_empty;  // blocks_q8: the minimums and the bias as tensors
 };
+
+// block_mm.cpp's block_mm_q8_out, called typed (no boxing): its C++ signature exactly.
+using Q8Out = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   int64_t, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, bool);
+
+// out (=, or += with accumulate) x @ W.T (+ bias) through blocks_q8, into out's rows.
+void q8_into(const Kernel& k, const torch::Tensor& x, const torch::Tensor& out,
+             bool accumulate) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pie_ctx_blocks::block_mm_q8_out", "")
+                             .typed<Q8Out>();
+  op.call(x, k.w, k.scale, k.m, k.group, k.rows, k.idx, k.side, k.bias_or_empty, out,
+          accumulate);
+}
 
 struct LoraBlock {
   int64_t out_lo, out_hi, col_lo, col_hi;
@@ -139,6 +155,11 @@ Kernel make_kernel(py::tuple spec) {
     k.side = spec[9].cast<torch::Tensor>();
   }
   TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
+  if (k.kind == BLOCKS_Q8) {
+    k.m = k.packed.toTensor();
+    k.bias_or_empty = k.bias.defined() ? k.bias.to(at::kFloat).contiguous()
+                                       : torch::empty({0}, torch::kFloat32);
+  }
   return k;
 }
 
@@ -295,16 +316,47 @@ class DecodeStep {
         groups[pos->second].rows.push_back(t);
       }
     }
+    auto kernel = [&](const Layer& l, int p) -> const Kernel& {
+      const auto& ks = l.proj[p];
+      return ks[std::min(bucket, ks.size() - 1)];
+    };
     auto project = [&](const Layer& l, int64_t layer, int p, const torch::Tensor& in) {
       torch::Tensor out;
       {
         RECORD_FUNCTION(PROJ_NAMES[p], std::vector<c10::IValue>());
-        const auto& ks = l.proj[p];
-        out = run_padded(ks[std::min(bucket, ks.size() - 1)], in);
+        out = run_padded(kernel(l, p), in);
       }
       if (!groups.empty()) lora(layer, p, in, out, groups);
       return out;
     };
+    // blocks_q8 (never padded: its rows are batch-invariant at any count) writes into the
+    // step's buffers, allocated once a call (qkv, gate_up), and adds the o and down
+    // projections straight into the residual x: x + v is the eager x.add_(v)'s bits. With
+    // LoRA deltas the projection is formed first (x + (v + delta), as eagerly).
+    auto direct = [&](const Kernel& k) { return k.kind == BLOCKS_Q8 && k.pad <= 1; };
+    auto project_buf = [&](const Layer& l, int64_t layer, int p, const torch::Tensor& in,
+                           torch::Tensor& buf) {
+      const Kernel& k = kernel(l, p);
+      if (!direct(k)) return project(l, layer, p, in);
+      if (!buf.defined() || buf.size(1) != k.rows)
+        buf = torch::empty({T, k.rows}, x.options());
+      {
+        RECORD_FUNCTION(PROJ_NAMES[p], std::vector<c10::IValue>());
+        q8_into(k, in, buf, false);
+      }
+      if (!groups.empty()) lora(layer, p, in, buf, groups);
+      return buf;
+    };
+    auto residual = [&](const Layer& l, int64_t layer, int p, const torch::Tensor& in) {
+      const Kernel& k = kernel(l, p);
+      if (direct(k) && groups.empty()) {
+        RECORD_FUNCTION(PROJ_NAMES[p], std::vector<c10::IValue>());
+        q8_into(k, in, x, true);
+        return;
+      }
+      x.add_(project(l, layer, p, in));
+    };
+    torch::Tensor qkv_buf, gu_buf;
     for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
       const Layer& l = layers_[i];
       torch::Tensor h;
@@ -312,7 +364,7 @@ class DecodeStep {
         RECORD_FUNCTION("pie::rms_norm", std::vector<c10::IValue>());
         h = rms_norm(x, l.input_norm, eps_);
       }
-      auto qkv = project(l, i, 0, h);  // [T, qd + 2 kvd]
+      auto qkv = project_buf(l, i, 0, h, qkv_buf);  // [T, qd + 2 kvd]
       {
         RECORD_FUNCTION("pie::rope_", std::vector<c10::IValue>());
         rope_(qkv, cos, sin, heads_ + kv_heads_, D);
@@ -332,19 +384,18 @@ class DecodeStep {
         RECORD_FUNCTION("pie::prefetch_paged_kv", std::vector<c10::IValue>());
         prefetch_paged_kv(pool, i + 1, tables, seq_start, cached);
       }
-      auto o = project(l, i, 1, attn);
-      x.add_(o);
+      residual(l, i, 1, attn);
       {
         RECORD_FUNCTION("pie::rms_norm", std::vector<c10::IValue>());
         h = rms_norm(x, l.post_norm, eps_);
       }
-      auto gu = project(l, i, 2, h);
+      auto gu = project_buf(l, i, 2, h, gu_buf);
       torch::Tensor inner;
       {
         RECORD_FUNCTION("pie::silu_mul", std::vector<c10::IValue>());
         inner = silu_mul(gu);
       }
-      x.add_(project(l, i, 3, inner));
+      residual(l, i, 3, inner);
     }
     return x;
   }
