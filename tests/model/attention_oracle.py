@@ -8,11 +8,17 @@ read back from the pool (after the backend wrote the new tokens), so the only di
 allowed is the backend's own rounding. Inputs are scaled so that softmax is peaked: one
 key more or less moves a row's output by far more than the tolerance (``dense(...,
 drop_newest=True)`` is that wrong answer, and the tests assert it is told apart).
+
+``paged_tables`` and ``sdpa_over_pages`` are the CPU paged kernel's batch and its SDPA
+answer, shared by tests/model/test_kernels.py and tests/model/test_paged_kernel.py.
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
+import torch.nn.functional as F
 
 from runtime.model.attention.base import AttentionMetadata
 
@@ -99,3 +105,47 @@ def dense(pool: torch.Tensor, layer: int, q: torch.Tensor, meta: AttentionMetada
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, h * d))
         row += n
     return torch.cat(out)
+
+
+def paged_tables(case: list[tuple[int, int]], page_size: int, pages: int, *,
+                 shared_pages: int = 0, seed: int = 0,
+                 ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
+    """Page tables for a batch of ``(num_cached, new tokens)`` sequences on ``pages``
+    shuffled pages, the first ``shared_pages`` of every table the same (forks of one
+    prompt): ``(tables, padded int32 [N, width], starts)``, starts as the paged kernel's
+    ``seq_start``."""
+    rng = random.Random(seed)
+    perm = list(range(pages))
+    rng.shuffle(perm)
+    common, used, tables = perm[:shared_pages], shared_pages, []
+    for nc, n in case:
+        need = -(-(nc + n) // page_size) - shared_pages
+        tables.append(common + perm[used:used + need])
+        used += need
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for _, n in case:
+        starts.append(starts[-1] + n)
+    return tables, padded, starts
+
+
+def sdpa_over_pages(pool: torch.Tensor, q: torch.Tensor, layer: int,
+                    tables: list[list[int]], starts: list[int],
+                    cached: list[int]) -> torch.Tensor:
+    """SDPA over each sequence's gathered pages of an unquantized pool ``[P, S, L, 2, KVH,
+    D]``, causal, GQA by repeating KV heads: the paged kernel's answer ``[T, H * D]``."""
+    s, kvh, d, h = pool.shape[1], pool.shape[4], q.shape[-1], q.shape[1]
+    outs = []
+    for i, nc in enumerate(cached):
+        rows = starts[i + 1] - starts[i]
+        kv = nc + rows
+        pages = tables[i][: -(-kv // s)]
+        k = pool[pages, :, layer, 0].reshape(-1, kvh, d)[:kv].repeat_interleave(h // kvh, 1)
+        v = pool[pages, :, layer, 1].reshape(-1, kvh, d)[:kv].repeat_interleave(h // kvh, 1)
+        mask = torch.arange(kv)[None, :] <= (nc + torch.arange(rows))[:, None]
+        o = F.scaled_dot_product_attention(q[starts[i]:starts[i + 1]].transpose(0, 1),
+                                           k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask)
+        outs.append(o.transpose(0, 1).reshape(rows, h * d))
+    return torch.cat(outs)

@@ -4,11 +4,10 @@ threads; and the model with kernels against the model without."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_oracle import paged_tables, sdpa_over_pages
 from tiny_models import PagedSeq, free_list, make_hf_model, make_runner, random_tokens
 
 from runtime.model import kernels
@@ -38,39 +37,14 @@ def _pool(order: str) -> torch.Tensor:
 
 def _reference(pool, q, layer, tables, starts, cached):
     """SDPA over each sequence's gathered pages, causal, GQA by repeating KV heads."""
-    outs = []
-    for i, nc in enumerate(cached):
-        rows = starts[i + 1] - starts[i]
-        kv = nc + rows
-        pages = tables[i][: -(-kv // S)]
-        k = pool[pages, :, layer, 0].reshape(-1, KVH, D)[:kv]
-        v = pool[pages, :, layer, 1].reshape(-1, KVH, D)[:kv]
-        k = k.repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, kv, D]
-        v = v.repeat_interleave(H // KVH, dim=1).transpose(0, 1)
-        mask = torch.arange(kv)[None, :] <= (nc + torch.arange(rows))[:, None]
-        o = F.scaled_dot_product_attention(q[starts[i]:starts[i + 1]].transpose(0, 1), k, v,
-                                           attn_mask=mask)
-        outs.append(o.transpose(0, 1).reshape(rows, H * D))
-    return torch.cat(outs)
+    return sdpa_over_pages(pool, q, layer, tables, starts, cached)
 
 
 def _call(ops, pool, case, *, shared_pages=0, seed=0):
     """Attention of a batch of (num_cached, new tokens) sequences; the first
     ``shared_pages`` pages of every table are the same (forks of one prompt)."""
-    rng = random.Random(seed)
-    perm = list(range(P))
-    rng.shuffle(perm)
-    common, used, tables = perm[:shared_pages], shared_pages, []
-    for nc, n in case:
-        need = -(-(nc + n) // S) - shared_pages
-        tables.append(common + perm[used:used + need])
-        used += need
-    starts = [0]
-    for _, n in case:
-        starts.append(starts[-1] + n)
+    tables, padded, starts = paged_tables(case, S, P, shared_pages=shared_pages, seed=seed)
     cached = [nc for nc, _ in case]
-    width = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     torch.manual_seed(seed + 1)
     q = torch.randn(starts[-1], H + 2 * KVH, D)[:, :H]  # a strided view, as the model's
     out = ops.paged_attention(q, pool, 1, padded, torch.tensor(starts, dtype=torch.int32),

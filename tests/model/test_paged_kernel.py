@@ -6,11 +6,9 @@ next layer's prefetch (``prefetch_paged_kv``) is a hint that changes nothing."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_oracle import paged_tables, sdpa_over_pages
 
 from runtime.kv.layout import decode, encode
 from runtime.model import kernels
@@ -38,20 +36,7 @@ def _pool(pages: int, kvh: int, d: int, kv: str) -> torch.Tensor:
 
 
 def _tables(case, shared_pages=0, pages=200, seed=0):
-    rng = random.Random(seed)
-    perm = list(range(pages))
-    rng.shuffle(perm)
-    common, used, tables = perm[:shared_pages], shared_pages, []
-    for nc, n in case:
-        need = -(-(nc + n) // S) - shared_pages
-        tables.append(common + perm[used:used + need])
-        used += need
-    width = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = [0]
-    for _, n in case:
-        starts.append(starts[-1] + n)
-    return tables, padded, starts
+    return paged_tables(case, S, pages, shared_pages=shared_pages, seed=seed)
 
 
 def _run(ops, pool, q, case, padded, starts):
@@ -64,19 +49,7 @@ def _reference(pool, q, tables, starts, case):
     """SDPA over each sequence's gathered (decoded) pages, causal, GQA by repetition."""
     if pool.dtype == torch.int8:
         pool = decode(pool, torch.float32)
-    pool = pool.float()
-    kvh, d, h = pool.shape[4], q.shape[-1], q.shape[1]
-    outs = []
-    for i, (nc, n) in enumerate(case):
-        kv = nc + n
-        pages = tables[i][: -(-kv // S)]
-        k = pool[pages, :, 1, 0].reshape(-1, kvh, d)[:kv].repeat_interleave(h // kvh, 1)
-        v = pool[pages, :, 1, 1].reshape(-1, kvh, d)[:kv].repeat_interleave(h // kvh, 1)
-        mask = torch.arange(kv)[None, :] <= (nc + torch.arange(n))[:, None]
-        o = F.scaled_dot_product_attention(q[starts[i]:starts[i + 1]].transpose(0, 1),
-                                           k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        outs.append(o.transpose(0, 1).reshape(n, h * d))
-    return torch.cat(outs)
+    return sdpa_over_pages(pool.float(), q, 1, tables, starts, [nc for nc, _ in case])
 
 
 # (num_cached, new rows) per sequence: single decodes that end mid-block, a split boundary
