@@ -41,17 +41,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"{why}: {marker.args[0]}"))
 
 
+def _session_env(name: str, value: str):
+    """Set environment variable ``name`` for the session, then put back what was there."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    yield
+    if old is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = old
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _data_home(tmp_path_factory: pytest.TempPathFactory):
     """Servers the tests start keep snapshots in a session folder, never in the user's
     ~/.local/share (``serve``'s default snapshot directory)."""
-    old = os.environ.get("XDG_DATA_HOME")
-    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data-home"))
-    yield
-    if old is None:
-        os.environ.pop("XDG_DATA_HOME", None)
-    else:
-        os.environ["XDG_DATA_HOME"] = old
+    yield from _session_env("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data-home")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,13 +66,8 @@ def _machine_cache(tmp_path_factory: pytest.TempPathFactory):
     depends on what an earlier run left there (the compiled kernels stay where they are:
     building them takes minutes). Servers the tests start inherit the folder, so a model
     probed once in the session is not probed again by each server."""
-    old = os.environ.get("PIE_CTX_MACHINE_CACHE_DIR")
-    os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine-cache"))
-    yield
-    if old is None:
-        os.environ.pop("PIE_CTX_MACHINE_CACHE_DIR", None)
-    else:
-        os.environ["PIE_CTX_MACHINE_CACHE_DIR"] = old
+    yield from _session_env("PIE_CTX_MACHINE_CACHE_DIR",
+                            str(tmp_path_factory.mktemp("machine-cache")))
 
 
 @pytest.fixture(scope="session")
