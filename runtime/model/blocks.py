@@ -24,7 +24,8 @@ offers it as a kernel candidate then).
 (``blocks_q8``, llama.cpp's way): each activation row is rounded per group of 32 to int8
 with a scale (:func:`round_activations` is its eager twin), and each block's product is an
 integer dot (AVX-512 VNNI), scaled in fp32. The weights stay the file's; only the
-activations are rounded.
+activations are rounded (down_proj's in two levels: the first level's error rounded again,
+``StripBlocks.levels``).
 
 K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
 formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
