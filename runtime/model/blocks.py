@@ -24,7 +24,8 @@ offers it as a kernel candidate then).
 (``blocks_q8``, llama.cpp's way): each activation row is rounded per group of 32 to int8
 with a scale (:func:`round_activations` is its eager twin), and each block's product is an
 integer dot (AVX-512 VNNI), scaled in fp32. The weights stay the file's; only the
-activations are rounded.
+activations are rounded (down_proj's in two levels: the first level's error rounded again,
+``StripBlocks.levels``).
 
 K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
 formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
@@ -54,6 +55,7 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 INT8_ACTIVATIONS = os.environ.get("PIE_CTX_BLOCKS_Q8", "1").lower() in (
     "1", "true", "yes", "on")
 OUTLIERS = 8  # input channels a norm-fed projection keeps out of blocks_q8's rounding
+TWO_LEVELS = 256  # added to block_mm_q8's ``bits``: activations rounded in two levels
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,21 +258,35 @@ def int8_activations() -> bool:
     return ops is not None and hasattr(ops, "block_mm_q8")
 
 
-def round_activations(x: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
+def _round_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, d) of groups g [..., 32]: ``d = max|g| / 127``, ``q = round(g * (1 / d))``."""
+    d = g.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(g * inv), d
+
+
+def round_activations(x: torch.Tensor, outliers: torch.Tensor | None = None,
+                      levels: int = 1) -> torch.Tensor:
     """float32 ``x`` [..., K] as the ``blocks_q8`` kernel rounds it (llama.cpp's Q8_0 of
     activations): per group of 32, ``d = max|x| / 127`` and ``q = round(x * (1 / d))`` (ties
-    to even); the values ``q * d``. With ``outliers`` (input channels, int64 [n]) those
-    channels are zeroed before the rounding and keep their exact values (the kernel's
-    outlier split: their product is exact). The kernel's exact input, for tests and the check
-    of :func:`runtime.model.matmul.choose_kernels`."""
+    to even); the values ``q * d``. With ``levels=2`` the error ``x - q * d`` (one rounding)
+    is rounded the same way (``q2``, ``d2``) and the values are ``q * d + q2 * d2`` (the
+    kernel's two levels: ~1/254 of one level's error). With ``outliers`` (input channels,
+    int64 [n]) those channels are zeroed before the rounding and keep their exact values
+    (the kernel's outlier split: their product is exact). The kernel's input (up to the
+    last bit of a two-level value), for tests and the check of
+    :func:`runtime.model.matmul.choose_kernels`."""
     xf = x.float()
     if outliers is not None and outliers.numel():
         xf = xf.clone()
         xf[..., outliers] = 0
     g = xf.reshape(*x.shape[:-1], -1, GROUP)
-    d = g.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    out = (torch.round(g * inv) * d).reshape(x.shape)
+    q, d = _round_groups(g)
+    vals = q * d
+    if levels == 2:  # the error with one rounding (the kernel's fma): exact in float64
+        q2, d2 = _round_groups((g.double() - q.double() * d.double()).float())
+        vals = vals + q2 * d2
+    out = vals.reshape(x.shape)
     if outliers is not None and outliers.numel():
         out[..., outliers] = x.float()[..., outliers]
     return out
@@ -298,6 +314,8 @@ class StripBlocks:
         d: float16 [strips, nb, 16] scales; m: the same minimums (4 bits) or empty.
         outliers: int64 [K] input channels kept out of the rounding (K may be 0).
         side: float32 [K, out]: the file's dequantized weights of those channels (exact).
+        levels: 1, or 2: the activations rounded in two levels (:func:`round_activations`;
+            for down_proj, whose inputs the rounding hurts most: see docs/performance.md).
 
     The outlier split: the channels ``outliers`` are zeroed before the activations are
     rounded (so a group's scale follows its ordinary channels) and multiplied exactly by
@@ -312,11 +330,19 @@ class StripBlocks:
     in_features: int
     outliers: torch.Tensor
     side: torch.Tensor
+    levels: int = 1
+
+    @property
+    def code(self) -> int:
+        """block_mm_q8's ``bits`` argument: the weights' bits, + TWO_LEVELS for two."""
+        return self.bits + (TWO_LEVELS if self.levels == 2 else 0)
 
     @classmethod
-    def from_blocks(cls, w: BlockWeight, outliers: torch.Tensor | None = None) -> StripBlocks:
+    def from_blocks(cls, w: BlockWeight, outliers: torch.Tensor | None = None,
+                    levels: int = 1) -> StripBlocks:
         """The same weights as ``w`` (every quant, scale and minimum, moved), with the input
-        channels ``outliers`` (None: none) kept out of the activation rounding."""
+        channels ``outliers`` (None: none) kept out of the activation rounding, which has
+        ``levels`` (1 or 2) levels."""
         n, nb = w.out_features, w.in_features // GROUP
         strips = -(-n // 16)
         pad = strips * 16 - n
@@ -337,13 +363,13 @@ class StripBlocks:
         idx = (torch.empty(0, dtype=torch.int64) if outliers is None
                else outliers.to(torch.int64).contiguous())
         side = w.dequantize()[:, idx].t().contiguous()  # [K, out]
-        return cls(w.bits, qs, per_strip(w.d), m, n, w.in_features, idx, side)
+        return cls(w.bits, qs, per_strip(w.d), m, n, w.in_features, idx, side, levels)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """float32 ``x`` [M, in] @ W.T -> [M, out] on ``x`` rounded per group of 32 to int8
-        (:func:`round_activations`); needs the compiled block kernels."""
+        in ``levels`` levels (:func:`round_activations`); needs the compiled block kernels."""
         ops = kernels.block_ops()
         if ops is None or not hasattr(ops, "block_mm_q8"):
             raise RuntimeError("the int8-activation block kernel is not built here")
         return ops.block_mm_q8(x if x.stride(-1) == 1 else x.contiguous(), self.qs, self.d,
-                               self.m, self.bits, self.out_features, self.outliers, self.side)
+                               self.m, self.code, self.out_features, self.outliers, self.side)

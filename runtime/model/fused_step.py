@@ -122,7 +122,7 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
             return (kind, w.qs, w.d, bias, w.m, w.bits)
         strips = p._layouts.get(name)
         if name == "blocks_q8" and isinstance(strips, StripBlocks):
-            return (kind, strips.qs, strips.d, bias, strips.m, strips.bits, strips.out_features,
+            return (kind, strips.qs, strips.d, bias, strips.m, strips.code, strips.out_features,
                     strips.outliers, strips.side)
         i4 = p._layouts.get(name)
         if name == "int4pack" and isinstance(i4, Int4Weight):

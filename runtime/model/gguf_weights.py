@@ -28,6 +28,9 @@ from runtime.model.quant import calibrate
 
 __all__ = ["use_blocks", "quantize_q8_0"]
 
+# projections whose blocks_q8 activations are rounded in two levels (StripBlocks.levels)
+TWO_LEVEL_KINDS = {"down": 2}
+
 _PARTS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o_proj": ("self_attn.o_proj",),
@@ -88,7 +91,11 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
                 # channels out of its rounding: qkv and gate_up alone reached greedy
                 # agreement 0.982 in simulation, all 0.989 (docs/performance.md)
                 outliers = outlier_channels(layer_amax[i][kind]) if layer_amax else None
-                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers))
+                # down_proj's inputs (SiLU(gate) * up, heavy-tailed within a group) take
+                # blocks_q8's rounding in two levels: one level left greedy agreement
+                # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md, issue 40)
+                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
+                                             act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
     tied = model.lm_head.weight is model.embed
     if blocks is not None:
         table = blocks.get("model.embed_tokens.weight")

@@ -192,20 +192,24 @@ class Projection:
         pack: a float weight may get a oneDNN-packed copy (if chosen, see module doc).
         buckets: how many of ROW_BUCKETS to time (the lm_head, which rarely sees many
             rows, uses the first two; calls with more rows use the last bucket's kernel).
+        outliers: blocks_q8's input channels kept out of its rounding (int64), or None.
+        act_levels: blocks_q8 rounds the activations in 1 or 2 levels (2: down_proj's, see
+            :func:`runtime.model.blocks.round_activations`).
 
     Until :func:`choose_kernels` runs, every call uses the first candidate (``mkl`` or
     ``int_mm``).
     """
 
-    __slots__ = ("weight", "bias", "pack", "buckets", "outliers", "kernel_names", "_kernels",
-                 "_layouts")
+    __slots__ = ("weight", "bias", "pack", "buckets", "outliers", "act_levels", "kernel_names",
+                 "_kernels", "_layouts")
 
     def __init__(self, weight: torch.Tensor | Int8Weight | BlockWeight, bias: torch.Tensor | None = None, *,
                  pack: bool = False, buckets: int = len(ROW_BUCKETS),
-                 outliers: torch.Tensor | None = None) -> None:
+                 outliers: torch.Tensor | None = None, act_levels: int = 1) -> None:
         self.weight = weight
         self.bias = bias
         self.outliers = outliers
+        self.act_levels = act_levels
         self.pack = pack
         self.buckets = buckets
         self._layouts: dict[str, object] = {}
@@ -250,8 +254,9 @@ class Projection:
         dtype = self.form
         if isinstance(self.weight, BlockWeight) and not Int4Weight.fits(self.weight):
             dtype += "-f16"  # scales bf16 cannot hold: int4pack is not a candidate
-        return (dtype, self.shape, self.bias is not None, self.pack, self.buckets,
-                str(self.device))
+        sig = (dtype, self.shape, self.bias is not None, self.pack, self.buckets,
+               str(self.device))
+        return sig if self.act_levels == 1 else (*sig, f"levels={self.act_levels}")
 
     @property
     def nbytes(self) -> int:
@@ -335,7 +340,8 @@ class Projection:
         if name == "blocks_q8":
             strips = self._layouts.get(name)
             if strips is None:
-                strips = self._layouts[name] = StripBlocks.from_blocks(w, self.outliers)
+                strips = self._layouts[name] = StripBlocks.from_blocks(w, self.outliers,
+                                                                       self.act_levels)
             if b is None:
                 return lambda x: _as(strips.matmul(_f32(x)), x)  # type: ignore[union-attr]
             return lambda x: _as(strips.matmul(_f32(x)).add_(b), x)  # type: ignore[union-attr]
@@ -591,7 +597,7 @@ def probe_signature(rep: Projection, members: list[Projection], names: list[str]
         ref = want[: rows.shape[0]]
         if n in ROUNDS_ACTIVATIONS:  # its product of the input it actually multiplies
             ref = rep._kernel(names[0])(
-                ROUNDS_ACTIVATIONS[n](rows, rep.outliers).to(rows.dtype))
+                ROUNDS_ACTIVATIONS[n](rows, rep.outliers, rep.act_levels).to(rows.dtype))
         if not torch.allclose(got.float(), ref.float(), rtol=1e-3,
                               atol=1e-3 * float(ref.abs().max())):
             log.info("projection kernel %s disagrees with %s on %dx%d; not used", n,

@@ -276,59 +276,91 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
 namespace q8 {
 
 constexpr int64_t L = 16;  // output rows a strip
+constexpr int64_t TWO_LEVELS = 256;  // flag in block_mm_q8's `bits`: activations in two levels
 
 // A batch of activation rows quantized per group of 32, and the exact values of its
 // outlier channels. The arrays live in the calling thread's buffers (no allocation a call
 // once they are big enough); the worker threads of one call only read them.
+//
+// Two levels (a projection whose input the rounding hurts most, down_proj: its SiLU(gate) *
+// up inputs are heavy-tailed within a group): each value is q * d + q2 * d2, where q2 / d2
+// round the first level's error x - q * d (one fma) per group of 32 the same way. The error
+// left is ~1/254 of one level's; the product costs a second integer dot a block.
 struct Acts {
   int64_t nb = 0, K = 0;
   const int8_t* q = nullptr;      // [M, nb * 32]
   const float* d = nullptr;       // [M, nb]
-  const float* s = nullptr;       // [M, nb]: d * sum(q) per block
+  const float* s = nullptr;       // [M, nb]: d * sum(q) (+ d2 * sum(q2)) per block
   const int32_t* corr = nullptr;  // [M, nb]: -128 * sum(q) per block (8-bit weights)
   const float* xo = nullptr;      // [M, K]: x[r, idx[k]] (the outlier split's inputs)
+  const int8_t* q2 = nullptr;     // two levels: [M, nb * 32], the error's quants, or null
+  const float* d2 = nullptr;      // [M, nb]
+  const int32_t* corr2 = nullptr; // [M, nb]: -128 * sum(q2) (8-bit weights)
 };
 
-inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float* ss,
-                         int32_t* cr) {
-  for (int64_t b = 0; b < nb; ++b) {
-    int8_t* qb = q + b * 32;
-    const float* xb = x + b * 32;
-    int32_t sum = 0;
+// One group of 32: q = round(x / d), d = max|x| / 127; returns sum(q). With `err`, also
+// err[i] = x[i] - q[i] * d (one fma: the second level's input).
+inline int32_t quantize_group(const float* xb, int8_t* qb, float& d_out, float* err) {
+  int32_t sum = 0;
 #if defined(__AVX512F__)
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
-                                                          _mm512_abs_ps(x1)));
-    const float d = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-    constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, id), RN));
-    const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, id), RN));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(i0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(i1));
-    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0),
+                                                        _mm512_abs_ps(x1)));
+  const float d = amax / 127.f;
+  const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 f0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, id), RN);
+  const __m512 f1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, id), RN);
+  const __m512i i0 = _mm512_cvtps_epi32(f0), i1 = _mm512_cvtps_epi32(f1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(i1));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  if (err) {
+    const __m512 vd = _mm512_set1_ps(d);
+    _mm512_storeu_ps(err, _mm512_fnmadd_ps(f0, vd, x0));
+    _mm512_storeu_ps(err + 16, _mm512_fnmadd_ps(f1, vd, x1));
+  }
 #else
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));  // ties to even
-      qb[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < 32; ++i) {
+    const float f = std::nearbyint(xb[i] * id);  // ties to even
+    qb[i] = static_cast<int8_t>(f);
+    sum += static_cast<int32_t>(f);
+    if (err) err[i] = std::fma(-f, d, xb[i]);
+  }
 #endif
+  d_out = d;
+  return sum;
+}
+
+// A row's nb groups; with q2 (two levels) also the groups of its first level's error.
+inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float* ss,
+                         int32_t* cr, int8_t* q2, float* dd2, int32_t* cr2) {
+  alignas(64) float err[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    float d;
+    const int32_t sum = quantize_group(x + b * 32, q + b * 32, d, q2 ? err : nullptr);
     dd[b] = d;
     ss[b] = d * static_cast<float>(sum);
     if (cr) cr[b] = -128 * sum;
+    if (q2) {
+      float d2;
+      const int32_t sum2 = quantize_group(err, q2 + b * 32, d2, nullptr);
+      dd2[b] = d2;
+      ss[b] = std::fma(d2, static_cast<float>(sum2), ss[b]);
+      if (cr2) cr2[b] = -128 * sum2;
+    }
   }
 }
 
 // The calling thread's buffers (grown, never shrunk).
 struct Scratch {
-  std::vector<int8_t> q;
-  std::vector<float> d, s, xo, row;
-  std::vector<int32_t> corr;
+  std::vector<int8_t> q, q2;
+  std::vector<float> d, s, xo, row, d2;
+  std::vector<int32_t> corr, corr2;
 };
 
 // Rows x [M, K] (row stride xs) quantized with the channels idx [K] zeroed first (so each
@@ -337,7 +369,7 @@ struct Scratch {
 // more); a prefill chunk's rows are split between the threads. Either way each row is the
 // same instructions: its bits do not depend on its batch.
 Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
-              const int64_t* idx, int64_t K) {
+              const int64_t* idx, int64_t K, bool two) {
   thread_local Scratch t;
   const int64_t k32 = nb * 32;
   t.q.resize(std::max<size_t>(t.q.size(), M * k32));
@@ -345,6 +377,11 @@ Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
   t.s.resize(std::max<size_t>(t.s.size(), M * nb));
   if (corr) t.corr.resize(std::max<size_t>(t.corr.size(), M * nb));
   if (K) t.xo.resize(std::max<size_t>(t.xo.size(), M * K));
+  if (two) {
+    t.q2.resize(std::max<size_t>(t.q2.size(), M * k32));
+    t.d2.resize(std::max<size_t>(t.d2.size(), M * nb));
+    if (corr) t.corr2.resize(std::max<size_t>(t.corr2.size(), M * nb));
+  }
   Acts a;
   a.nb = nb;
   a.K = K;
@@ -353,7 +390,13 @@ Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
   a.s = t.s.data();
   a.corr = corr ? t.corr.data() : nullptr;
   a.xo = K ? t.xo.data() : nullptr;
+  a.q2 = two ? t.q2.data() : nullptr;
+  a.d2 = two ? t.d2.data() : nullptr;
+  a.corr2 = two && corr ? t.corr2.data() : nullptr;
   int8_t* q = t.q.data();
+  int8_t* q2 = two ? t.q2.data() : nullptr;
+  float* dd2 = two ? t.d2.data() : nullptr;
+  int32_t* cr2 = two && corr ? t.corr2.data() : nullptr;
   float *dd = t.d.data(), *ss = t.s.data(), *xo = t.xo.data();
   int32_t* cr = corr ? t.corr.data() : nullptr;
   auto rows = [&](int64_t begin, int64_t end, float* row) {
@@ -367,7 +410,9 @@ Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
         }
         src = row;
       }
-      quantize_row(src, nb, q + r * k32, dd + r * nb, ss + r * nb, cr ? cr + r * nb : nullptr);
+      quantize_row(src, nb, q + r * k32, dd + r * nb, ss + r * nb, cr ? cr + r * nb : nullptr,
+                   q2 ? q2 + r * k32 : nullptr, q2 ? dd2 + r * nb : nullptr,
+                   cr2 ? cr2 + r * nb : nullptr);
     }
   };
   if (M <= 16) {
@@ -404,7 +449,7 @@ struct Dest {
 // outliers, v = v + (the fma chain over k of x[r, idx[k]] * side[k, j], from 0, in k
 // order): exactly the two-pass form's bits (block_mm_q8's product, then its side product
 // added); then v = v + bias[j]; then out = out + v with `acc`.
-template <int BITS, int R, int NS>
+template <int BITS, int LV, int R, int NS>
 inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
                        const _Float16* dp, const _Float16* mp, int64_t sd, const Dest& o,
                        int64_t col0, int64_t cols) {
@@ -416,11 +461,15 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
     for (int s = 0; s < NS; ++s) acc[r][s] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i isum[R][NS];
+    __m512i isum[R][NS], isum2[LV == 2 ? R : 1][NS];
     for (int r = 0; r < R; ++r)
-      for (int s = 0; s < NS; ++s)
+      for (int s = 0; s < NS; ++s) {
         isum[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr[(r0 + r) * nb + b])
                                : _mm512_setzero_si512();
+        if (LV == 2)
+          isum2[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr2[(r0 + r) * nb + b])
+                                  : _mm512_setzero_si512();
+      }
     for (int s = 0; s < NS; ++s) {
       const uint8_t* wb = w + s * sw + b * BLK;
       for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k) {
@@ -429,18 +478,29 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
-            const int8_t* aq = a.q + ((r0 + r) * nb + b) * 32;
+            const int64_t i = ((r0 + r) * nb + b) * 32;
             int32_t a0, a1;
-            std::memcpy(&a0, aq + 4 * k, 4);
-            std::memcpy(&a1, aq + 16 + 4 * k, 4);
+            std::memcpy(&a0, a.q + i + 4 * k, 4);
+            std::memcpy(&a1, a.q + i + 16 + 4 * k, 4);
             isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], lo, _mm512_set1_epi32(a0));
             isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], hi, _mm512_set1_epi32(a1));
+            if (LV == 2) {
+              std::memcpy(&a0, a.q2 + i + 4 * k, 4);
+              std::memcpy(&a1, a.q2 + i + 16 + 4 * k, 4);
+              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], lo, _mm512_set1_epi32(a0));
+              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], hi, _mm512_set1_epi32(a1));
+            }
           }
         } else {
           for (int r = 0; r < R; ++r) {
+            const int64_t i = ((r0 + r) * nb + b) * 32 + 4 * k;
             int32_t a0;
-            std::memcpy(&a0, a.q + ((r0 + r) * nb + b) * 32 + 4 * k, 4);
+            std::memcpy(&a0, a.q + i, 4);
             isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], v, _mm512_set1_epi32(a0));
+            if (LV == 2) {
+              std::memcpy(&a0, a.q2 + i, 4);
+              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], v, _mm512_set1_epi32(a0));
+            }
           }
         }
       }
@@ -456,6 +516,9 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
         const int64_t i = (r0 + r) * nb + b;
         acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][s]),
                                     _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r][s]);
+        if (LV == 2)
+          acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r][s]),
+                                      _mm512_mul_ps(dw, _mm512_set1_ps(a.d2[i])), acc[r][s]);
         if (BITS == 4) acc[r][s] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r][s]);
       }
     }
@@ -486,19 +549,25 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
       const uint8_t* wb = w + s * sw + b * BLK;
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
-        const int8_t* aq = a.q + i * 32;
         for (int l = 0; l < L; ++l) {
-          int32_t isum = BITS == 8 ? a.corr[i] : 0;
-          for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k)
-            for (int t = 0; t < 4; ++t) {
-              const uint8_t q = wb[64 * k + 4 * l + t];
-              if (BITS == 4)
-                isum += int32_t{q & 15} * aq[4 * k + t] + int32_t{q >> 4} * aq[16 + 4 * k + t];
-              else
-                isum += int32_t{q} * aq[4 * k + t];
-            }
+          int32_t isum[2] = {0, 0};
+          for (int lv = 0; lv < LV; ++lv) {
+            const int8_t* aq = (lv ? a.q2 : a.q) + i * 32;
+            isum[lv] = BITS == 8 ? (lv ? a.corr2 : a.corr)[i] : 0;
+            for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k)
+              for (int t = 0; t < 4; ++t) {
+                const uint8_t q = wb[64 * k + 4 * l + t];
+                if (BITS == 4)
+                  isum[lv] += int32_t{q & 15} * aq[4 * k + t] +
+                              int32_t{q >> 4} * aq[16 + 4 * k + t];
+                else
+                  isum[lv] += int32_t{q} * aq[4 * k + t];
+              }
+          }
           const float dw = h2f(dp[s * sd + b * L + l]);
-          acc[r][s][l] = std::fma(static_cast<float>(isum), dw * a.d[i], acc[r][s][l]);
+          acc[r][s][l] = std::fma(static_cast<float>(isum[0]), dw * a.d[i], acc[r][s][l]);
+          if (LV == 2)
+            acc[r][s][l] = std::fma(static_cast<float>(isum[1]), dw * a.d2[i], acc[r][s][l]);
           if (BITS == 4)
             acc[r][s][l] = std::fma(h2f(mp[s * sd + b * L + l]), a.s[i], acc[r][s][l]);
         }
@@ -523,23 +592,23 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
 #endif
 }
 
-template <int BITS, int NS>
+template <int BITS, int LV, int NS>
 void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _Float16* dp,
                  const _Float16* mp, int64_t sd, const Dest& o, int64_t col0, int64_t cols) {
   int64_t r = 0;
   for (; r + 4 <= M; r += 4)
-    strip_tile<BITS, 4, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
+    strip_tile<BITS, LV, 4, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
   switch (M - r) {
     case 0: break;
-    case 1: strip_tile<BITS, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
-    case 2: strip_tile<BITS, 2, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
-    default: strip_tile<BITS, 3, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    case 1: strip_tile<BITS, LV, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    case 2: strip_tile<BITS, LV, 2, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    default: strip_tile<BITS, LV, 3, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
   }
 }
 
 // One parallel region a call: threads split the strips; each tile adds its outlier
 // product, bias and residual while its accumulators are in registers.
-template <int BITS>
+template <int BITS, int LV>
 void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _Float16* mp,
         int64_t N, const Dest& o) {
   const int64_t nb = a.nb, strips = (N + L - 1) / L;
@@ -551,11 +620,11 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
       const _Float16* m = BITS == 4 ? mp + s * sd : nullptr;
       const int64_t col0 = s * L, cols = N - col0;
       if (ns == 4)
-        strips_rows<BITS, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, LV, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else if (ns == 2)
-        strips_rows<BITS, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, LV, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else
-        strips_rows<BITS, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, LV, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       s += ns;
     }
   });
@@ -572,11 +641,15 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
 // exactly: out[r, j] gets + sum_k x[r, idx[k]] * side[k, j] (side float32 [K, n]: the file's
 // dequantized weights of those columns), one fma chain a value in k order, added to the
 // value's block sum in the tile that computes it: a row's bits do not depend on its batch.
+//
+// `bits`: the weights' 4 or 8, plus TWO_LEVELS (256) for activations in two levels (Acts).
 void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                     const torch::Tensor& m, int64_t bits, int64_t n, const torch::Tensor& idx,
+                     const torch::Tensor& m, int64_t code, int64_t n, const torch::Tensor& idx,
                      const torch::Tensor& side, const torch::Tensor& bias,
                      const torch::Tensor& out, bool accumulate) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8");
+  const bool two = (code & q8::TWO_LEVELS) != 0;
+  const int64_t bits = code & ~q8::TWO_LEVELS;
+  TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8 (+ 256: two levels)");
   TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 3 && d.is_contiguous() &&
               d.size(2) == q8::L, "block_mm_q8: d float16 [strips, nb, 16]");
   const int64_t strips = d.size(0), nb = d.size(1);
@@ -606,16 +679,18 @@ void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torc
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t k = 0; k < K; ++k)
     TORCH_CHECK(ip[k] >= 0 && ip[k] < nb * 32, "block_mm_q8: outlier channel out of range");
-  const q8::Acts a = q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8, ip, K);
+  const q8::Acts a =
+      q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8, ip, K, two);
   const q8::Dest o{out.data_ptr<float>(), out.stride(0), accumulate,
                    bias.numel() ? bias.data_ptr<float>() : nullptr,
                    K ? side.data_ptr<float>() : nullptr, n};
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
+  const auto* mp = reinterpret_cast<const _Float16*>(m.data_ptr());
   if (bits == 4)
-    q8::mm<4>(a, M, q, dp, reinterpret_cast<const _Float16*>(m.data_ptr()), n, o);
+    two ? q8::mm<4, 2>(a, M, q, dp, mp, n, o) : q8::mm<4, 1>(a, M, q, dp, mp, n, o);
   else
-    q8::mm<8>(a, M, q, dp, nullptr, n, o);
+    two ? q8::mm<8, 2>(a, M, q, dp, nullptr, n, o) : q8::mm<8, 1>(a, M, q, dp, nullptr, n, o);
 }
 
 // The same into a new [M, n] (no bias: Python adds it).
