@@ -208,6 +208,21 @@ constexpr int CMAX = 2;  // 16 ymm registers: fewer accumulators
 template <typename T, int QN>
 inline void qk_block(const float* const* q, const T* const* kp, int64_t kb, int64_t nv,
                      v16 (*dots)[BLOCK]) {
+  if (nv == 4) {  // head dim 64: the QN queries' 4 vectors each stay in registers
+    v16 qv[QN][4];
+    for (int a = 0; a < QN; ++a)
+      for (int c = 0; c < 4; ++c) qv[a][c] = load(q[a] + c * W);
+    for (int64_t k = 0; k < kb; ++k) {
+      v16 d[QN];
+      for (int a = 0; a < QN; ++a) d[a] = v16{};
+      for (int c = 0; c < 4; ++c) {  // the same FMA chain as below: the same bits
+        const v16 kv = load_kv(kp[k] + c * W);
+        for (int a = 0; a < QN; ++a) d[a] = fmadd(qv[a][c], kv, d[a]);
+      }
+      for (int a = 0; a < QN; ++a) dots[a][k] = d[a];
+    }
+    return;
+  }
   for (int64_t k = 0; k < kb; ++k) {
     v16 d[QN];
     for (int a = 0; a < QN; ++a) d[a] = v16{};
@@ -277,26 +292,27 @@ struct Scratch {
   std::vector<v16> acc;
   std::vector<Partial> st;
   std::vector<float> w, kf, vf;
+  std::vector<float> ks, vs;  // attend_rows on an int8 pool: each key's K and V scale
 };
 
 // The scores, softmax update and weighted values of one KV head over one block, for the
-// task's nqt query heads (row j, head i -> a = j * G + i). kp, vp: each key's K and V.
+// task's query heads [ab, ae) (row j, head i -> a = j * G + i; all nqt of them for a unit
+// of whole tasks). kp, vp: each key's K and V. acc, st, w: query head a's at a - ab.
 template <typename KV, typename T>
 void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const* kp,
                 const T* const* vp, int64_t k0, int64_t kb, v16 k_scale, v16 v_scale,
-                v16* acc, Partial* st, float* w) {
+                v16* acc, Partial* st, float* w, int64_t ab, int64_t ae) {
   constexpr bool QUANT = std::is_same<KV, int8_t>::value;
   const int64_t G = c.G, nv = c.nv;
-  const int64_t nqt = task.count * G;
   const int64_t* rows = c.task_rows + task.first;
-  bool live[64];  // chunk a0 / QMAX sees a key of this block (64 chunks; more: always)
-  for (int64_t a0 = 0; a0 < nqt; a0 += QMAX) {
-    const int an = static_cast<int>(std::min<int64_t>(QMAX, nqt - a0));
+  bool live[64];  // chunk (a0 - ab) / QMAX sees a key of this block (64 chunks; more: always)
+  for (int64_t a0 = ab; a0 < ae; a0 += QMAX) {
+    const int an = static_cast<int>(std::min<int64_t>(QMAX, ae - a0));
     bool any = false;
     for (int a = 0; a < an; ++a) any |= c.row_limit[rows[(a0 + a) / G]] >= k0;
-    if (a0 / QMAX < 64) live[a0 / QMAX] = any;
+    if ((a0 - ab) / QMAX < 64) live[(a0 - ab) / QMAX] = any;
     if (!any) {
-      for (int a = 0; a < an; ++a) store(w + (a0 + a) * BLOCK, v16{});
+      for (int a = 0; a < an; ++a) store(w + (a0 - ab + a) * BLOCK, v16{});
       continue;
     }
     const float* qs[QMAX];
@@ -311,7 +327,7 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
     }
     for (int a = 0; a < an; ++a) {
       const int64_t qa = a0 + a;
-      float* wa = w + qa * BLOCK;
+      float* wa = w + (qa - ab) * BLOCK;
       const int64_t limit = c.row_limit[rows[qa / G]];
       if (limit < k0) {  // every key of this block is in its future
         store(wa, v16{});
@@ -331,13 +347,13 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
         store(wa, v16{});
         continue;
       }
-      Partial& p = st[qa];
+      Partial& p = st[qa - ab];
       const float m = std::max(p.m, bm);
       v16 wv = out ? v16{} : exp_neg(sc - m);
       if (p.m != NEG_INF && p.m != m) {
         const float alpha = std::exp(p.m - m);
         p.l *= alpha;
-        for (int64_t cc = 0; cc < nv; ++cc) acc[qa * nv + cc] *= alpha;
+        for (int64_t cc = 0; cc < nv; ++cc) acc[(qa - ab) * nv + cc] *= alpha;
       }
       p.l += hsum(wv);
       p.m = m;
@@ -347,11 +363,11 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
   }
   // weighted values: CMAX vectors of QMAX heads' outputs in registers per pass
   for (int64_t c0 = 0; c0 < nv; c0 += c.cn) {
-    for (int64_t a0 = 0; a0 < nqt; a0 += QMAX) {
-      if (a0 / QMAX < 64 && !live[a0 / QMAX]) continue;
-      const int an = static_cast<int>(std::min<int64_t>(QMAX, nqt - a0));
-      const float* wa = w + a0 * BLOCK;
-      v16* aa = acc + a0 * nv;
+    for (int64_t a0 = ab; a0 < ae; a0 += QMAX) {
+      if ((a0 - ab) / QMAX < 64 && !live[(a0 - ab) / QMAX]) continue;
+      const int an = static_cast<int>(std::min<int64_t>(QMAX, ae - a0));
+      const float* wa = w + (a0 - ab) * BLOCK;
+      v16* aa = acc + (a0 - ab) * nv;
       const int cn = static_cast<int>(c.cn);
       switch (an) {
         case 1: v_block_cn<T, 1>(cn, vp, c0, kb, wa, aa, nv); break;
@@ -449,9 +465,10 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
           vf[k] = vd;
         }
         head_block<KV, float>(c, task, g, kf, vf, k0, kb, k_scale, v_scale, acc, st,
-                              s.w.data());
+                              s.w.data(), 0, nqt);
       } else {
-        head_block<KV, KV>(c, task, g, kp, vp, k0, kb, k_scale, v_scale, acc, st, s.w.data());
+        head_block<KV, KV>(c, task, g, kp, vp, k0, kb, k_scale, v_scale, acc, st, s.w.data(),
+                           0, nqt);
       }
     }
   }
@@ -481,20 +498,142 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
   }
 }
 
-// Units to threads: each unit (task, KV heads [g0, g1)) costs keys x rows x heads; the
-// longest first, each to the least loaded thread. Returns the busiest thread's cost.
+// A task of many query heads (a prefill chunk's rows over one split), query heads [ab, ae)
+// of KV head g: the split's K and V of that head widened once into fp32 (exact), then
+// ROWS_GROUP query heads at a time run over every block of the split, their accumulators
+// and states staying in L1 (attend_unit would sweep all the task's query heads, megabytes
+// of them, once per 16-key block). Blocks past the last key any of them sees are left out:
+// every row would skip them. Each query head meets the same blocks in the same order, with
+// the same arithmetic, as in attend_unit: the same bits. (Scoring from K transposed per
+// block, in sum16's order without its shuffles, gave the same bits but ran 0.6-0.9x.)
+constexpr int64_t ROWS_HEADS = 64;  // query heads of a task from which attend_rows runs it
+constexpr int64_t ROWS_PART = 192;  // query heads of one attend_rows unit
+constexpr int64_t ROWS_GROUP = 32;  // query heads run together over a split's blocks
+template <typename KV>
+void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, int64_t ae,
+                 Scratch& s) {
+  constexpr bool QUANT = std::is_same<KV, int8_t>::value;
+  const int64_t G = c.G, nv = c.nv, D = c.D, S = c.S, H = c.H;
+  const int64_t lo = task.lo, hi = task.hi;
+  const int64_t* rows = c.task_rows + task.first;
+  int64_t last = lo - 1;
+  for (int64_t a = ab; a < ae; ++a) last = std::max(last, c.row_limit[rows[a / G]]);
+  const int64_t end = std::min(hi, last + 1);  // keys [lo, end) are seen by some row
+  const int64_t n = std::max<int64_t>(0, end - lo);
+  s.kf.resize(std::max<int64_t>(1, n) * D);
+  s.vf.resize(std::max<int64_t>(1, n) * D);
+  if constexpr (QUANT) {
+    s.ks.resize(std::max<int64_t>(1, n));
+    s.vs.resize(std::max<int64_t>(1, n));
+  }
+  auto entry_at = [&](int64_t idx) {  // K of head g for key idx
+    return c.base + task.table[idx / S] * c.page_stride + (idx % S) * c.slot_stride +
+           c.kv_off + g * c.head_stride;
+  };
+  for (int64_t idx = lo; idx < std::min(end, lo + PREFETCH); ++idx) {
+    prefetch_bytes<3>(entry_at(idx), c.width * sizeof(KV));
+    prefetch_bytes<3>(entry_at(idx) + c.v_off, c.width * sizeof(KV));
+  }
+  for (int64_t idx = lo; idx < end; ++idx) {
+    if (idx + PREFETCH < end) {
+      prefetch_bytes<3>(entry_at(idx + PREFETCH), c.width * sizeof(KV));
+      prefetch_bytes<3>(entry_at(idx + PREFETCH) + c.v_off, c.width * sizeof(KV));
+    }
+    const KV* kp = entry_at(idx);
+    const KV* vp = kp + c.v_off;
+    float* kd = s.kf.data() + (idx - lo) * D;
+    float* vd = s.vf.data() + (idx - lo) * D;
+    for (int64_t cc = 0; cc < nv; ++cc) {
+      store(kd + cc * W, load_kv(kp + cc * W));
+      store(vd + cc * W, load_kv(vp + cc * W));
+    }
+    if constexpr (QUANT) {
+      s.ks[idx - lo] = entry_scale(kp, D);
+      s.vs[idx - lo] = entry_scale(vp, D);
+    }
+  }
+  const int64_t split = lo / SPLIT_KEYS;
+  for (int64_t gb = ab; gb < ae; gb += ROWS_GROUP) {
+    const int64_t ge = std::min(ae, gb + ROWS_GROUP), na = ge - gb;
+    s.acc.assign(na * nv, v16{});
+    s.st.assign(na, Partial{NEG_INF, 0.f});
+    s.w.resize(na * BLOCK);
+    int64_t group_end = lo;  // the keys this group sees
+    for (int64_t a = gb; a < ge; ++a)
+      group_end = std::max(group_end, std::min(hi, c.row_limit[rows[a / G]] + 1));
+    for (int64_t k0 = lo; k0 < group_end; k0 += BLOCK) {
+      const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);  // as attend_unit cuts them
+      const float* vf[BLOCK];
+      const float* kf[BLOCK];
+      v16 k_scale{}, v_scale{};
+      for (int64_t k = 0; k < kb; ++k) {
+        // keys past `end` are seen by no row of this unit: any finite stand-in will do
+        const int64_t at = std::min(k0 + k, end - 1) - lo;
+        vf[k] = s.vf.data() + at * D;
+        kf[k] = s.kf.data() + at * D;
+        if constexpr (QUANT) {
+          k_scale[k] = s.ks[at];
+          v_scale[k] = s.vs[at];
+        }
+      }
+      head_block<KV, float>(c, task, g, kf, vf, k0, kb, k_scale, v_scale, s.acc.data(),
+                            s.st.data(), s.w.data(), gb, ge);
+    }
+    for (int64_t a = gb; a < ge; ++a) {  // write out, as attend_unit does
+      const int64_t row = rows[a / G], h = g * G + a % G;
+      const Partial& p = s.st[a - gb];
+      const v16* acc = s.acc.data() + (a - gb) * nv;
+      if (c.row_splits[row] == 1) {
+        const float inv = p.l > 0.f ? 1.f / p.l : 0.f;
+        float* o = c.out + row * H * D + h * D;
+        for (int64_t cc = 0; cc < nv; ++cc) store(o + cc * W, acc[cc] * inv);
+      } else {
+        const int64_t slot = (row * H + h) * c.max_splits + split;
+        c.part_ml[slot * 2] = p.m;
+        c.part_ml[slot * 2 + 1] = p.l;
+        float* o = c.part_acc + slot * D;
+        for (int64_t cc = 0; cc < nv; ++cc) store(o + cc * W, acc[cc]);
+      }
+    }
+  }
+}
+
+// Units to threads: each unit costs the (query head, key) pairs it scores, the keys
+// after a row's position (causal) left out; the longest first, each to the least loaded
+// thread. A unit is a task over KV heads [g0, g1) (attend_unit), or, for a task of more
+// than ROWS_HEADS query heads (prefill chunks), the query heads [a0, a1) of one KV head
+// (attend_rows), ROWS_PART of them a unit so the threads share a split's rows. Returns the
+// busiest thread's cost.
 struct Unit {
-  int64_t task, g0, g1, cost;
+  int64_t task, g0, g1, a0, a1, cost;  // a1 > 0: attend_rows over query heads [a0, a1)
 };
-inline int64_t plan_units(const std::vector<Task>& tasks, int64_t KVH, int64_t per_unit,
-                          int64_t threads, std::vector<Unit>& units,
+inline int64_t plan_units(const std::vector<Task>& tasks, int64_t KVH, int64_t G,
+                          int64_t per_unit, int64_t threads, const int64_t* task_rows,
+                          const int64_t* row_limit, std::vector<Unit>& units,
                           std::vector<int64_t>& owner) {
   units.clear();
-  for (size_t t = 0; t < tasks.size(); ++t)
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const Task& k = tasks[t];
+    auto live = [&](int64_t j) {  // keys of the task that its row j sees
+      return std::max<int64_t>(0, std::min(k.hi, row_limit[task_rows[k.first + j]] + 1) - k.lo);
+    };
+    const int64_t nqt = k.count * G;
+    if (nqt > ROWS_HEADS) {
+      for (int64_t g = 0; g < KVH; ++g)
+        for (int64_t a0 = 0; a0 < nqt; a0 += ROWS_PART) {
+          const int64_t a1 = std::min(nqt, a0 + ROWS_PART);
+          int64_t cost = 1;
+          for (int64_t a = a0; a < a1; ++a) cost += live(a / G);
+          units.push_back({static_cast<int64_t>(t), g, g + 1, a0, a1, cost});
+        }
+      continue;
+    }
+    int64_t pairs = 0;
+    for (int64_t j = 0; j < k.count; ++j) pairs += live(j);
     for (int64_t g = 0; g < KVH; g += per_unit)
-      units.push_back({static_cast<int64_t>(t), g, std::min(KVH, g + per_unit),
-                       (tasks[t].hi - tasks[t].lo) * tasks[t].count *
-                           (std::min(KVH, g + per_unit) - g)});
+      units.push_back({static_cast<int64_t>(t), g, std::min(KVH, g + per_unit), 0, 0,
+                       pairs * (std::min(KVH, g + per_unit) - g)});
+  }
   std::vector<int64_t> order(units.size()), load(threads, 0);
   for (size_t u = 0; u < units.size(); ++u) order[u] = static_cast<int64_t>(u);
   std::stable_sort(order.begin(), order.end(),
@@ -633,9 +772,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<Unit> units, whole;
   std::vector<int64_t> owner, whole_owner;
-  const int64_t per_head = plan_units(tasks, KVH, 1, threads, units, owner);
+  const int64_t per_head = plan_units(tasks, KVH, G, 1, threads, task_rows.data(),
+                                      row_limit.data(), units, owner);
   if (KVH > 1 && max_count * G <= 4 * QMAX) {
-    const int64_t grouped = plan_units(tasks, KVH, KVH, threads, whole, whole_owner);
+    const int64_t grouped = plan_units(tasks, KVH, G, KVH, threads, task_rows.data(),
+                                       row_limit.data(), whole, whole_owner);
     if (grouped * 8 <= per_head * 9) {
       units.swap(whole);
       owner.swap(whole_owner);
@@ -645,7 +786,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
     static thread_local Scratch scratch;
     for (int64_t t = begin; t < end; ++t)
       for (size_t u = 0; u < units.size(); ++u)
-        if (owner[u] == t)
+        if (owner[u] != t)
+          continue;
+        else if (units[u].a1 > 0)
+          attend_rows(c, tasks[units[u].task], units[u].g0, units[u].a0, units[u].a1, scratch);
+        else
           attend_unit(c, tasks[units[u].task], units[u].g0, units[u].g1, scratch);
   });
   float* op = c.out;
@@ -895,6 +1040,31 @@ void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor
 }
 
 // silu(gate) * up of a fused [T, 2I] gate/up output: [T, I].
+// exp(x) for x in [-87, 88] (clamped), the paged kernel's exp_neg on the whole range:
+// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^6 (~1.2e-7 relative),
+// 2^n in the exponent. Defined here, under the pragma, so every caller rounds alike.
+EXACT inline v16 exp_clamped(v16 x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  const v16 t = x * 1.44269504088896341f;
+  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 n = (t + magic) - magic;
+  const v16 r = x - n * 0.693147180559945309f;
+  v16 p = splat(1.f / 720.f);
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return p * (v16)e;
+}
+
+// silu(gate) * up = gate / (1 + exp(-gate)) * up, 16 values at a time (a row's last
+// partial vector through a zero-padded copy, so every value takes the same arithmetic);
+// within ~2e-7 relative of torch's F.silu(gate) * up. Calls of a few rows (decode steps)
+// run on the calling thread: ~2 us of work, less than a parallel region's hand-off.
 EXACT torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dtype() == torch::kFloat32 && gu.dim() == 2 && gu.stride(1) == 1,
               "silu_mul: float32 [T, 2I]");
@@ -903,12 +1073,22 @@ EXACT torch::Tensor silu_mul(torch::Tensor gu) {
   const float* g = gu.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t row = gu.stride(0);
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  auto silu16 = [](v16 x, v16 u) { return x / (splat(1.f) + exp_clamped(-x)) * u; };
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = g + t * row;
       const float* up = gate + I;
       float* dst = o + t * I;
-      for (int64_t i = 0; i < I; ++i) dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      int64_t i = 0;
+      for (; i + W <= I; i += W) store(dst + i, silu16(load(gate + i), load(up + i)));
+      if (i < I) {
+        float a[W] = {}, b[W] = {}, c[W];
+        std::memcpy(a, gate + i, (I - i) * sizeof(float));
+        std::memcpy(b, up + i, (I - i) * sizeof(float));
+        store(c, silu16(load(a), load(b)));
+        std::memcpy(dst + i, c, (I - i) * sizeof(float));
+      }
     }
   });
   return out;
