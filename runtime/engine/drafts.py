@@ -18,6 +18,14 @@ Two sources, in order:
    what was generated so far, trimmed to what the constraint (if any) accepts. Lookups
    are O(1): an index from each n-gram to where it last ended is kept as tokens arrive.
 
+A prompt-lookup draft that keeps being rejected (sampling at a temperature mostly draws
+other tokens than the earlier text had) costs every step its extra rows, and takes the
+step off the one-token-a-row fast path. So lookups back off: after a draft of which no
+token was kept, the next 1, 2, 4, ... up to ``MAX_BACKOFF`` decode steps propose no lookup
+(doubling with each rejected draft in a row); one kept token resets it. The policy reads
+only the generation's own past, so a seeded generation still replays exactly (a
+preemption's ``reset`` starts it over too). Forced tokens never back off.
+
 Runs on the event loop, in ``Scheduler.plan``, between two steps (never beside the model
 thread's use of the same matcher).
 """
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Drafter"]
+__all__ = ["MAX_BACKOFF", "Drafter"]
+
+MAX_BACKOFF = 16  # the most decode steps a rejected prompt-lookup draft pauses lookups
 
 
 class Drafter:
@@ -53,6 +63,9 @@ class Drafter:
     def reset(self) -> None:
         """Forget every generated token (the generation starts again after a preemption)."""
         self._history: list[int] = []
+        self._misses = 0  # prompt-lookup drafts in a row of which no token was kept
+        self._pause = 0  # decode steps left that propose no lookup
+        self._looked_up = False  # the last proposal was a lookup (not forced, not empty)
         # _ends[n - 1][ngram] = the index just after that n-gram's latest occurrence that
         # ends before the last token
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ngram)]
@@ -73,6 +86,7 @@ class Drafter:
     def propose(self, matcher: Any, limit: int) -> list[int]:
         """Tokens to append after the pending one (the matcher has consumed it), at most
         ``limit``; empty when there is nothing worth verifying."""
+        self._looked_up = False
         if limit <= 0:
             return []
         if matcher is not None and self.jump_forward:
@@ -82,11 +96,27 @@ class Drafter:
                 return forced
         if not self.prompt_lookup:
             return []
+        if self._pause > 0:
+            self._pause -= 1
+            return []
         draft = self._lookup(min(limit, self.prompt_lookup))
         if draft and matcher is not None:
             draft = draft[: matcher.validate_tokens(draft)]
         self.num_looked_up += len(draft)
+        self._looked_up = bool(draft)
         return draft
+
+    def judged(self, num_kept: int) -> None:
+        """The step verified the last proposal: ``num_kept`` of its tokens were kept (the
+        scheduler calls this for every verified draft; only lookups count)."""
+        if not self._looked_up:
+            return
+        self._looked_up = False
+        if num_kept > 0:
+            self._misses = 0
+            return
+        self._misses += 1
+        self._pause = min(2 ** (self._misses - 1), MAX_BACKOFF)
 
     def _lookup(self, k: int) -> list[int]:
         h = self._history

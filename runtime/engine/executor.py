@@ -101,8 +101,12 @@ class StepExecutor:
                 results[i].logprob_ids = list(req.logprob_ids)
                 results[i].logprobs = list(logprobs(logits[i], req.logprob_ids))
         if sample_at:
-            tokens = sample_rows(adjusted[sample_at], params, gens)
-            lp = torch.log_softmax(logits[sample_at], dim=-1)  # the model's own (temperature 1)
+            # Every row samples in a plain decode step: use the tensors as they are rather
+            # than gather copies of [rows, vocab] (the values are the same either way).
+            whole = len(sample_at) == logits.shape[0]
+            tokens = sample_rows(adjusted if whole else adjusted[sample_at], params, gens)
+            # The model's own log-probability (temperature 1) of each sampled token.
+            lp = torch.log_softmax(logits if whole else logits[sample_at], dim=-1)
             picked = lp[torch.arange(len(tokens)), tokens]
             for i, token, value in zip(sample_at, tokens, picked.tolist(), strict=True):
                 results[i].sampled = int(token)

@@ -488,6 +488,8 @@ class Scheduler:
         """A decode step's tokens: the kept draft tokens, then the one sampled after them,
         up to where the generation ends. The step wrote the pending token and the whole
         draft; what is not kept leaves the shadow, and the last token kept is pending."""
+        if job.drafter is not None and len(group) > 1:
+            job.drafter.judged(group[0].accepted or 0)
         kept = 0
         for row in group:
             if row.sampled is None:

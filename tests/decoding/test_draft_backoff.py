@@ -1,0 +1,58 @@
+"""Prompt-lookup drafts back off after rejected drafts (runtime.engine.drafts)."""
+
+from __future__ import annotations
+
+from runtime.engine.drafts import MAX_BACKOFF, Drafter
+
+
+def _drafter() -> Drafter:
+    # "1 2 3 4 1 2 3" ends with an n-gram seen before: the lookup proposes "4 1 2 3".
+    return Drafter([1, 2, 3, 4, 1, 2, 3], prompt_lookup=4)
+
+
+def _pauses(d: Drafter) -> int:
+    """Decode steps until the next lookup draft (the draft is judged rejected)."""
+    n = 0
+    while not d.propose(None, 4):
+        n += 1
+    d.judged(0)
+    return n
+
+
+def test_rejected_drafts_pause_lookups_doubling_up_to_the_cap() -> None:
+    d = _drafter()
+    assert d.propose(None, 4) == [4, 1, 2, 3]
+    d.judged(0)
+    assert [_pauses(d) for _ in range(7)] == [1, 2, 4, 8, 16, MAX_BACKOFF, MAX_BACKOFF]
+
+
+def test_a_kept_token_resets_the_backoff() -> None:
+    d = _drafter()
+    d.propose(None, 4)
+    d.judged(0)
+    assert _pauses(d) == 1  # judged(0) inside: the second miss in a row
+    assert _pauses(d) == 2
+    assert d.propose(None, 4) == []  # paused
+    assert d.propose(None, 4) == []
+    assert d.propose(None, 4) == []
+    assert d.propose(None, 4) == []
+    assert d.propose(None, 4)
+    d.judged(1)  # one token kept: lookups go on every step
+    assert d.propose(None, 4)
+
+
+def test_reset_forgets_the_backoff_so_a_replay_decides_alike() -> None:
+    d = _drafter()
+    d.propose(None, 4)
+    d.judged(0)
+    d.reset()
+    assert d.propose(None, 4) == [4, 1, 2, 3]
+
+
+def test_an_unjudged_or_empty_proposal_does_not_count() -> None:
+    d = Drafter([5, 6, 7], prompt_lookup=4)  # no repeated n-gram: nothing to propose
+    assert d.propose(None, 4) == []
+    d.judged(0)  # nothing was looked up: no pause
+    d.accept(5)
+    d.accept(6)
+    assert d.propose(None, 4) == [7, 5, 6]
