@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.kv import hugepages
 from runtime.kv.layout import KV_DTYPES, entry_width, storage_dtype
 from runtime.kv.types import PageId
 
@@ -100,7 +101,8 @@ class PagePool:
         self.kv_dtype = shape.kv_dtype
         # [num_pages, page_size, num_layers, 2, num_kv_heads, width]; width = head_dim for
         # fp32 and bf16, head_dim + 4 (values, then the scale's bytes) for int8
-        self.kv = torch.zeros(
+        # huge pages where THP allows: a decode step streams a context's pages every step
+        self.kv = hugepages.zeros(
             (shape.num_pages, shape.page_size, shape.num_layers, 2, shape.num_kv_heads,
              entry_width(shape.kv_dtype, shape.head_dim)),
             dtype=storage_dtype(shape.kv_dtype, shape.dtype),
