@@ -11,15 +11,18 @@ projections to Q4_1, the embedding table (and lm_head) to Q8_0.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.kv import hugepages
 from runtime.model.blocks import (
     GROUP,
     BlockEmbedding,
     BlockWeight,
+    StripBlocks,
     int8_activations,
     outlier_channels,
 )
@@ -111,3 +114,42 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
     model.weight_format = "gguf"
     model.kernel_report = choose_kernels(model.projections(),
                                          deterministic=getattr(model, "deterministic", False))
+    strips_on_huge_pages(model.projections())
+
+
+_ALIGN = 64  # each tensor of the arena starts on a cache line (and any element size)
+
+
+def strips_on_huge_pages(projections: list[Projection]) -> int:
+    """Move the ``blocks_q8`` strips of ``projections`` (quants, scales, minimums: what a
+    decode step streams, ~76 MB a step for SmolLM2's Q4_1) into one arena on transparent
+    huge pages (``runtime.kv.hugepages``), and route the kernels to the moved copies.
+
+    One arena, because a layer's strips (~0.6 MB) are smaller than one 2 MiB page: apart,
+    each would stay on 4 KiB pages and cost a TLB miss every 4 KiB of the stream. Same
+    values, same kernels: only the addresses change. Call once the kernels are chosen;
+    returns the arena's bytes (0: no strips)."""
+    owners = [(p, s) for p in projections
+              if isinstance(s := p._layouts.get("blocks_q8"), StripBlocks)]
+    parts = [t for _, s in owners for t in (s.qs, s.d, s.m) if t.numel()]
+    if not parts:
+        return 0
+    room = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in parts]
+    arena = hugepages.zeros((sum(room),), torch.uint8, parts[0].device)
+    at = 0
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal at
+        if not t.numel():
+            return t
+        n = t.numel() * t.element_size()
+        moved = arena[at:at + n].view(t.dtype).view(t.shape)
+        moved.copy_(t)
+        at += -(-n // _ALIGN) * _ALIGN
+        return moved
+
+    for p, s in owners:
+        p._layouts["blocks_q8"] = dataclasses.replace(s, qs=place(s.qs), d=place(s.d),
+                                                      m=place(s.m))
+        p.use(p.kernel_names)  # the kernels' closures hold the layout: rebuild them
+    return arena.numel()

@@ -304,3 +304,34 @@ def test_the_into_form_writes_adds_and_takes_a_bias_as_the_eager_ops(kind, level
     with pytest.raises(RuntimeError, match="out float32"):
         ops.block_mm_q8_out(x, strips.qs, strips.d, strips.m, strips.code, 72, strips.outliers,
                             strips.side, bias, torch.empty(rows, 71), False)
+
+
+def test_strips_moved_to_one_huge_page_arena_give_the_same_bits(monkeypatch) -> None:
+    """strips_on_huge_pages moves every blocks_q8 layout into one arena (2 MiB pages where
+    THP allows; the arena's floor lowered so test-sized weights take it) and routes the
+    kernels there: same products, bit for bit; other layouts are left alone."""
+    from runtime.kv import hugepages
+    from runtime.model.gguf_weights import strips_on_huge_pages
+
+    monkeypatch.setattr(hugepages, "_MIN_BYTES", 0)
+    projs = [Projection(_file_weight(kind, 48, 96, seed=20 + i)[0])
+             for i, kind in enumerate(FORMATS)]
+    for p in projs:
+        p.use(["blocks_q8"] * p.buckets)
+    other = Projection(_file_weight("Q4_1", 32, 64, seed=30)[0])
+    other.use(["blocks"] * other.buckets)
+    x, x_other = _activations(5, 96), _activations(5, 64)
+    want = [p(x) for p in projs] + [other(x_other)]
+    before = [p._layouts["blocks_q8"] for p in projs]
+    nbytes = strips_on_huge_pages([*projs, other])
+    assert nbytes >= sum(t.numel() * t.element_size() for s in before for t in (s.qs, s.d, s.m))
+    arena = {p._layouts["blocks_q8"].qs.untyped_storage().data_ptr() for p in projs}
+    assert len(arena) == 1  # one storage holds them all
+    for p, old in zip(projs, before, strict=True):
+        new = p._layouts["blocks_q8"]
+        assert new.qs.data_ptr() != old.qs.data_ptr() and new.qs.data_ptr() % 64 == 0
+        assert torch.equal(new.qs, old.qs) and torch.equal(new.d, old.d)
+        assert torch.equal(new.m, old.m)
+    got = [p(x) for p in projs] + [other(x_other)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert strips_on_huge_pages([other]) == 0
