@@ -595,9 +595,12 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
 template <int BITS, int LV, int NS>
 void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _Float16* dp,
                  const _Float16* mp, int64_t sd, const Dest& o, int64_t col0, int64_t cols) {
+  // two levels hold twice the integer sums: tiles of 2 rows keep them in registers
+  // (a row's bits do not depend on its tile)
+  constexpr int RT = LV == 2 ? 2 : 4;
   int64_t r = 0;
-  for (; r + 4 <= M; r += 4)
-    strip_tile<BITS, LV, 4, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
+  for (; r + RT <= M; r += RT)
+    strip_tile<BITS, LV, RT, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
   switch (M - r) {
     case 0: break;
     case 1: strip_tile<BITS, LV, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
