@@ -1,7 +1,8 @@
 """Zero-filled CPU tensors backed by transparent huge pages (2 MiB) where the kernel allows.
 
 Owns: the allocation of the big buffers that a decode step streams end to end (the KV
-pool here; the gguf weights' strips, ``runtime.model.gguf_weights.strips_on_huge_pages``). With THP in ``madvise`` mode (the common default) an ordinary allocation gets 4 KiB
+pool here; the gguf weights' strips, ``runtime.model.gguf_weights.strips_on_huge_pages``).
+With THP in ``madvise`` mode (the common default) an ordinary allocation gets 4 KiB
 pages, and streaming ~100 MB a step through them costs TLB misses. This maps anonymous
 memory, aligns the region to 2 MiB and calls ``madvise(MADV_HUGEPAGE)`` before the first
 touch. Where THP is ``never``, the platform has no ``MADV_HUGEPAGE``, the tensor is not on
@@ -23,8 +24,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
           ) -> torch.Tensor:
     """A zero-filled contiguous tensor; on CPU and large, backed by huge pages if possible."""
     dev = torch.device(device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if dev.type != "cpu" or nbytes < _MIN_BYTES or advice is None:
         return torch.zeros(shape, dtype=dtype, device=dev)

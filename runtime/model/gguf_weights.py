@@ -120,10 +120,16 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
 _ALIGN = 64  # each tensor of the arena starts on a cache line (and any element size)
 
 
+def _room(t: torch.Tensor) -> int:
+    """Bytes ``t`` takes in the arena: its own, rounded up to ``_ALIGN``."""
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
 def strips_on_huge_pages(projections: list[Projection]) -> int:
     """Move the ``blocks_q8`` strips of ``projections`` (quants, scales, minimums: what a
-    decode step streams, ~76 MB a step for SmolLM2's Q4_1) into one arena on transparent
-    huge pages (``runtime.kv.hugepages``), and route the kernels to the moved copies.
+    decode step streams, ~100 MB a step for SmolLM2's Q4_1 with its Q8_0 lm_head) into one
+    arena on transparent huge pages (``runtime.kv.hugepages``), and route the kernels to the
+    moved copies.
 
     One arena, because a layer's strips (~0.6 MB) are smaller than one 2 MiB page: apart,
     each would stay on 4 KiB pages and cost a TLB miss every 4 KiB of the stream. Same
@@ -134,18 +140,16 @@ def strips_on_huge_pages(projections: list[Projection]) -> int:
     parts = [t for _, s in owners for t in (s.qs, s.d, s.m) if t.numel()]
     if not parts:
         return 0
-    room = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in parts]
-    arena = hugepages.zeros((sum(room),), torch.uint8, parts[0].device)
+    arena = hugepages.zeros((sum(map(_room, parts)),), torch.uint8, parts[0].device)
     at = 0
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal at
         if not t.numel():
             return t
-        n = t.numel() * t.element_size()
-        moved = arena[at:at + n].view(t.dtype).view(t.shape)
+        moved = arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         moved.copy_(t)
-        at += -(-n // _ALIGN) * _ALIGN
+        at += _room(t)
         return moved
 
     for p, s in owners:
