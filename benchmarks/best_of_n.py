@@ -2,7 +2,7 @@
 
     python benchmarks/best_of_n.py [--prompt-len 1024] [--n 8] [--new-tokens 64] [--repeats 3]
                                    [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                   [--weights fp32|int8|gguf] [--kv-dtype fp32|int8|bf16]
+                                   [--weights fp32|int8|gguf] [--kv-dtype auto|fp32|int8|bf16]
                                    [--smoke]
 
 Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping early) after a
@@ -10,8 +10,9 @@ Both sides sample 8 x 64 tokens (top-p 0.95, temperature 0.8, never stopping ear
 sequence and stores it 8 times; pie-ctx prefills it once and shares its pages. With
 ``--weights int8`` (or ``--kv-dtype int8``) pie-ctx runs that format against the same fp32 HF
 baseline, and the JSON line also carries ``int8_speedup_vs_hf`` (``kv_int8_speedup_vs_hf``);
-``--weights gguf`` (the GGUF's own Q4_1 blocks) adds ``q4_speedup_vs_hf``, ``--kv-dtype bf16``
-``kv_bf16_speedup_vs_hf``.
+``--weights gguf`` (the GGUF's own Q4_1 blocks) adds ``q4_speedup_vs_hf``, bf16 pages
+``kv_bf16_speedup_vs_hf``. ``--kv-dtype auto`` (the default) is ``serve``'s rule: bf16 pages
+with ``--weights gguf``, else fp32 (``runtime.boot.default_kv_dtype``).
 
 The engine runs its default batch-invariant kernels (``deterministic=True``); a second
 engine with ``deterministic=False`` runs the same repeats, interleaved, and the JSON line
@@ -71,6 +72,7 @@ async def main_async(args):
                                 kv_dtype=args.kv_dtype, deterministic=det, model_thread=thread)
                     for det in (True, False))
     runner = engine.executor.runner
+    args.kv_dtype = engine.info().kv_dtype  # "auto" resolved
     cfg_bytes = kv_bytes_per_token(runner.config, runner.dtype.itemsize)
     page_bytes = engine.store.pool.kv[0].numel() * engine.store.pool.kv.element_size()
     prompt = prompt_tokens(engine.tokenizer, args.prompt_len)
@@ -144,7 +146,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--weights", default="fp32", choices=("fp32", "int8", "gguf"))
-    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8", "bf16"))
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp32", "int8", "bf16"))
     anyio.run(main_async, parse_args(ap, prompt_len=32, n=2, new_tokens=4, repeats=1))
 
 

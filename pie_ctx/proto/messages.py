@@ -627,7 +627,7 @@ class EngineInfo(_Reply):
     weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
     backend: str = "native"  # the model runner: native or transformers (docs/models.md)
     adapters: list[AdapterInfo] = []  # LoRA adapters loaded now (docs/adapters.md)
-    kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype) or int8 (per-entry scales)
+    kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype), int8 (per-entry scales), bf16
     snapshot_dir: str = ""  # the engine's folder of durable snapshots; "" = kept in memory
     # batch-invariant numerics: a row's bits do not depend on its batch, chunking or cache
     # (docs/performance.md "Deterministic numerics"); False where the engine cannot

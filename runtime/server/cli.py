@@ -52,10 +52,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "Q4_0/Q4_1/Q8_0 blocks, bit for bit the file's weights, CPU only "
                              "(an HF folder gets Q4_1 blocks made at load; "
                              "docs/performance.md)")
-    parser.add_argument("--kv-dtype", choices=("fp32", "int8", "bf16"), default="fp32",
-                        help="KV pages: fp32 (unquantized, in --dtype), int8 (a scale per "
-                             "token and head; ~3.8x the pages per GB) or bf16 (entries rounded "
-                             "to bfloat16, read back in fp32; 2x the pages; docs/forward.md)")
+    parser.add_argument("--kv-dtype", choices=("auto", "fp32", "int8", "bf16"), default="auto",
+                        help="KV pages: auto (default): bf16 with gguf weights (as llama.cpp "
+                             "keeps f16 KV beside its blocks), else fp32; fp32 (unquantized, in "
+                             "--dtype), int8 (a scale per token and head; ~3.8x the pages per "
+                             "GB) or bf16 (entries rounded to bfloat16, read back in fp32; 2x "
+                             "the pages; docs/forward.md)")
     parser.add_argument("--deterministic", choices=("on", "off"),
                         default="on" if DETERMINISTIC else "off",
                         help="on: batch-invariant kernels, the same seed gives the same tokens "

@@ -55,6 +55,19 @@ async def test_gguf_weights_and_bf16_pages_serve_forks_and_snapshots(tiny_folder
         await _continuations_agree(rt, engine, forks=2)
 
 
+@pytest.mark.no_tp("GGUF block weights run on one device")
+@pytest.mark.native_only("GGUF block weights are a format of the native runner")
+@pytest.mark.parametrize(("weights", "pages"), [("gguf", "bf16"), ("fp32", "fp32")])
+def test_auto_pages_are_bf16_beside_gguf_blocks(tiny_folder, weights, pages):
+    """``kv_dtype="auto"`` (``run`` and ``serve``'s default, ``--kv-dtype auto``): bf16 pages
+    with the GGUF's blocks (llama.cpp's f16 KV), else fp32 pages."""
+    engine = boot_engine(str(tiny_folder), weights=weights, kv_dtype="auto", num_pages=8,
+                         progress=False)
+    assert engine.info().kv_dtype == pages
+    assert cli_main(["run", "examples/hello.py", "--model", str(tiny_folder), "--page-size", "4",
+                     "--weights", weights, "--", "hi", "--max-tokens", "2"]) == 0
+
+
 def test_bf16_pages_fit_twice_the_fp32_pages(tiny_folder):
     cfg = load_model(str(tiny_folder), progress=False).config
     fp32 = pool_pages_for(cfg, 16, torch.float32, 1.0)
@@ -72,7 +85,7 @@ def test_int8_pages_fit_more_in_the_same_memory(tiny_folder):
 def test_unknown_formats_are_refused(tiny_folder):
     with pytest.raises(InvalidArgument, match="weights must be one of fp32, int8, gguf"):
         boot_engine(str(tiny_folder), weights="int4", progress=False)
-    with pytest.raises(InvalidArgument, match="kv_dtype must be one of fp32, int8, bf16"):
+    with pytest.raises(InvalidArgument, match="kv_dtype must be one of fp32, int8, bf16 or auto"):
         boot_engine(str(tiny_folder), kv_dtype="fp8", progress=False)
 
 
