@@ -18,13 +18,21 @@ Two sources, in order:
    what was generated so far, trimmed to what the constraint (if any) accepts. Lookups
    are O(1): an index from each n-gram to where it last ended is kept as tokens arrive.
 
-A prompt-lookup draft that keeps being rejected (sampling at a temperature mostly draws
-other tokens than the earlier text had) costs every step its extra rows, and takes the
-step off the one-token-a-row fast path. So lookups back off: after a draft of which no
-token was kept, the next 1, 2, 4, ... up to ``MAX_BACKOFF`` decode steps propose no lookup
-(doubling with each rejected draft in a row); one kept token resets it. The policy reads
-only the generation's own past, so a seeded generation still replays exactly (a
-preemption's ``reset`` starts it over too). Forced tokens never back off.
+Every drafted token is a row of the step, verified or not: on a CPU an 8-row step with
+8-token drafts costs about twice the plain one, and sampling at a temperature often keeps
+only a token or two of text copied from earlier. So lookups adapt, as the draft length of
+adaptive speculative decoding does:
+
+* **Length**: a lookup proposes at most ``length`` tokens, which starts at
+  ``prompt_lookup``, doubles (up to it) after a draft kept whole, and drops to one more
+  than the tokens kept after a draft kept in part.
+* **Backoff**: after a draft of which no token was kept, the next 1, 2, 4, ... up to
+  ``MAX_BACKOFF`` decode steps propose no lookup (doubling with each rejected draft in a
+  row), and the length drops to 1; one kept token resets the backoff.
+
+The policy reads only the generation's own past, so a seeded generation still replays
+exactly whatever else shares its steps (a preemption's ``reset`` starts it over too).
+Forced tokens never back off and are never shortened.
 
 Runs on the event loop, in ``Scheduler.plan``, between two steps (never beside the model
 thread's use of the same matcher).
@@ -65,7 +73,8 @@ class Drafter:
         self._history: list[int] = []
         self._misses = 0  # prompt-lookup drafts in a row of which no token was kept
         self._pause = 0  # decode steps left that propose no lookup
-        self._looked_up = False  # the last proposal was a lookup (not forced, not empty)
+        self._looked_up = 0  # tokens of the last proposal if it was a lookup, else 0
+        self._length = self.prompt_lookup  # the most tokens the next lookup proposes
         # _ends[n - 1][ngram] = the index just after that n-gram's latest occurrence that
         # ends before the last token
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ngram)]
@@ -86,7 +95,7 @@ class Drafter:
     def propose(self, matcher: Any, limit: int) -> list[int]:
         """Tokens to append after the pending one (the matcher has consumed it), at most
         ``limit``; empty when there is nothing worth verifying."""
-        self._looked_up = False
+        self._looked_up = 0
         if limit <= 0:
             return []
         if matcher is not None and self.jump_forward:
@@ -99,19 +108,24 @@ class Drafter:
         if self._pause > 0:
             self._pause -= 1
             return []
-        draft = self._lookup(min(limit, self.prompt_lookup))
+        draft = self._lookup(min(limit, self._length))
         if draft and matcher is not None:
             draft = draft[: matcher.validate_tokens(draft)]
         self.num_looked_up += len(draft)
-        self._looked_up = bool(draft)
+        self._looked_up = len(draft)
         return draft
 
     def judged(self, num_kept: int) -> None:
         """The step verified the last proposal: ``num_kept`` of its tokens were kept (the
         scheduler calls this for every verified draft; only lookups count)."""
-        if not self._looked_up:
+        proposed, self._looked_up = self._looked_up, 0
+        if not proposed:
             return
-        self._looked_up = False
+        if num_kept >= proposed:
+            self._misses = 0
+            self._length = min(self.prompt_lookup, 2 * self._length)
+            return
+        self._length = num_kept + 1
         if num_kept > 0:
             self._misses = 0
             return

@@ -1,4 +1,5 @@
-"""Prompt-lookup drafts back off after rejected drafts (runtime.engine.drafts)."""
+"""Prompt-lookup drafts adapt their length and back off after rejected drafts
+(runtime.engine.drafts)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def test_an_unjudged_or_empty_proposal_does_not_count() -> None:
     d.accept(5)
     d.accept(6)
     assert d.propose(None, 4) == [7, 5, 6]
+
+
+def test_the_length_follows_what_was_kept() -> None:
+    d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], prompt_lookup=8)
+    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8, 9, 1]  # the full length first
+    d.judged(2)  # two kept: the next draft proposes one more than that
+    assert d.propose(None, 8) == [3, 4, 5]
+    d.judged(3)  # kept whole: the length doubles
+    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8]
+    d.judged(6)
+    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8, 9, 1]  # doubled, up to prompt_lookup
+    assert d.propose(None, 3) == [3, 4, 5]  # the step's own limit still caps it
+
+
+def test_a_rejected_draft_restarts_from_one_token() -> None:
+    d = _drafter()
+    d.propose(None, 4)
+    d.judged(0)
+    assert _pauses(d) == 1  # the draft after the pause has one token
+    d.reset()
+    assert d.propose(None, 4) == [4, 1, 2, 3]  # reset: the full length again
+    d.judged(0)
+    assert d.propose(None, 4) == []  # paused one step
+    assert d.propose(None, 4) == [4]
+    d.judged(1)
+    assert d.propose(None, 4) == [4, 1]

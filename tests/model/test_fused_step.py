@@ -5,7 +5,7 @@ with the fused step and one without, and must give the same tokens, logits withi
 fork differs in the last bits), and the same pool contents. bf16 and int8 KV pages are
 written and read by the same C++ functions on both paths, so with the eager cascade off
 the two give the same bits. Batches the step does not take (masks it cannot express,
-scores, Qwen3's q/k norms, more than 8 rows) must still be right, through the eager
+scores, Qwen3's q/k norms, more than 32 rows) must still be right, through the eager
 forward."""
 
 from __future__ import annotations
@@ -153,15 +153,15 @@ def test_masks_scores_and_the_switch() -> None:
     twin.check_pools()
 
 
-def test_more_than_eight_rows_and_qk_norms_run_eagerly() -> None:
+def test_more_than_max_rows_and_qk_norms_run_eagerly() -> None:
     hf = make_hf_model("llama3", seed=5)
     fused, eager = _pair(lambda: make_runner(hf, num_pages=96))
     twin = _Twin(fused, eager)
     seqs = [twin.add() for _ in range(9)]
     twin.step({i: random_tokens(5, seed=i) for i in seqs})
-    twin.step({i: [i + 1] for i in seqs})  # 9 rows: eager
-    twin.step({i: [i + 2] for i in seqs[:8]})  # 8 rows: fused
-    assert _steps(fused) == 1
+    twin.step({i: random_tokens(4, seed=20 + i) for i in seqs})  # 36 rows: eager
+    twin.step({i: random_tokens(4, seed=40 + i) for i in seqs[:8]})  # 32 rows: fused
+    assert fused_step.MAX_ROWS == 32 and _steps(fused) == 1
     hf = make_hf_model("qwen3", seed=6)
     fused, eager = _pair(lambda: make_runner(hf, num_pages=32))
     twin = _Twin(fused, eager)
