@@ -23,7 +23,6 @@ Swarm agents are separate inferlet processes talking through ``rt.send``/``rt.re
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -121,7 +120,7 @@ async def react(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
 
 
 async def codeact(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
-    spec = "prompt_lookup" if args.mode == "a2" and not os.environ.get("NO_SPEC") else None
+    spec = "prompt_lookup" if args.mode == "a2" else None
     ctx = Context(rt).system(W.CODEACT_SYSTEM).user(W.codeact_task(args.agent))
     for rnd in range(shape.rounds):
         gen = ctx.generate(_sampler(args.agent, rnd), max_tokens=shape.code_tokens,
@@ -138,7 +137,7 @@ async def codeact(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
 
 
 async def swarm(rt: Any, args: Any, shape: W.Shape, tally: Tally) -> None:
-    spec = "prompt_lookup" if args.mode == "a2" and not os.environ.get("NO_SPEC") else None
+    spec = "prompt_lookup" if args.mode == "a2" else None
     me, ring = args.agent, shape.ring  # agents me - pos ... form this agent's ring
     pos = me % ring
     inbox = f"swarm-{args.run}-{me}"
