@@ -226,6 +226,15 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
 
 // matmul.py's _padded: a call of fewer than k.pad rows runs on the rows and zero rows up
 // to k.pad (the row-count-invariant calls of a deterministic choice), and keeps its own.
+// Work (FMAs) below which a LoRA product runs on the calling thread (see DecodeStep::lora).
+constexpr int64_t kParallelFmas = int64_t{1} << 21;
+
+// parallel_for's grain for `tasks` tasks of `work` FMAs in all: every task in one chunk
+// (one thread) below kParallelFmas, else one task a chunk.
+int64_t grain_for(int64_t work, int64_t tasks) {
+  return work < kParallelFmas ? std::max<int64_t>(tasks, 1) : 1;
+}
+
 torch::Tensor run_padded(const Kernel& k, const torch::Tensor& x) {
   const int64_t m = x.size(0);
   if (m >= k.pad) return run_kernel(k, x);
@@ -426,7 +435,14 @@ class DecodeStep {
     }
     if (a_tasks.empty()) return;
     std::vector<float> xa(total);
-    at::parallel_for(0, static_cast<int64_t>(a_tasks.size()), 16, [&](int64_t b, int64_t e) {
+    // A step's deltas are small (8 rows on one rank-16 adapter: ~0.2M FMAs a projection)
+    // against a parallel region's fork and join (~50 us here: the deltas of 8 rows on one
+    // adapter took 132 us a call on two threads, 32 us on one), so a product runs on the
+    // threads only past kParallelFmas of work.
+    int64_t a_work = 0;
+    for (const ATask& t : a_tasks) a_work += static_cast<int64_t>(t.g->rows.size()) * in;
+    const int64_t a_grain = grain_for(a_work, static_cast<int64_t>(a_tasks.size()));
+    at::parallel_for(0, static_cast<int64_t>(a_tasks.size()), a_grain, [&](int64_t b, int64_t e) {
       for (int64_t ti = b; ti < e; ++ti) {
         const ATask& t = a_tasks[ti];
         const int64_t R = t.lp->a.size(0);
@@ -449,7 +465,11 @@ class DecodeStep {
                              std::min(lo + CHUNK, blk.out_hi - blk.out_lo), xa_off[gi]});
     }
     // B is stored transposed ([w, out]): 16 outputs at a time, one FMA per rank column
-    at::parallel_for(0, static_cast<int64_t>(b_tasks.size()), 1, [&](int64_t b, int64_t e) {
+    int64_t b_work = 0;
+    for (const BTask& t : b_tasks)
+      b_work += static_cast<int64_t>(t.g->rows.size()) * (t.hi - t.lo) * t.R;
+    const int64_t b_grain = grain_for(b_work, static_cast<int64_t>(b_tasks.size()));
+    at::parallel_for(0, static_cast<int64_t>(b_tasks.size()), b_grain, [&](int64_t b, int64_t e) {
       for (int64_t ti = b; ti < e; ++ti) {
         const BTask& t = b_tasks[ti];
         const int64_t w = t.blk->col_hi - t.blk->col_lo;
