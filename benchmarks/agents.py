@@ -56,6 +56,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -345,6 +346,11 @@ def _levels(text: str) -> list[int]:
 
 
 async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
+    # SIGTERM or SIGHUP (a timeout, a closed terminal) cancels the run, so the finally
+    # blocks below stop the servers and run_agents kills the agents: none outlives it
+    main_task = asyncio.current_task()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        asyncio.get_running_loop().add_signal_handler(sig, main_task.cancel)  # type: ignore[union-attr]
     runs: list[Run] = []
     hop: float | None = None
     ring = (W.SMOKE if args.smoke else W.Shape()).ring
@@ -477,7 +483,11 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.weights = "2", "fp32"
         args.systems = ",".join(s for s in args.systems.split(",") if s != "c")
-    runs, hop = asyncio.run(amain(args))
+    try:
+        runs, hop = asyncio.run(amain(args))
+    except asyncio.CancelledError:
+        print("# stopped by a signal; its servers and agents were stopped", file=sys.stderr)
+        sys.exit(143)
     table([("runs", str(len(runs)))])
     emit(summarize(runs, at=8 if not args.smoke else 2, hop=hop))
 
