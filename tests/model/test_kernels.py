@@ -14,16 +14,6 @@ from runtime.model import kernels
 from runtime.model.layers import rms_norm
 from runtime.model.matmul import _quantize_rows
 
-
-@pytest.fixture
-def ops(monkeypatch):
-    monkeypatch.setattr(kernels, "ENABLED", True)
-    built = kernels.ops()
-    if built is None:
-        pytest.skip("the CPU kernels did not build here (no compiler?); the eager code runs")
-    return built
-
-
 P, S, L, KVH, D, H = 160, 16, 3, 2, 32, 6
 
 

@@ -11,18 +11,8 @@ import torch
 from attention_oracle import paged_tables, sdpa_over_pages
 
 from runtime.kv.layout import decode, encode
-from runtime.model import kernels
 
 S, L = 16, 2
-
-
-@pytest.fixture
-def ops(monkeypatch):
-    monkeypatch.setattr(kernels, "ENABLED", True)
-    built = kernels.ops()
-    if built is None:
-        pytest.skip("the CPU kernels did not build here (no compiler?); the eager code runs")
-    return built
 
 
 def _pool(pages: int, kvh: int, d: int, kv: str) -> torch.Tensor:
