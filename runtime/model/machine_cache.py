@@ -92,17 +92,7 @@ def _digest(*parts: bytes | str) -> str:
 @functools.cache
 def _static_facts() -> dict[str, str]:
     """The facts that cannot change while a process runs."""
-    cpu_model, flags = platform.processor(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            name = name.strip()
-            if name in ("model name", "Model", "CPU part") and cpu_model == platform.processor():
-                cpu_model = value.strip()
-            elif name in ("flags", "Features") and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+    cpu_model, flags = kernels.cpu_facts()
     return {
         "machine": platform.machine(),
         "cpu": cpu_model,

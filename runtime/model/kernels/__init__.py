@@ -34,6 +34,7 @@ CPU has it, portable loops elsewhere); its twin is ``round_activations`` then th
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -72,14 +73,23 @@ def enabled() -> bool:
     return ENABLED
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_facts() -> tuple[str, str]:
+    """This CPU's model name and feature flags as /proc/cpuinfo gives them (x86 and Arm
+    names); ``platform.processor()`` and no flags where it cannot be read. The builds here
+    and the measurements ``runtime.model.machine_cache`` keeps are both keyed by them."""
+    cpu_model, flags = platform.processor(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if name in ("model name", "Model", "CPU part") and cpu_model == platform.processor():
+                cpu_model = value.strip()
+            elif name in ("flags", "Features") and not flags:
+                flags = value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return cpu_model, flags
 
 
 def folder(source: Path = SOURCE) -> Path:
@@ -88,7 +98,7 @@ def folder(source: Path = SOURCE) -> Path:
     # (this file too: it holds the compiler flags)
     for part in (*(s.read_bytes() for s in SOURCES[source]), Path(__file__).read_bytes(),
                  torch.__version__.encode(),
-                 _cpu_flags().encode(), platform.machine().encode()):
+                 (cpu_facts()[1] or platform.processor()).encode(), platform.machine().encode()):
         digest.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "pie-ctx" / "kernels" / digest.hexdigest()
