@@ -1044,9 +1044,9 @@ void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor
 // x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^6 (~1.2e-7 relative),
 // 2^n in the exponent. Defined here, under the pragma, so every caller rounds alike. Not
 // exp_neg with an upper clamp on purpose: exp_neg is compiled with contracted FMAs (the
-// paged kernel's softmax, whose bits the attention tests pin), this one without
-// (fp-contract=off: silu_mul's bits equal the eager torch twin's), so one function for
-// both would change the bits of one of them.
+// paged kernel's softmax, whose bits the attention tests pin), this one under the pragma
+// above (no contraction, so a row's bits never depend on which copy of a lambda ran it);
+// one function for both would be compiled one way and change the other's bits.
 EXACT inline v16 exp_clamped(v16 x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
   x = x > splat(88.f) ? splat(88.f) : x;
