@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("PIE_CTX_DECODE_STEP", "1").lower() not in ("0", "false", "no", "off")
 # New tokens of a step it takes: matmul's 1-row bucket, then its batch bucket (2-63 rows
 # eagerly too, so the same kernels either way). 8 decode rows with prompt-lookup drafts
-# (16-32 tokens, SmolLM2 gguf, 400-token contexts) ran 10-15% faster here than eagerly.
+# (16-32 tokens, SmolLM2 gguf, 400-token contexts) ran ~5-15% faster here than eagerly
+# (a noisy A/B on the engine's model thread).
 MAX_ROWS = 32
 # Forks' pages read again by the paged kernel (one per fork beyond the first, per shared
 # page) beyond which the eager cascade runs the step: each costs ~0.07 ms a step on
