@@ -178,10 +178,11 @@ def test_a_row_is_the_same_fused_eager_and_in_a_prefill(weights: str, kv: str,
     assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
     for o in others[:3]:
         o.advance(1)
-    # among 8 others: 9 rows, the eager forward
+    # among 8 others with drafts: more rows than the fused step takes, the eager forward
     seq = prefilled(prompt)
-    out = runner.forward([seq.step([nxt])] + [o.step([6]) for o in others])
-    assert steps() == before + 2, "9 rows ran eagerly"
+    draft = [6] * (fused_step.MAX_ROWS // len(others) + 1)
+    out = runner.forward([seq.step([nxt])] + [o.step(draft) for o in others])
+    assert steps() == before + 2, "the rows past MAX_ROWS ran eagerly"
     assert torch.equal(out[0], want)
     assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
     # the last row of a prefill chunk (eager), after a first chunk of 16
