@@ -24,6 +24,7 @@ sampling filters the order of equal values is torch's (deterministic, unspecifie
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import torch
 
@@ -114,22 +115,41 @@ MIN_TEMPERATURE = 1e-30
 CANDIDATES = 1024
 
 
+def _kernel() -> Any:
+    """The compiled sampling kernel, or None (kernels off or unbuilt: the torch code runs)."""
+    from runtime.model.kernels import sampling_ops
+
+    return sampling_ops()
+
+
+def _settings(params: list[SamplerSpec]) -> tuple[list[float], list[int], list[float], list[float]]:
+    """The kernel's per-row settings: clamped temperature, top-k (0: off), top-p, min-p."""
+    return ([max(p.temperature, MIN_TEMPERATURE) for p in params], [p.top_k or 0 for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
 def _sample(x: torch.Tensor, params: list[SamplerSpec],
             generators: list[torch.Generator | None]) -> list[int]:
-    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V], row by row: torch
-    reduces one row differently alone (split over the threads) than among others (a
-    thread per row), and whether the candidate cut holds is decided per call, so a row's
-    draw would depend on its batch (docs/performance.md, "Deterministic numerics")."""
-    return [_sample_row(x[i: i + 1], params[i], gen) for i, gen in enumerate(generators)]
+    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V], each row with one
+    uniform number from its own generator (drawn first, in row order). The kernel computes
+    every row on one thread in a fixed order; the torch fallback goes row by row: torch
+    reduces one row differently alone (split over the threads) than among others (a thread
+    per row), and whether its candidate cut holds is decided per call, so a row's draw would
+    depend on its batch (docs/performance.md, "Deterministic numerics")."""
+    uniforms = [draw(gen, x.device) for gen in generators]
+    kernel = _kernel() if x.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.sample(x.contiguous(), *_settings(params), uniforms).tolist()
+    return [_sample_row(x[i: i + 1], params[i], u) for i, u in enumerate(uniforms)]
 
 
-def _sample_row(x: torch.Tensor, params: SamplerSpec, gen: torch.Generator | None) -> int:
-    """One filtered multinomial draw from fp32 logits ``x`` [1, V] with the row's own
-    generator (one uniform number)."""
+def _sample_row(x: torch.Tensor, params: SamplerSpec, u: float) -> int:
+    """One filtered multinomial draw from fp32 logits ``x`` [1, V] at the uniform number
+    ``u`` (the torch twin of the kernel's draw)."""
     probs, order, keep = _filtered(x, [params])
     width = probs.shape[1]
     cdf = torch.cumsum(probs, dim=-1)  # [1, W] (unnormalised after min-p)
-    target = draw(gen, x.device) * cdf[:, -1:]  # [1, 1]
+    target = u * cdf[:, -1:]  # [1, 1]
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [1, 1]
     # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
     idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
@@ -155,6 +175,13 @@ def filtered_probs(x: torch.Tensor, params: list[SamplerSpec]) -> torch.Tensor:
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     for i in greedy:
         out[i, int(x[i].argmax())] = 1.0
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    kernel = _kernel() if sampled and x.device.type == "cpu" else None
+    if kernel is not None:  # the very weights the kernel's draw walks
+        rows = x[sampled].float().contiguous()
+        probs = kernel.filtered_probs(rows, *_settings([params[i] for i in sampled]))
+        out[sampled] = probs.to(out.device)
+        return out
     for i, p in enumerate(params):  # row by row, as a draw (see _sample)
         if not p.is_greedy:
             probs, order, _ = _filtered(x[i: i + 1].float(), [p])
