@@ -14,6 +14,23 @@ top probability). Every filter keeps a prefix of the tokens sorted by probabilit
 always keeps the most likely token. ``temperature == 0`` is greedy (argmax; filters are
 irrelevant), vectorised over all greedy rows.
 
+The sampled rows of a step go to one C++ call (``runtime/model/kernels/sampling.cpp``,
+:func:`runtime.model.kernels.sampling_ops`), each row on one thread in a fixed order, so a
+row's token is the same bits alone or in any batch: one pass for the max, one for the
+weights ``exp(x / t - max)`` with their sum and, at five fixed weight thresholds (1/8 down
+to 2^-24), the count and mass above each; the smallest threshold whose count or mass shows
+it holds every token the filters keep is collected and sorted (most likely first, ties to
+the lower id), the filters run on it exactly, and a set that turns out not to close them
+(the estimate's rounding) gives way to the next threshold, down to the whole vocabulary.
+A top-k set that reaches past the candidates gets its mass from an ``nth_element`` over the
+vocabulary. ``filtered_probs`` returns that same kernel's kept weights over their sum, so
+speculative verification and a plain draw sample the same distribution. ``top_p == 1``
+keeps every token (the torch code may round the far tail away). The torch code below is
+the fallback when the kernels are off (``PIE_CTX_KERNELS=0``) or unbuilt, and the oracle of
+tests/test_sampling.py; the two may draw differently only where the uniform number or a
+filter boundary falls within fp32 rounding of a step (a new version may draw differently
+from the old for the same seed).
+
 Ties (common with bf16/fp16 logits, which keep 8/11 significant bits) go to the lower
 token id wherever an order is shown to the user: greedy picks the first maximum, and
 :func:`top_k` (top log-probabilities, ``top_k_distribution``) orders equal values by id,

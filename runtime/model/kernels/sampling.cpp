@@ -75,9 +75,37 @@ inline uint64_t key(float s, int64_t i) {
   return (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(i);
 }
 
+// Sort keys collected in token order: std::sort for a few, else a stable LSD radix sort on
+// the logit half (three passes of 11, 11 and 10 bits), which leaves equal logits in token
+// order, as the full key would: the same order either way, ~10x faster for the vocabulary.
+void sort_keys(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  const size_t n = keys.size();
+  if (n < 4096) {
+    std::sort(keys.begin(), keys.end());
+    return;
+  }
+  tmp.resize(n);
+  uint64_t* a = keys.data();
+  uint64_t* b = tmp.data();
+  for (int shift = 32; shift < 64; shift += 11) {
+    size_t count[2048] = {};
+    for (size_t i = 0; i < n; ++i) ++count[(a[i] >> shift) & 2047];
+    size_t at = 0;
+    for (size_t& c : count) {
+      const size_t here = c;
+      c = at;
+      at += here;
+    }
+    for (size_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & 2047]++] = a[i];
+    std::swap(a, b);
+  }
+  if (a != keys.data()) std::memcpy(keys.data(), a, n * sizeof(uint64_t));
+}
+
 struct Scratch {
   std::vector<float> e;        // [V] the row's weights
   std::vector<uint64_t> keys;  // the candidates' sort keys
+  std::vector<uint64_t> tmp;   // the radix sort's second buffer
   std::vector<int64_t> tok;    // the kept tokens, most likely first
   std::vector<float> w;        // their weights
 };
@@ -166,7 +194,7 @@ __attribute__((noinline)) int64_t filter_row(const float* x, int64_t V, const Fi
       for (; i < V; ++i)
         if (e[i] >= thr) keys.push_back(key(x[i] / t, i));
     }
-    std::sort(keys.begin(), keys.end());
+    sort_keys(keys, sc.tmp);
     const int64_t c = static_cast<int64_t>(keys.size());
     auto id = [&](int64_t j) { return static_cast<int64_t>(keys[j] & 0xffffffffu); };
 
