@@ -112,7 +112,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplerSpec],
             out[i] = tok
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
-        chosen = _sample(logits[sampled].float(), [params[i] for i in sampled],
+        rows = logits if len(sampled) == n else logits[sampled]  # no copy when all sample
+        chosen = _sample(rows.float(), [params[i] for i in sampled],
                          [generators[i] for i in sampled])
         for i, tok in zip(sampled, chosen, strict=True):
             out[i] = tok
