@@ -14,6 +14,23 @@ top probability). Every filter keeps a prefix of the tokens sorted by probabilit
 always keeps the most likely token. ``temperature == 0`` is greedy (argmax; filters are
 irrelevant), vectorised over all greedy rows.
 
+The sampled rows of a step go to one C++ call (``runtime/model/kernels/sampling.cpp``,
+:func:`runtime.model.kernels.sampling_ops`), each row on one thread in a fixed order, so a
+row's token is the same bits alone or in any batch: one pass for the max, one for the
+weights ``exp(x / t - max)`` with their sum and, at five fixed weight thresholds (1/8 down
+to 2^-24), the count and mass above each; the smallest threshold whose count or mass shows
+it holds every token the filters keep is collected and sorted (most likely first, ties to
+the lower id), the filters run on it exactly, and a set that turns out not to close them
+(the estimate's rounding) gives way to the next threshold, down to the whole vocabulary.
+A top-k set that reaches past the candidates gets its mass from an ``nth_element`` over the
+vocabulary. ``filtered_probs`` returns that same kernel's kept weights over their sum, so
+speculative verification and a plain draw sample the same distribution. ``top_p == 1``
+keeps every token (the torch code may round the far tail away). The torch code below is
+the fallback when the kernels are off (``PIE_CTX_KERNELS=0``) or unbuilt, and the oracle of
+tests/test_sampling.py; the two may draw differently only where the uniform number or a
+filter boundary falls within fp32 rounding of a step (a new version may draw differently
+from the old for the same seed).
+
 Ties (common with bf16/fp16 logits, which keep 8/11 significant bits) go to the lower
 token id wherever an order is shown to the user: greedy picks the first maximum, and
 :func:`top_k` (top log-probabilities, ``top_k_distribution``) orders equal values by id,
@@ -24,6 +41,7 @@ sampling filters the order of equal values is torch's (deterministic, unspecifie
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import torch
 
@@ -94,7 +112,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplerSpec],
             out[i] = tok
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
-        chosen = _sample(logits[sampled].float(), [params[i] for i in sampled],
+        rows = logits if len(sampled) == n else logits[sampled]  # no copy when all sample
+        chosen = _sample(rows.float(), [params[i] for i in sampled],
                          [generators[i] for i in sampled])
         for i, tok in zip(sampled, chosen, strict=True):
             out[i] = tok
@@ -114,22 +133,41 @@ MIN_TEMPERATURE = 1e-30
 CANDIDATES = 1024
 
 
+def _kernel() -> Any:
+    """The compiled sampling kernel, or None (kernels off or unbuilt: the torch code runs)."""
+    from runtime.model.kernels import sampling_ops
+
+    return sampling_ops()
+
+
+def _settings(params: list[SamplerSpec]) -> tuple[list[float], list[int], list[float], list[float]]:
+    """The kernel's per-row settings: clamped temperature, top-k (0: off), top-p, min-p."""
+    return ([max(p.temperature, MIN_TEMPERATURE) for p in params], [p.top_k or 0 for p in params],
+            [p.top_p for p in params], [p.min_p for p in params])
+
+
 def _sample(x: torch.Tensor, params: list[SamplerSpec],
             generators: list[torch.Generator | None]) -> list[int]:
-    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V], row by row: torch
-    reduces one row differently alone (split over the threads) than among others (a
-    thread per row), and whether the candidate cut holds is decided per call, so a row's
-    draw would depend on its batch (docs/performance.md, "Deterministic numerics")."""
-    return [_sample_row(x[i: i + 1], params[i], gen) for i, gen in enumerate(generators)]
+    """Filtered multinomial draw for m rows of fp32 logits ``x`` [m, V], each row with one
+    uniform number from its own generator (drawn first, in row order). The kernel computes
+    every row on one thread in a fixed order; the torch fallback goes row by row: torch
+    reduces one row differently alone (split over the threads) than among others (a thread
+    per row), and whether its candidate cut holds is decided per call, so a row's draw would
+    depend on its batch (docs/performance.md, "Deterministic numerics")."""
+    uniforms = [draw(gen, x.device) for gen in generators]
+    kernel = _kernel() if x.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.sample(x.contiguous(), *_settings(params), uniforms).tolist()
+    return [_sample_row(x[i: i + 1], params[i], u) for i, u in enumerate(uniforms)]
 
 
-def _sample_row(x: torch.Tensor, params: SamplerSpec, gen: torch.Generator | None) -> int:
-    """One filtered multinomial draw from fp32 logits ``x`` [1, V] with the row's own
-    generator (one uniform number)."""
+def _sample_row(x: torch.Tensor, params: SamplerSpec, u: float) -> int:
+    """One filtered multinomial draw from fp32 logits ``x`` [1, V] at the uniform number
+    ``u`` (the torch twin of the kernel's draw)."""
     probs, order, keep = _filtered(x, [params])
     width = probs.shape[1]
     cdf = torch.cumsum(probs, dim=-1)  # [1, W] (unnormalised after min-p)
-    target = draw(gen, x.device) * cdf[:, -1:]  # [1, 1]
+    target = u * cdf[:, -1:]  # [1, 1]
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)  # [1, 1]
     # A zero-probability tail token can only be hit by rounding: step back into the kept prefix.
     idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
@@ -155,6 +193,13 @@ def filtered_probs(x: torch.Tensor, params: list[SamplerSpec]) -> torch.Tensor:
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     for i in greedy:
         out[i, int(x[i].argmax())] = 1.0
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    kernel = _kernel() if sampled and x.device.type == "cpu" else None
+    if kernel is not None:  # the very weights the kernel's draw walks
+        rows = x[sampled].float().contiguous()
+        probs = kernel.filtered_probs(rows, *_settings([params[i] for i in sampled]))
+        out[sampled] = probs.to(out.device)
+        return out
     for i, p in enumerate(params):  # row by row, as a draw (see _sample)
         if not p.is_greedy:
             probs, order, _ = _filtered(x[i: i + 1].float(), [p])

@@ -138,3 +138,176 @@ def test_vanishing_temperature_samples_the_argmax(t: float) -> None:
         assert drawn == x.argmax(dim=-1).tolist()
         probs = filtered_probs(x, [p] * 3)
         assert torch.equal(probs, torch.nn.functional.one_hot(x.argmax(-1), vocab).float())
+
+
+# --- the C++ kernel (runtime/model/kernels/sampling.cpp) against the torch code ---------
+
+@pytest.fixture
+def both(request, monkeypatch):
+    """Run a test through the kernel and through the torch fallback."""
+    from runtime.model import kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", request.param == "kernel")
+    return request.param
+
+
+@pytest.mark.parametrize("both", ["kernel", "torch"], indirect=True)
+def test_both_paths_batch_independent_and_distributed(both: str) -> None:
+    test_seeded_rows_independent_of_batch_composition()
+    test_samples_follow_the_filtered_distribution()
+    test_filters_that_keep_one_token_are_greedy(SamplerSpec(temperature=1.0, top_p=1e-6))
+
+
+def _kernel():
+    from runtime.model.kernels import sampling_ops
+
+    kernel = sampling_ops()
+    assert kernel is not None, "the sampling kernel did not build (see the log)"
+    return kernel
+
+
+def _args(params: list[SamplerSpec]):
+    from runtime.sampling import _settings
+
+    return _settings(params)
+
+
+def _rows(n: int, vocab: int, seed: int, scale: float, peak: float) -> torch.Tensor:
+    """Logit rows with a few dominant tokens at random places, like a model's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * scale
+    hot = torch.randint(0, vocab, (n, 8), generator=g)
+    x.scatter_add_(1, hot, torch.rand(n, 8, generator=g) * peak)
+    return x
+
+
+SETTINGS = [SamplerSpec(temperature=0.7, top_p=0.9), SamplerSpec(temperature=1.0),
+            SamplerSpec(temperature=1.0, top_k=40, top_p=0.95),
+            SamplerSpec(temperature=1.2, min_p=0.05), SamplerSpec(temperature=0.5, top_k=3),
+            SamplerSpec(temperature=1.0, top_p=0.5, min_p=0.2),
+            SamplerSpec(temperature=0.9, top_k=3000, top_p=0.99)]
+
+
+def _near_tie(x: torch.Tensor, p: SamplerSpec, u: float, eps: float = 3e-6) -> bool:
+    """Whether the oracle's draw at ``u`` sits within ``eps`` of a boundary (a cdf step, the
+    top-p reach or the min-p ratio), where fp32 rounding may pick either side."""
+    from runtime.sampling import MIN_TEMPERATURE
+
+    s = x.double() / max(p.temperature, MIN_TEMPERATURE)
+    srt = torch.sort(s, descending=True).values
+    k = p.top_k or srt.numel()
+    probs = torch.softmax(srt[:k], dim=0)
+    before = torch.cumsum(probs, 0) - probs
+    kept = int((before < p.top_p).sum()) if p.top_p < 1 else k
+    near = p.top_p < 1 and bool(((before - p.top_p).abs() < eps).any())
+    probs = probs[:kept] / probs[:kept].sum()
+    ratio = probs / probs[0]
+    near |= p.min_p > 0 and bool(((ratio - p.min_p).abs() < eps).any())
+    probs = probs[ratio >= p.min_p] if p.min_p > 0 else probs
+    cdf = torch.cumsum(probs / probs.sum(), 0)
+    # fp32 cumulative sums drift with their length (torch's and the kernel's apart)
+    return near or bool(((cdf - u).abs() < eps * max(1.0, cdf.numel() / 500)).any())
+
+
+@pytest.mark.parametrize("vocab, n", [(50, 200), (3000, 30), (49152, 12)])
+def test_kernel_draws_what_the_torch_oracle_draws(vocab: int, n: int, monkeypatch) -> None:
+    import runtime.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CANDIDATES", 10**9)  # the oracle: a full sort
+    kernel = _kernel()
+    compared = 0
+    for si, p in enumerate(SETTINGS):
+        for scale, peak in ((1.0, 0.0), (3.0, 12.0), (0.3, 4.0)):
+            x = _rows(n, vocab, seed=si * 7 + int(scale * 10), scale=scale, peak=peak)
+            g = torch.Generator().manual_seed(si)
+            us = torch.rand(n, generator=g).tolist()
+            got = kernel.sample(x, *_args([p] * n), us).tolist()
+            for i in range(n):
+                if _near_tie(x[i], p, us[i]):
+                    continue
+                compared += 1
+                want = sampling._sample_row(x[i: i + 1], p, us[i])
+                assert got[i] == want, (p, scale, peak, i)
+    assert compared >= 0.5 * n * len(SETTINGS) * 3  # flat rows of 49,152 are all near a step
+
+
+@pytest.mark.parametrize("vocab", [50, 3000, 49152])
+def test_kernel_distribution_matches_the_oracle(vocab: int, monkeypatch) -> None:
+    import runtime.sampling as sampling
+    from runtime.model import kernels
+
+    monkeypatch.setattr(sampling, "CANDIDATES", 10**9)
+    n = 6
+    for si, p in enumerate(SETTINGS):
+        x = _rows(n, vocab, seed=100 + si, scale=2.0, peak=8.0)
+        got = sampling.filtered_probs(x, [p] * n)
+        monkeypatch.setattr(kernels, "ENABLED", False)
+        want = sampling.filtered_probs(x, [p] * n)
+        monkeypatch.setattr(kernels, "ENABLED", True)
+        for i in range(n):
+            if _near_tie(x[i], p, 0.5):  # a filter boundary may fall either way
+                continue
+            assert torch.allclose(got[i], want[i], atol=2e-6, rtol=1e-4), (p, i)
+        assert torch.allclose(got.sum(-1), torch.ones(n), atol=1e-5)
+
+
+def test_kernel_draws_follow_its_own_distribution() -> None:
+    # the draw and filtered_probs (speculative verification) sample the same distribution
+    kernel = _kernel()
+    x = _rows(1, 40, seed=5, scale=1.5, peak=3.0)
+    for p in (SamplerSpec(temperature=0.8, top_p=0.9), SamplerSpec(temperature=1.0, top_k=5, min_p=0.1)):
+        probs = kernel.filtered_probs(x, *_args([p]))[0]
+        n = 20000
+        us = torch.rand(n, generator=torch.Generator().manual_seed(1)).tolist()
+        got = kernel.sample(x.expand(n, -1).contiguous(), *_args([p] * n), us)
+        freq = torch.bincount(got, minlength=40).float() / n
+        assert (freq - probs).abs().max() < 0.015
+        assert bool((freq[probs == 0] == 0).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_rows_independent_of_batch(threads: int) -> None:
+    kernel = _kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for vocab in (50, 49152):
+            x = _rows(8, vocab, seed=9, scale=2.0, peak=10.0)
+            params = SETTINGS + [SamplerSpec(temperature=2.0, top_p=0.99)]
+            us = torch.rand(8, generator=torch.Generator().manual_seed(2)).tolist()
+            batch = kernel.sample(x, *_args(params), us).tolist()
+            probs = kernel.filtered_probs(x, *_args(params))
+            for i in range(8):
+                alone = kernel.sample(x[i: i + 1].contiguous(), *_args(params[i: i + 1]), us[i: i + 1])
+                assert int(alone) == batch[i]
+                solo = kernel.filtered_probs(x[i: i + 1].contiguous(), *_args(params[i: i + 1]))
+                assert torch.equal(solo[0], probs[i])
+            # the same rows in another order and among other rows
+            perm = [3, 0, 7, 1]
+            y = torch.cat([x[perm], _rows(2, vocab, seed=1, scale=1.0, peak=0.0)])
+            mixed = kernel.sample(y, *_args([params[i] for i in perm] + params[:2]),
+                                  [us[i] for i in perm] + [0.5, 0.25]).tolist()
+            assert mixed[:4] == [batch[i] for i in perm]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_top_k_past_the_candidates_and_vanishing_temperature(monkeypatch) -> None:
+    import runtime.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CANDIDATES", 10**9)
+    kernel = _kernel()
+    # a peaked row: the first candidate set is far smaller than top_k = 5000, so the kernel
+    # finds the top-k mass over the whole vocabulary
+    x = _rows(4, 49152, seed=3, scale=1.0, peak=20.0)
+    p = SamplerSpec(temperature=1.0, top_k=5000, top_p=0.999)
+    us = [0.1, 0.5, 0.9, 0.999]
+    got = kernel.sample(x, *_args([p] * 4), us).tolist()
+    for i in range(4):
+        if not _near_tie(x[i], p, us[i]):
+            assert got[i] == sampling._sample_row(x[i: i + 1], p, us[i])
+    for t in (4.85e-101, 1e-45):
+        q = SamplerSpec(temperature=t, top_p=0.9)
+        assert kernel.sample(x, *_args([q] * 4), us).tolist() == x.argmax(-1).tolist()
+        probs = kernel.filtered_probs(x, *_args([q] * 4))
+        assert torch.equal(probs, torch.nn.functional.one_hot(x.argmax(-1), 49152).float())

@@ -29,6 +29,11 @@ The kernels (docs/forward.md):
 (``runtime.model.blocks``); its eager twin is dequantizing the blocks and ``F.linear``.
 Its ``block_mm_q8`` multiplies them with int8-quantized activations (AVX-512 VNNI where the
 CPU has it, portable loops elsewhere); its twin is ``round_activations`` then the same.
+
+:func:`sampling_ops` is a third, from ``sampling.cpp`` (built with ``-ffp-contract=off``): a
+step's filtered draw (temperature, top-k, top-p, min-p) for every sampled row in one call,
+and the distribution it draws from (``runtime.sampling``; its twin is that module's torch
+code).
 """
 
 from __future__ import annotations
@@ -48,19 +53,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["ops", "block_ops", "enabled", "build", "folder"]
+__all__ = ["ops", "block_ops", "sampling_ops", "enabled", "build", "folder"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
+SAMPLING_SOURCE = Path(__file__).with_name("sampling.cpp")
 # the files each module is compiled from: the decode step (runtime/model/fused_step.py)
 # is built into the cpu_ops module
 SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
-           BLOCK_SOURCE: (BLOCK_SOURCE,)}
+           BLOCK_SOURCE: (BLOCK_SOURCE,), SAMPLING_SOURCE: (SAMPLING_SOURCE,)}
 _lock = threading.Lock()
 _module: Any = None
 _block_module: Any = None
+_sampling_module: Any = None
 _tried: set[Path] = set()  # the sources whose build was tried (once each)
 
 
@@ -122,8 +129,10 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
     if platform.machine() in ("x86_64", "AMD64"):
         # the CPU's own instructions; with AVX-512, its full-width registers too
         flags += ["-march=native", "-mprefer-vector-width=512"]
-    if source != SOURCE:  # block_mm.cpp: a * b + c as one fma (exact where it matters there)
+    if source == BLOCK_SOURCE:  # a * b + c as one fma (exact where it matters there)
         flags.append("-ffp-contract=fast")
+    elif source == SAMPLING_SOURCE:  # every copy of a row's code rounds alike
+        flags.append("-ffp-contract=off")
     elif platform.machine() in ("aarch64", "arm64"):
         flags.append("-mcpu=native")
     # torch's own lock is a file that a process killed mid-build leaves behind, and every
@@ -141,7 +150,7 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
 
 def _load(source: Path, cache: str, what: str, fallback: str) -> Any:
     """The module built from ``source``, kept in the global ``cache`` (``_module`` or
-    ``_block_module``: benchmarks/model.py swaps them for profiling), or None (turned off, or
+    ``_block_module``, ``_sampling_module``: benchmarks/model.py swaps them for profiling), or None (turned off, or
     the build failed: logged once, with ``fallback`` saying what runs instead)."""
     if not enabled():
         return None
@@ -171,3 +180,10 @@ def block_ops() -> Any:
     build failed: logged once)."""
     return _load(BLOCK_SOURCE, "_block_module", "block-weight kernels",
                  "GGUF block weights run dequantized, through PyTorch (slower)")
+
+
+def sampling_ops() -> Any:
+    """The compiled sampling kernel (``sampling.cpp``), or None (turned off, or the build
+    failed: logged once)."""
+    return _load(SAMPLING_SOURCE, "_sampling_module", "sampling kernel",
+                 "sampling with PyTorch ops instead (slower)")
