@@ -149,9 +149,10 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
 
 
 def _load(source: Path, cache: str, what: str, fallback: str) -> Any:
-    """The module built from ``source``, kept in the global ``cache`` (``_module`` or
-    ``_block_module``, ``_sampling_module``: benchmarks/model.py swaps them for profiling), or None (turned off, or
-    the build failed: logged once, with ``fallback`` saying what runs instead)."""
+    """The module built from ``source``, kept in the global ``cache`` (``_module``,
+    ``_block_module`` or ``_sampling_module``: benchmarks/model.py swaps them for
+    profiling), or None (turned off, or the build failed: logged once, with ``fallback``
+    saying what runs instead)."""
     if not enabled():
         return None
     module = globals()[cache]

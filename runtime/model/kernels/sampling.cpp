@@ -262,33 +262,43 @@ void check_logits(const torch::Tensor& x) {
               "sampling: contiguous float32 CPU logits [m, V]");
 }
 
+// Every row's filtered tokens and weights (filter_row), a row per thread, handed to
+// fn(row, scratch, kept, the kept weights' sum in order).
+template <typename Fn>
+void each_row(const torch::Tensor& x, const std::vector<Filter>& f, Fn fn) {
+  const int64_t V = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch sc;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = filter_row(xp + r * V, V, f[r], sc);
+      float total = 0.f;
+      for (int64_t j = 0; j < n; ++j) total += sc.w[j];
+      fn(r, sc, n, total);
+    }
+  });
+}
+
 // One filtered draw per row: logits [m, V], the row's settings and its uniform number u in
 // [0, 1); returns the m tokens (int64).
 torch::Tensor sample(torch::Tensor x, std::vector<double> temperature,
                      std::vector<int64_t> top_k, std::vector<double> top_p,
                      std::vector<double> min_p, std::vector<double> u) {
   check_logits(x);
-  const int64_t m = x.size(0), V = x.size(1);
+  const int64_t m = x.size(0);
   const auto f = filters(m, temperature, top_k, top_p, min_p);
   TORCH_CHECK(static_cast<int64_t>(u.size()) == m, "sampling: one uniform number per row");
   auto out = torch::empty({m}, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch sc;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = filter_row(xp + r * V, V, f[r], sc);
-      float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) total += sc.w[j];
-      const float target = static_cast<float>(u[r]) * total;
-      int64_t pick = n - 1;
-      float cdf = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        cdf += sc.w[j];
-        if (cdf > target) { pick = j; break; }
-      }
-      o[r] = sc.tok[pick];
+  each_row(x, f, [&](int64_t r, const Scratch& sc, int64_t n, float total) {
+    const float target = static_cast<float>(u[r]) * total;
+    int64_t pick = n - 1;
+    float cdf = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      cdf += sc.w[j];
+      if (cdf > target) { pick = j; break; }
     }
+    o[r] = sc.tok[pick];
   });
   return out;
 }
@@ -302,15 +312,8 @@ torch::Tensor filtered_probs(torch::Tensor x, std::vector<double> temperature,
   const auto f = filters(m, temperature, top_k, top_p, min_p);
   auto out = torch::zeros({m, V}, torch::kFloat32);
   float* o = out.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch sc;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = filter_row(xp + r * V, V, f[r], sc);
-      float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) total += sc.w[j];
-      for (int64_t j = 0; j < n; ++j) o[r * V + sc.tok[j]] = sc.w[j] / total;
-    }
+  each_row(x, f, [&](int64_t r, const Scratch& sc, int64_t n, float total) {
+    for (int64_t j = 0; j < n; ++j) o[r * V + sc.tok[j]] = sc.w[j] / total;
   });
   return out;
 }
