@@ -30,7 +30,11 @@ the oracle of tests/model/test_fused_step.py):
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
   (decodes, drafts, short chunks), no attention scores asked for, and no custom mask
   other than one that equals causal attention (a mask the paged kernel cannot express
-  runs eagerly); adapters of any mix;
+  runs eagerly); adapters of any mix. Under deterministic numerics the eager forward
+  sends every causal row, a prefill chunk's too, through the same paged kernel, so there
+  the step takes any number of them: a step that mixes a prefill chunk with decodes and
+  drafts (an agent's new turn beside the others' tokens) skips ~28 Python calls a layer
+  too, when every projection's chunk-bucket kernel (64 rows and up) has a C++ form;
 * forks whose shared pages the eager cascade would read once, where the fused step reads
   them once per fork, share at most :data:`MAX_SHARED_PAGES` extra page reads (best-of-8
   over a long prompt stays on the cascade).
@@ -187,12 +191,18 @@ class FusedStep:
         ops = kernels.ops()
         self.ops = ops
         self.steps = 0  # steps run (tests and benchmarks check it ran)
+        # whether every projection's chunk bucket (64 rows and up) has a C++ form too: then
+        # a deterministic step of any size can run here (``takes``)
+        self.chunks = all(len(p.kernel_names) > 2 and _spec(p, p.kernel_names[2]) is not None
+                          for lw in model.layers
+                          for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
         # adapter key (a 64-bit digest) -> the small id the C++ step knows it by (1, 2, ...)
         self._ids: dict[int, int] = {}
         self._next_id = 1
         self.step = ops.DecodeStep(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        buckets = 3 if self.chunks else 2
         for lw in model.layers:
-            specs = [[_spec(p, n) for n in p.kernel_names[:2]]
+            specs = [[_spec(p, n) for n in p.kernel_names[:buckets]]
                      for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
             self.step.add_layer(lw.input_norm, lw.post_norm, specs)
 
@@ -228,16 +238,17 @@ class FusedStep:
         if slot is not None:
             self.step.drop_adapter(slot)
 
-    @staticmethod
-    def takes(batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
+    def takes(self, batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
               backend: Any) -> bool:
         """Whether this step's batch is one the fused step runs (module docstring)."""
-        if meta.num_tokens > MAX_ROWS or not _pages_readable(pool_kv, backend) \
+        # deterministic: every causal row goes to the paged kernel eagerly too
+        whole = self.chunks and getattr(backend, "deterministic", False)
+        if (meta.num_tokens > MAX_ROWS and not whole) or not _pages_readable(pool_kv, backend) \
                 or pool_kv.device.type != "cpu" or backend.name != "torch" \
                 or not getattr(backend, "kernels", False):
             return False
         for seq, mask, cached in zip(batch, meta.masks, meta.num_cached, strict=True):
-            if seq.scores or len(seq.tokens) > KERNEL_MAX_QUERIES:
+            if seq.scores or (len(seq.tokens) > KERNEL_MAX_QUERIES and not whole):
                 return False
             if mask is not None and not _causal(mask, cached):
                 return False

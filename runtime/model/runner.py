@@ -224,8 +224,7 @@ class ModelRunner:
 
     def _fused_step(self, batch: list[SeqInput], flat: FlatBatch) -> FusedStep | None:
         """The fused decode step if it takes this batch (``runtime.model.fused_step``)."""
-        if self._step is False or not step_enabled() \
-                or not FusedStep.takes(batch, flat.meta, self.pool_kv, self.backend):
+        if self._step is False or not step_enabled():
             return None
         if self._step is None:
             reason = why_not(self.model)
@@ -236,7 +235,8 @@ class ModelRunner:
             self._step = FusedStep(self.model)
             for fused in self._fused.values():
                 self._step.register(fused)
-        return self._step  # type: ignore[return-value]
+        step: FusedStep = self._step  # type: ignore[assignment]
+        return step if step.takes(batch, flat.meta, self.pool_kv, self.backend) else None
 
     def _lora_batch(self, batch: list[SeqInput]) -> LoraBatch | None:
         """The rows of each adapter in the flat batch: a slice when they are contiguous

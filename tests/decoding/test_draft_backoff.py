@@ -56,19 +56,30 @@ def test_an_unjudged_or_empty_proposal_does_not_count() -> None:
     d.judged(0)  # nothing was looked up: no pause
     d.accept(5)
     d.accept(6)
-    assert d.propose(None, 4) == [7, 5, 6]
+    d.accept(7)
+    assert d.propose(None, 4) == [5, 6, 7]
 
 
 def test_the_length_follows_what_was_kept() -> None:
-    d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], prompt_lookup=8)
-    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8, 9, 1]  # the full length first
+    d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], prompt_lookup=8)
+    assert d.propose(None, 8) == [4, 5, 6, 7, 8, 9, 1, 2]  # the full length first
     d.judged(2)  # two kept: the next draft proposes one more than that
-    assert d.propose(None, 8) == [3, 4, 5]
+    assert d.propose(None, 8) == [4, 5, 6]
     d.judged(3)  # kept whole: the length doubles
-    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8]
+    assert d.propose(None, 8) == [4, 5, 6, 7, 8, 9]
     d.judged(6)
-    assert d.propose(None, 8) == [3, 4, 5, 6, 7, 8, 9, 1]  # doubled, up to prompt_lookup
-    assert d.propose(None, 3) == [3, 4, 5]  # the step's own limit still caps it
+    assert d.propose(None, 8) == [4, 5, 6, 7, 8, 9, 1, 2]  # doubled, up to prompt_lookup
+    assert d.propose(None, 3) == [4, 5, 6]  # the step's own limit still caps it
+
+
+def test_only_three_token_matches_propose_by_default() -> None:
+    # "... 7 8 9 1 2" ends with "1 2" (and "2"), seen before, but no 3-token match
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert Drafter(history, prompt_lookup=8).propose(None, 8) == []
+    assert Drafter(history, prompt_lookup=8, min_ngram=2).propose(None, 8) == [3, 4, 5, 6, 7,
+                                                                             8, 9, 1]
+    assert Drafter(history, prompt_lookup=8, min_ngram=1).propose(None, 8) == [3, 4, 5, 6, 7,
+                                                                             8, 9, 1]
 
 
 def test_a_rejected_draft_restarts_from_one_token() -> None:

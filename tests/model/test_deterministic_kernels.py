@@ -143,8 +143,10 @@ def _kv_of(runner: ModelRunner, seq: PagedSeq, position: int) -> torch.Tensor:
                                         ("fp32", "int8"), ("fp32", "bf16")])
 def test_a_row_is_the_same_fused_eager_and_in_a_prefill(weights: str, kv: str,
                                                          monkeypatch) -> None:
-    """The fused decode step (<= 8 rows, one C++ call) gives a row the bits the eager
-    forward gives it in a batch of 9 and in a prefill chunk: logits and K/V."""
+    """The fused step (one C++ call) gives a row the bits the eager forward gives it: alone,
+    in a batch of 4, among 8 others with drafts (more rows than MAX_ROWS: under
+    deterministic numerics fused too when every chunk-bucket kernel has a C++ form) and
+    as the last row of a prefill chunk: logits and K/V."""
     monkeypatch.setattr(fused_step, "ENABLED", True)
     model = make_hf_model("qwen2", seed=12, max_position_embeddings=1024)  # q/k/v biases
     runner = make_runner(model, num_pages=160, kv_dtype=kv, deterministic=True)
@@ -163,31 +165,41 @@ def test_a_row_is_the_same_fused_eager_and_in_a_prefill(weights: str, kv: str,
     def steps() -> int:
         return runner._step.steps if isinstance(runner._step, fused_step.FusedStep) else 0
 
+    def forward(batch: list, fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(fused_step, "ENABLED", fused)
+        before = steps()
+        out = runner.forward(batch)
+        assert steps() == before + int(fused), "ran fused" if fused else "ran eagerly"
+        return out
+
     # alone: a fused step of one row (the 1-row bucket)
     alone = prefilled(prompt)
     before = steps()
     want = alone.run([nxt])[0]
     assert steps() == before + 1, "the step ran fused"
+    chunks = runner._step.chunks  # the chunk bucket's kernels all have a C++ form
     kv = _kv_of(runner, alone, len(prompt))
     # among 3 others: a fused step of 4 rows (the batch bucket)
     others = [prefilled(random_tokens(20 + i, seed=20 + i)) for i in range(8)]
     seq = prefilled(prompt)
-    out = runner.forward([seq.step([nxt])] + [o.step([5]) for o in others[:3]])
-    assert steps() == before + 2
+    out = forward([seq.step([nxt])] + [o.step([5]) for o in others[:3]], fused=True)
     assert torch.equal(out[0], want)
     assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
     for o in others[:3]:
         o.advance(1)
-    # among 8 others with drafts: more rows than the fused step takes, the eager forward
-    seq = prefilled(prompt)
-    draft = [6] * (fused_step.MAX_ROWS // len(others) + 1)
-    out = runner.forward([seq.step([nxt])] + [o.step(draft) for o in others])
-    assert steps() == before + 2, "the rows past MAX_ROWS ran eagerly"
-    assert torch.equal(out[0], want)
-    assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
-    # the last row of a prefill chunk (eager), after a first chunk of 16
-    seq = PagedSeq(runner, free)
-    seq.run(prompt[:16], logits=[0])
-    out = seq.run(prompt[16:] + [nxt])
-    assert torch.equal(out[-1], want)
-    assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
+    # among 8 others with drafts: more rows than MAX_ROWS, fused (when it takes them) and
+    # eager; 8 x 8 + 1 rows is the chunk bucket
+    draft = [6] * 8
+    for fused in (True, False) if chunks else (False,):
+        seq = prefilled(prompt)
+        out = forward([seq.step([nxt])] + [o.step(draft) for o in others], fused=fused)
+        assert torch.equal(out[0], want)
+        assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)
+    # the last row of a prefill chunk, after a first chunk of 16: fused and eager
+    for fused in (True, False) if chunks else (False,):
+        seq = PagedSeq(runner, free)
+        seq.run(prompt[:16], logits=[0])
+        out = forward([seq.step(prompt[16:] + [nxt])], fused=fused)
+        seq.advance(len(prompt) - 16 + 1)
+        assert torch.equal(out[-1], want)
+        assert torch.equal(_kv_of(runner, seq, len(prompt)), kv)

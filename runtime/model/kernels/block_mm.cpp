@@ -454,7 +454,8 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
                        const _Float16* dp, const _Float16* mp, int64_t sd, const Dest& o,
                        int64_t col0, int64_t cols) {
   const int64_t nb = a.nb, K = a.K;
-  constexpr int64_t BLK = BITS == 4 ? 256 : 512;  // bytes of a block of a strip
+  constexpr bool BYTES = BITS == 8;  // a weight a byte: 8 vectors a block
+  constexpr int64_t BLK = BYTES ? 512 : 256;  // bytes of a block of a strip
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R][NS];
   for (int r = 0; r < R; ++r)
@@ -470,37 +471,28 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           isum2[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr2[(r0 + r) * nb + b])
                                   : _mm512_setzero_si512();
       }
-    for (int s = 0; s < NS; ++s) {
-      const uint8_t* wb = w + s * sw + b * BLK;
-      for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * k);
-        if (BITS == 4) {
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            const int64_t i = ((r0 + r) * nb + b) * 32;
-            int32_t a0, a1;
-            std::memcpy(&a0, a.q + i + 4 * k, 4);
-            std::memcpy(&a1, a.q + i + 16 + 4 * k, 4);
-            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], lo, _mm512_set1_epi32(a0));
-            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], hi, _mm512_set1_epi32(a1));
-            if (LV == 2) {
-              std::memcpy(&a0, a.q2 + i + 4 * k, 4);
-              std::memcpy(&a1, a.q2 + i + 16 + 4 * k, 4);
-              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], lo, _mm512_set1_epi32(a0));
-              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], hi, _mm512_set1_epi32(a1));
-            }
-          }
-        } else {
-          for (int r = 0; r < R; ++r) {
-            const int64_t i = ((r0 + r) * nb + b) * 32 + 4 * k;
-            int32_t a0;
-            std::memcpy(&a0, a.q + i, 4);
-            isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], v, _mm512_set1_epi32(a0));
-            if (LV == 2) {
-              std::memcpy(&a0, a.q2 + i, 4);
-              isum2[r][s] = _mm512_dpbusd_epi32(isum2[r][s], v, _mm512_set1_epi32(a0));
-            }
+    // k outer, strips inner: each activation broadcast feeds every strip at once (with the
+    // strips outer the compiler hoisted all R x 8 broadcasts of a block and spilled them)
+    const int64_t i0 = (r0 * nb + b) * 32;
+    for (int k = 0; k < (BYTES ? 8 : 4); ++k) {
+      __m512i lo[NS], hi[NS];
+      for (int s = 0; s < NS; ++s) {
+        const __m512i v = _mm512_loadu_si512(w + s * sw + b * BLK + 64 * k);
+        lo[s] = BYTES ? v : _mm512_and_si512(v, low);
+        if (!BYTES) hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + r * nb * 32 + 4 * k;
+        for (int lv = 0; lv < LV; ++lv) {
+          const int8_t* q = lv ? a.q2 : a.q;
+          int32_t a0, a1 = 0;
+          std::memcpy(&a0, q + i, 4);
+          if (!BYTES) std::memcpy(&a1, q + i + 16, 4);
+          const __m512i b0 = _mm512_set1_epi32(a0), b1 = _mm512_set1_epi32(a1);
+          for (int s = 0; s < NS; ++s) {
+            __m512i& acc_i = lv ? isum2[LV == 2 ? r : 0][s] : isum[r][s];
+            acc_i = _mm512_dpbusd_epi32(acc_i, lo[s], b0);
+            if (!BYTES) acc_i = _mm512_dpbusd_epi32(acc_i, hi[s], b1);
           }
         }
       }
@@ -523,23 +515,33 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
       }
     }
   }
+  __mmask16 keep[NS];
   for (int s = 0; s < NS; ++s) {
-    const int64_t left = cols - s * L, c = col0 + s * L;
-    const __mmask16 keep = left >= L ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const int64_t left = cols - s * L;
+    keep[s] = left >= L ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  }
+  if (K) {  // each (row, strip)'s chain over the channels in channel order, chains interleaved
+    __m512 side[R][NS];
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < NS; ++s) side[r][s] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k)
+      for (int s = 0; s < NS; ++s) {
+        const __m512 sw_k = _mm512_maskz_loadu_ps(keep[s], o.side + k * o.sn + col0 + s * L);
+        for (int r = 0; r < R; ++r)
+          side[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(a.xo[(r0 + r) * K + k]), sw_k,
+                                       side[r][s]);
+      }
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < NS; ++s) acc[r][s] = _mm512_add_ps(acc[r][s], side[r][s]);
+  }
+  for (int s = 0; s < NS; ++s) {
+    const int64_t c = col0 + s * L;
     for (int r = 0; r < R; ++r) {
       __m512 v = acc[r][s];
-      if (K) {
-        __m512 side = _mm512_setzero_ps();
-        const float* xo = a.xo + (r0 + r) * K;
-        for (int64_t k = 0; k < K; ++k)
-          side = _mm512_fmadd_ps(_mm512_set1_ps(xo[k]),
-                                 _mm512_maskz_loadu_ps(keep, o.side + k * o.sn + c), side);
-        v = _mm512_add_ps(v, side);
-      }
-      if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, o.bias + c));
+      if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep[s], o.bias + c));
       float* dst = o.out + (r0 + r) * o.os + c;
-      if (o.acc) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, dst), v);
-      _mm512_mask_storeu_ps(dst, keep, v);
+      if (o.acc) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep[s], dst), v);
+      _mm512_mask_storeu_ps(dst, keep[s], v);
     }
   }
 #else

@@ -310,7 +310,8 @@ class DecodeStep {
                 "decode step: x must be contiguous fp32 [T, hidden]");
     const int64_t T = x.size(0), D = head_dim_;
     const int64_t qd = heads_ * D, kvd = kv_heads_ * D;
-    const size_t bucket = T <= 1 ? 0 : 1;  // matmul.py's ROW_BUCKETS: 1 row, then a batch
+    // matmul.py's ROW_BUCKETS (_bucket): 1 row, a batch (2-63), a chunk (64 and up)
+    const size_t bucket = T <= 1 ? 0 : T < 64 ? 1 : 2;
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     std::vector<Group> groups;
     if (row_adapter.numel()) {
@@ -327,7 +328,8 @@ class DecodeStep {
     }
     auto kernel = [&](const Layer& l, int p) -> const Kernel& {
       const auto& ks = l.proj[p];
-      return ks[std::min(bucket, ks.size() - 1)];
+      TORCH_CHECK(bucket < ks.size(), "decode step: no kernel for ", T, " rows");
+      return ks[bucket];
     };
     auto project = [&](const Layer& l, int64_t layer, int p, const torch::Tensor& in) {
       torch::Tensor out;
