@@ -34,7 +34,8 @@ the oracle of tests/model/test_fused_step.py):
   sends every causal row, a prefill chunk's too, through the same paged kernel, so there
   the step takes any number of them: a step that mixes a prefill chunk with decodes and
   drafts (an agent's new turn beside the others' tokens) skips ~28 Python calls a layer
-  too, when every projection's chunk-bucket kernel (64 rows and up) has a C++ form;
+  too, when every projection's chunk-bucket kernel (64 rows and up) has a C++ form and
+  no row has an adapter (the grouped LoRA kernel is made for a few rows);
 * forks whose shared pages the eager cascade would read once, where the fused step reads
   them once per fork, share at most :data:`MAX_SHARED_PAGES` extra page reads (best-of-8
   over a long prompt stays on the cascade).
@@ -247,8 +248,11 @@ class FusedStep:
                 or pool_kv.device.type != "cpu" or backend.name != "torch" \
                 or not getattr(backend, "kernels", False):
             return False
+        big = meta.num_tokens > MAX_ROWS  # (only when ``whole``)
         for seq, mask, cached in zip(batch, meta.masks, meta.num_cached, strict=True):
             if seq.scores or (len(seq.tokens) > KERNEL_MAX_QUERIES and not whole):
+                return False
+            if big and seq.adapter:  # the grouped LoRA kernel is made for a few rows
                 return False
             if mask is not None and not _causal(mask, cached):
                 return False
