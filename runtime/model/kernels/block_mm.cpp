@@ -454,8 +454,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
                        const _Float16* dp, const _Float16* mp, int64_t sd, const Dest& o,
                        int64_t col0, int64_t cols) {
   const int64_t nb = a.nb, K = a.K;
-  constexpr bool BYTES = BITS == 8;  // a weight a byte: 8 vectors a block
-  constexpr int64_t BLK = BYTES ? 512 : 256;  // bytes of a block of a strip
+  constexpr int64_t BLK = BITS == 4 ? 256 : 512;  // bytes of a block of a strip
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R][NS];
   for (int r = 0; r < R; ++r)
@@ -474,12 +473,12 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
     // k outer, strips inner: each activation broadcast feeds every strip at once (with the
     // strips outer the compiler hoisted all R x 8 broadcasts of a block and spilled them)
     const int64_t i0 = (r0 * nb + b) * 32;
-    for (int k = 0; k < (BYTES ? 8 : 4); ++k) {
+    for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k) {
       __m512i lo[NS], hi[NS];
       for (int s = 0; s < NS; ++s) {
         const __m512i v = _mm512_loadu_si512(w + s * sw + b * BLK + 64 * k);
-        lo[s] = BYTES ? v : _mm512_and_si512(v, low);
-        if (!BYTES) hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        lo[s] = BITS == 4 ? _mm512_and_si512(v, low) : v;
+        if (BITS == 4) hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t i = i0 + r * nb * 32 + 4 * k;
@@ -487,12 +486,12 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           const int8_t* q = lv ? a.q2 : a.q;
           int32_t a0, a1 = 0;
           std::memcpy(&a0, q + i, 4);
-          if (!BYTES) std::memcpy(&a1, q + i + 16, 4);
+          if (BITS == 4) std::memcpy(&a1, q + i + 16, 4);
           const __m512i b0 = _mm512_set1_epi32(a0), b1 = _mm512_set1_epi32(a1);
           for (int s = 0; s < NS; ++s) {
             __m512i& acc_i = lv ? isum2[LV == 2 ? r : 0][s] : isum[r][s];
             acc_i = _mm512_dpbusd_epi32(acc_i, lo[s], b0);
-            if (!BYTES) acc_i = _mm512_dpbusd_epi32(acc_i, hi[s], b1);
+            if (BITS == 4) acc_i = _mm512_dpbusd_epi32(acc_i, hi[s], b1);
           }
         }
       }
