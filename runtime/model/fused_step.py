@@ -239,14 +239,19 @@ class FusedStep:
         if slot is not None:
             self.step.drop_adapter(slot)
 
+    @staticmethod
+    def serves(pool_kv: torch.Tensor, backend: Any) -> bool:
+        """Whether the step can run any batch over ``pool_kv`` with ``backend`` (the
+        torch backend with its kernels, pages it reads as the eager backend does)."""
+        return _pages_readable(pool_kv, backend) and pool_kv.device.type == "cpu" \
+            and backend.name == "torch" and getattr(backend, "kernels", False)
+
     def takes(self, batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
               backend: Any) -> bool:
         """Whether this step's batch is one the fused step runs (module docstring)."""
         # deterministic: every causal row goes to the paged kernel eagerly too
         whole = self.chunks and getattr(backend, "deterministic", False)
-        if (meta.num_tokens > MAX_ROWS and not whole) or not _pages_readable(pool_kv, backend) \
-                or pool_kv.device.type != "cpu" or backend.name != "torch" \
-                or not getattr(backend, "kernels", False):
+        if (meta.num_tokens > MAX_ROWS and not whole) or not self.serves(pool_kv, backend):
             return False
         big = meta.num_tokens > MAX_ROWS  # (only when ``whole``)
         for seq, mask, cached in zip(batch, meta.masks, meta.num_cached, strict=True):

@@ -224,7 +224,8 @@ class ModelRunner:
 
     def _fused_step(self, batch: list[SeqInput], flat: FlatBatch) -> FusedStep | None:
         """The fused decode step if it takes this batch (``runtime.model.fused_step``)."""
-        if self._step is False or not step_enabled():
+        if self._step is False or not step_enabled() \
+                or not FusedStep.serves(self.pool_kv, self.backend):
             return None
         if self._step is None:
             reason = why_not(self.model)
