@@ -34,8 +34,10 @@ the oracle of tests/model/test_fused_step.py):
   sends every causal row, a prefill chunk's too, through the same paged kernel, so there
   the step takes any number of them: a step that mixes a prefill chunk with decodes and
   drafts (an agent's new turn beside the others' tokens) skips ~28 Python calls a layer
-  too, when every projection's chunk-bucket kernel (64 rows and up) has a C++ form and
-  no row has an adapter (the grouped LoRA kernel is made for a few rows);
+  too, when every projection's chunk-bucket kernel (64 rows and up) has a C++ form;
+  rows with an adapter only in steps of at most :data:`MAX_ROWS` rows, and at most 16 of
+  that sequence (the grouped LoRA kernel is made for a few rows: a prefill chunk with an
+  adapter runs eagerly on the fp32 deltas, as it did before chunks were fused);
 * forks whose shared pages the eager cascade would read once, where the fused step reads
   them once per fork, share at most :data:`MAX_SHARED_PAGES` extra page reads (best-of-8
   over a long prompt stays on the cascade).
@@ -257,8 +259,8 @@ class FusedStep:
         for seq, mask, cached in zip(batch, meta.masks, meta.num_cached, strict=True):
             if seq.scores or (len(seq.tokens) > KERNEL_MAX_QUERIES and not whole):
                 return False
-            if big and seq.adapter:  # the grouped LoRA kernel is made for a few rows
-                return False
+            if seq.adapter and (big or len(seq.tokens) > KERNEL_MAX_QUERIES):
+                return False  # the grouped LoRA kernel is made for a few rows
             if mask is not None and not _causal(mask, cached):
                 return False
         if len(batch) > 1 and getattr(backend, "cascade", False):

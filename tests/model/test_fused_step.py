@@ -319,6 +319,28 @@ def test_adapters_in_the_step_follow_peft(tmp_path: Path) -> None:
     assert err <= PEFT_TOL * ref.abs().max().item(), err
 
 
+def test_a_prefill_chunk_with_an_adapter_runs_eagerly(tmp_path: Path) -> None:
+    """Under deterministic numerics the step takes prefill chunks, but not one with an
+    adapter: its rows get the fp32 deltas of the eager forward (peft within fp32 noise),
+    not the grouped kernel's bf16 ones. The same chunk without an adapter runs fused."""
+    hf = make_hf_model("llama3", seed=9)
+    oracle = make_adapter(hf, tmp_path / "a", rank=8, seed=3)
+    runner = make_runner(hf, num_pages=32, deterministic=True)
+    key = runner.load_adapter("a", str(tmp_path / "a")).key
+    tokens = random_tokens(24, seed=4)
+    free = free_list(runner)
+    first = PagedSeq(runner, free).step(tokens, logits=[len(tokens) - 1])
+    first.adapter = key
+    got = runner.forward([first])[0]
+    assert _steps(runner) == 0
+    with torch.no_grad():
+        ref = oracle(torch.tensor([tokens])).logits[0, -1]
+    assert (got - ref).abs().max().item() <= 1e-4
+    if runner._step.chunks:  # every chunk-bucket kernel has a C++ form
+        PagedSeq(runner, free).run(tokens, logits=[len(tokens) - 1])
+        assert _steps(runner) == 1
+
+
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 def test_forks_of_a_long_shared_prefix_stay_on_the_cascade(kv: str, tmp_path: Path) -> None:
     """Forks past MAX_SHARED_PAGES run the eager cascade; a few short forks, one on an
