@@ -4,6 +4,11 @@ threads; and the model with kernels against the model without."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +207,24 @@ def test_paged_attention_over_an_int8_pool_equals_sdpa_over_its_decoded_pages(op
     out, q, tables, starts, cached = _call(ops, pool, CASES[case])
     ref = _reference(decode(pool, torch.float32), q, 1, tables, starts, cached)
     assert (out - ref).abs().max().item() < 2e-6
+
+
+def test_every_file_a_build_reads_is_in_its_digest_and_the_package(tmp_path, monkeypatch) -> None:
+    """The kernels compile on the user's machine from the installed files: each source,
+    and each header they include, must ship in the package (a wheel once had no .cpp at
+    all, and every kernel fell back to PyTorch) and be part of the build folder's digest
+    (or an edited header would load a stale build)."""
+    root = Path(kernels.__file__).resolve().parents[3]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["runtime.model.kernels"]
+    compiled = {s for sources in kernels.SOURCES.values() for s in sources}
+    included = {kernels.SOURCE.with_name(name) for s in compiled
+                for name in re.findall(r'#include "([^"]+)"', s.read_text())}
+    assert included == {kernels.HEADER}
+    for path in compiled | included:
+        assert any(fnmatch.fnmatch(path.name, g) for g in globs), path.name
+    before = {s: kernels.folder(s) for s in kernels.SOURCES}
+    edited = tmp_path / "vec16.h"
+    edited.write_text(kernels.HEADER.read_text() + "\n// edited\n")
+    monkeypatch.setattr(kernels, "HEADER", edited)
+    assert all(kernels.folder(s) != before[s] for s in kernels.SOURCES)

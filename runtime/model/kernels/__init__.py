@@ -5,7 +5,7 @@ their eager PyTorch code when it returns None. The C++ source is compiled once p
 (``-O3 -march=native``: the flags of the CPU that runs it) into
 ``~/.cache/pie-ctx/kernels/<digest>/`` by ``torch.utils.cpp_extension`` under an flock
 (two processes never build at once; a build killed half-way blocks nobody); the digest
-covers the source, the compiler flags, torch's version and the CPU's flags, so a cache
+covers the sources and their header, the compiler flags, torch's version and the CPU's flags, so a cache
 shared between different machines never loads a foreign build.
 
 They are on by default; ``PIE_CTX_KERNELS=0`` turns them off (the eager code runs). A
@@ -34,6 +34,12 @@ CPU has it, portable loops elsewhere); its twin is ``round_activations`` then th
 step's filtered draw (temperature, top-k, top-p, min-p) for every sampled row in one call,
 and the distribution it draws from (``runtime.sampling``; its twin is that module's torch
 code).
+
+All three include ``vec16.h``: the 16-float vectors and the one vectorised exp (the
+paged kernel's softmax with fused multiply-adds, ``silu_mul`` and sampling without), each
+rounding fixed in the header whatever the including file's contraction rule. The package
+ships the sources and the header (pyproject's package-data): they are compiled where they
+run.
 """
 
 from __future__ import annotations
@@ -61,7 +67,9 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
 SAMPLING_SOURCE = Path(__file__).with_name("sampling.cpp")
 # the files each module is compiled from: the decode step (runtime/model/fused_step.py)
-# is built into the cpu_ops module
+# is built into the cpu_ops module. HEADER is the vectors and the exp all three include:
+# part of each build folder's digest, not a compiled source.
+HEADER = Path(__file__).with_name("vec16.h")
 SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
            BLOCK_SOURCE: (BLOCK_SOURCE,), SAMPLING_SOURCE: (SAMPLING_SOURCE,)}
 _lock = threading.Lock()
@@ -103,7 +111,8 @@ def folder(source: Path = SOURCE) -> Path:
     """Where this machine's build of ``source`` lives."""
     digest = hashlib.blake2b(digest_size=8)
     # (this file too: it holds the compiler flags)
-    for part in (*(s.read_bytes() for s in SOURCES[source]), Path(__file__).read_bytes(),
+    for part in (*(s.read_bytes() for s in SOURCES[source]), HEADER.read_bytes(),
+                 Path(__file__).read_bytes(),
                  torch.__version__.encode(),
                  (cpu_facts()[1] or platform.processor()).encode(), platform.machine().encode()):
         digest.update(part)

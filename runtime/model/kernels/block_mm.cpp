@@ -25,20 +25,14 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "vec16.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef _Float16 v16h __attribute__((vector_size(32)));
 
 constexpr int TILE = 8;  // activation rows that share one pass over a weight row
-
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline v16 splat(float x) { return v16{} + x; }
 
 inline float hsum(v16 v) {
   float s[16];

@@ -19,23 +19,14 @@
 #include <map>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "vec16.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-constexpr int W = 16;          // floats per vector
 constexpr int BLOCK = 16;      // keys scored together before one softmax update
 constexpr int64_t SPLIT_KEYS = 256;  // keys of one split: longer contexts are cut
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
 
 inline v16 shuffle(v16 a, v16 b, v16i m) { return __builtin_shuffle(a, b, m); }
 
@@ -80,43 +71,9 @@ inline v16 sum16(v16* x) {
 
 const v16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-// exp(x) for x <= 0 (softmax after subtracting the max), ~1.2e-7 relative error:
-// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^6, 2^n in the exponent.
-inline v16 exp_neg(v16 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const v16 t = x * 1.44269504088896341f;
-  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (t + magic) - magic;
-  const v16 r = x - n * 0.693147180559945309f;
-  v16 p = splat(1.f / 720.f);
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * (v16)e;
-}
-
-// a * b + c, rounded once where the CPU has an FMA (the paged kernel's dot products and
-// weighted sums; every path of one build rounds alike, so a row's bits stay its own)
-inline v16 fmadd(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  __m256 x[2], y[2], z[2];
-  std::memcpy(x, &a, sizeof a);
-  std::memcpy(y, &b, sizeof b);
-  std::memcpy(z, &c, sizeof c);
-  z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
-  z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
-  std::memcpy(&c, z, sizeof c);
-  return c;
-#else
-  return a * b + c;
-#endif
-}
+// exp(x) for x <= 0 (softmax after subtracting the max; 0 for -inf: exp(-87) ~ 1.6e-38),
+// every multiply-add fused, as the paged kernel's other arithmetic
+inline v16 exp_neg(v16 x) { return exp_core_fused(x < splat(-87.f) ? splat(-87.f) : x); }
 
 // Ask for every cache line of [p, p + bytes) (a hint: nothing waits for it). LOCALITY:
 // __builtin_prefetch's, 3 (prefetcht0, every cache) to 1 (prefetcht2, the outer ones).
@@ -1040,29 +997,11 @@ void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor
 }
 
 // silu(gate) * up of a fused [T, 2I] gate/up output: [T, I].
-// exp(x) for x in [-87, 88] (clamped), the paged kernel's exp_neg on the whole range:
-// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^6 (~1.2e-7 relative),
-// 2^n in the exponent. Defined here, under the pragma, so every caller rounds alike. Not
-// exp_neg with an upper clamp on purpose: exp_neg is compiled with contracted FMAs (the
-// paged kernel's softmax, whose bits the attention tests pin), this one under the pragma
-// above (no contraction, so a row's bits never depend on which copy of a lambda ran it);
-// one function for both would be compiled one way and change the other's bits.
+// exp(x) for x in [-87, 88] (clamped): vec16.h's exp_core_exact (no contraction: the
+// pragma's rule; the paged kernel's exp_neg is the same arithmetic, fused roundings).
 EXACT inline v16 exp_clamped(v16 x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
-  x = x > splat(88.f) ? splat(88.f) : x;
-  const v16 t = x * 1.44269504088896341f;
-  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (t + magic) - magic;
-  const v16 r = x - n * 0.693147180559945309f;
-  v16 p = splat(1.f / 720.f);
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * (v16)e;
+  return exp_core_exact(x > splat(88.f) ? splat(88.f) : x);
 }
 
 // silu(gate) * up = gate / (1 + exp(-gate)) * up, 16 values at a time (a row's last

@@ -28,37 +28,18 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 // the same rounding in every copy of a function (inlined or handed to the threads)
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-constexpr int W = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
-
-// exp(x) for x <= 0, 0 below -87 (no subnormals): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
-// its Taylor series to r^6 (~1.2e-7 relative), 2^n in the exponent; exp(0) is exactly 1.
+// exp(x) for x <= 0, 0 below -87 (no subnormals); exp(0) is exactly 1 (vec16.h)
 inline v16 exp_neg(v16 x) {
-  const v16 c = x < splat(-87.f) ? splat(-87.f) : x;
-  const v16 t = c * 1.44269504088896341f;
-  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (t + magic) - magic;
-  const v16 r = c - n * 0.693147180559945309f;
-  v16 p = splat(1.f / 720.f);
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  const v16 y = p * (v16)e;
+  const v16 y = exp_core_exact(x < splat(-87.f) ? splat(-87.f) : x);
   return x < splat(-87.f) ? splat(0.f) : y;
 }
 
