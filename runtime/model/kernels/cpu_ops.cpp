@@ -71,8 +71,9 @@ inline v16 sum16(v16* x) {
 
 const v16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-// exp(x) for x <= 0 (softmax after subtracting the max; 0 for -inf: exp(-87) ~ 1.6e-38),
-// every multiply-add fused, as the paged kernel's other arithmetic
+// exp(x) for x <= 0 (softmax after subtracting the max), every multiply-add fused as in
+// the paged kernel's other arithmetic; below -87 it gives exp(-87) ~ 1.6e-38 (the kernel
+// zeroes the weights of masked keys itself)
 inline v16 exp_neg(v16 x) { return exp_core_fused(x < splat(-87.f) ? splat(-87.f) : x); }
 
 // Ask for every cache line of [p, p + bytes) (a hint: nothing waits for it). LOCALITY:
