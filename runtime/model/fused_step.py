@@ -71,7 +71,7 @@ from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
-from runtime.model.matmul import STEP_KINDS, Int8Weight, Projection
+from runtime.model.matmul import CHUNK_ROWS, STEP_KINDS, Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
 
@@ -194,20 +194,20 @@ class FusedStep:
         ops = kernels.ops()
         self.ops = ops
         self.steps = 0  # steps run (tests and benchmarks check it ran)
-        # whether every projection's chunk bucket (64 rows and up) has a C++ form too: then
-        # a deterministic step of any size can run here (``takes``)
-        self.chunks = all(len(p.kernel_names) > 2 and _spec(p, p.kernel_names[2]) is not None
-                          for lw in model.layers
-                          for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
+        # each layer's projections' kernels, one per matmul bucket (1 row, a batch, a chunk)
+        specs = [[[_spec(p, n) for n in p.kernel_names[:3]]
+                  for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)] for lw in model.layers]
+        # whether every projection's chunk bucket (CHUNK_ROWS rows and up) has a C++ form
+        # too: then a deterministic step of any size can run here (``takes``)
+        self.chunks = all(len(k) > 2 and k[2] is not None for layer in specs for k in layer)
         # adapter key (a 64-bit digest) -> the small id the C++ step knows it by (1, 2, ...)
         self._ids: dict[int, int] = {}
         self._next_id = 1
-        self.step = ops.DecodeStep(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.step = ops.DecodeStep(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                                   CHUNK_ROWS)
         buckets = 3 if self.chunks else 2
-        for lw in model.layers:
-            specs = [[_spec(p, n) for n in p.kernel_names[:buckets]]
-                     for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
-            self.step.add_layer(lw.input_norm, lw.post_norm, specs)
+        for lw, layer in zip(model.layers, specs, strict=True):
+            self.step.add_layer(lw.input_norm, lw.post_norm, [k[:buckets] for k in layer])
 
     def register(self, adapter: FusedAdapter) -> None:
         """Hand the C++ step bf16 copies of ``adapter``'s fused pairs (once per key)."""

@@ -81,13 +81,14 @@ from runtime.model.blocks import (
     round_activations,
 )
 
-__all__ = ["Int4Weight", "Int8Weight", "KernelChoice", "Projection", "ROW_BUCKETS",
+__all__ = ["CHUNK_ROWS", "Int4Weight", "Int8Weight", "KernelChoice", "Projection", "ROW_BUCKETS",
            "STEP_KINDS", "adopt_kernel_choices", "choose_kernels", "has_step_form",
            "kernel_choices", "probe_signature", "should_pack"]
 
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 8, 256)  # rows the kernels are timed at: a decode, a decode batch, a chunk
+CHUNK_ROWS = 64  # calls of this many rows and up use the chunk bucket's kernel (_bucket)
 # Row counts a deterministic choice checks a kernel at (the lm_head's up to 64): calls of
 # every size a step makes, the edges of the usual kernel tiles, and bigger prefill chunks.
 PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256, 300, 512)
@@ -116,7 +117,7 @@ def has_step_form(name: str) -> bool:
 
 def _bucket(rows: int) -> int:
     """Index into ROW_BUCKETS of the bucket a call with ``rows`` rows belongs to."""
-    return 0 if rows <= 1 else 1 if rows < 64 else 2
+    return 0 if rows <= 1 else 1 if rows < CHUNK_ROWS else 2
 
 
 def _packing_ops() -> tuple[object, object] | None:

@@ -247,8 +247,10 @@ torch::Tensor run_padded(const Kernel& k, const torch::Tensor& x) {
 
 class DecodeStep {
  public:
-  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+  // chunk_rows: matmul.py's CHUNK_ROWS, the fewest rows of a call in the chunk bucket
+  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t chunk_rows)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
+        chunk_rows_(chunk_rows) {}
 
   // specs: 4 lists (qkv, o, gate_up, down) of per-bucket tuples
   // (kind, weight, scale, bias or None, packed or None, group[, rows]).
@@ -310,8 +312,8 @@ class DecodeStep {
                 "decode step: x must be contiguous fp32 [T, hidden]");
     const int64_t T = x.size(0), D = head_dim_;
     const int64_t qd = heads_ * D, kvd = kv_heads_ * D;
-    // matmul.py's ROW_BUCKETS (_bucket): 1 row, a batch (2-63), a chunk (64 and up)
-    const size_t bucket = T <= 1 ? 0 : T < 64 ? 1 : 2;
+    // matmul.py's ROW_BUCKETS (_bucket): 1 row, a batch, a chunk (chunk_rows and up)
+    const size_t bucket = T <= 1 ? 0 : T < chunk_rows_ ? 1 : 2;
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     std::vector<Group> groups;
     if (row_adapter.numel()) {
@@ -499,13 +501,14 @@ class DecodeStep {
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
+  int64_t chunk_rows_;
   std::vector<Layer> layers_;
   std::unordered_map<int64_t, std::vector<std::array<LoraProj, 4>>> adapters_;
 };
 
 void register_decode_step(py::module_& m) {
   py::class_<DecodeStep>(m, "DecodeStep")
-      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def(py::init<int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &DecodeStep::add_layer)
       .def("add_adapter", &DecodeStep::add_adapter)
       .def("drop_adapter", &DecodeStep::drop_adapter)
