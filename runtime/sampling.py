@@ -225,9 +225,10 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
     scaled = x / temp[:, None]  # [m, V]
 
     sorted_logits, order = None, None
-    # Over the whole vocabulary, computed once: the two places below that need it used to
-    # compute it apart (torch.where evaluates both branches), a third of a draw's time.
-    vocab_lse = torch.logsumexp(scaled, dim=-1) if vocab > CANDIDATES else None  # [m]
+    # The normaliser of each row's top-k set (the whole vocabulary without top-k), computed
+    # once: the two places below that need it used to compute it apart (torch.where
+    # evaluates both branches), a third of a draw's time.
+    set_lse = _top_k_lse(scaled, top_k) if vocab > CANDIDATES else None  # [m]
     if vocab > CANDIDATES:
         cand, cand_order = torch.topk(scaled, CANDIDATES, dim=-1)  # [m, C], descending
         # Mass of the candidates under the top-k-restricted distribution the filters use.
@@ -236,7 +237,7 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
         full_lse = torch.where(top_k <= CANDIDATES,
                                torch.logsumexp(torch.where(ranks[None, :] < k_in[:, None], cand,
                                                            float("-inf")), dim=-1),
-                               vocab_lse)  # [m]
+                               set_lse)  # [m]
         inside = torch.exp(torch.logsumexp(cand, dim=-1) - full_lse)  # [m] candidate mass
         # min-p cuts everything below min_p x the top probability: if the last candidate is
         # already below, so is every token outside the candidates.
@@ -252,7 +253,7 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
     # Normalise over the whole top-k set (the candidates may be only part of it).
     lse = torch.logsumexp(torch.where(keep, sorted_logits, neg_inf), dim=-1, keepdim=True)
     if width < vocab:
-        lse = torch.where(top_k[:, None] <= width, lse, vocab_lse[:, None])
+        lse = torch.where(top_k[:, None] <= width, lse, set_lse[:, None])
     probs = torch.where(keep, (sorted_logits - lse).exp(), torch.zeros((), device=dev))
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [m, W]
     keep &= mass_before < top_p[:, None]  # top-p prefix (first token always kept)
@@ -260,6 +261,17 @@ def _filtered(x: torch.Tensor, params: list[SamplerSpec],
     keep &= probs >= min_p[:, None] * probs[:, :1]  # min-p relative to the top token
     probs = torch.where(keep, probs, torch.zeros((), device=dev))  # [m, W]
     return probs, order, keep
+
+
+def _top_k_lse(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """The logsumexp of each row's ``top_k`` largest values (all of them where ``top_k``
+    reaches the vocabulary): the normaliser of the top-k-restricted distribution that top-p
+    and min-p then cut. [m, V], [m] -> [m]."""
+    vocab = scaled.shape[1]
+    out = torch.logsumexp(scaled, dim=-1)
+    for i in (top_k < vocab).nonzero().flatten().tolist():  # top-k past the candidates
+        out[i] = torch.logsumexp(torch.topk(scaled[i], int(top_k[i])).values, dim=0)
+    return out
 
 
 def logprobs(logits_row: torch.Tensor, token_ids: list[int]) -> list[float]:

@@ -311,3 +311,27 @@ def test_kernel_top_k_past_the_candidates_and_vanishing_temperature(monkeypatch)
         assert kernel.sample(x, *_args([q] * 4), us).tolist() == x.argmax(-1).tolist()
         probs = kernel.filtered_probs(x, *_args([q] * 4))
         assert torch.equal(probs, torch.nn.functional.one_hot(x.argmax(-1), 49152).float())
+
+
+@pytest.mark.parametrize("both", ["kernel", "torch"], indirect=True)
+def test_top_p_is_taken_within_a_top_k_set_past_the_candidates(both: str, monkeypatch) -> None:
+    """Top-p's mass is the top-k-restricted distribution's, also when top-k reaches past the
+    candidate cut and the candidates alone decide the nucleus (the torch code once
+    normalised over the whole vocabulary there, and kept 17% more tokens here)."""
+    import runtime.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CANDIDATES", 256)
+    g = torch.Generator().manual_seed(5)
+    # 256 near-equal leaders hold 60% of the mass, ranks 256-2999 20%, the last 2,000 20%
+    x = torch.cat([3.154 + 0.01 * torch.rand(256, generator=g),
+                   -0.316 + 0.01 * torch.rand(2744, generator=g), torch.zeros(2000)])
+    x = x[torch.randperm(5000, generator=g)][None, :]
+    p = SamplerSpec(temperature=1.0, top_k=3000, top_p=0.5)
+    # the exact support: the top-k set, normalised, then its smallest prefix reaching top_p
+    srt = torch.sort(x[0].double(), descending=True)
+    probs = torch.softmax(srt.values[:3000], dim=0)
+    kept = int(((torch.cumsum(probs, 0) - probs) < 0.5).sum())
+    assert kept == 182  # normalised over all 5,000: 213
+    got = filtered_probs(x, [p])[0]
+    assert set((got > 0).nonzero().flatten().tolist()) == set(srt.indices[:kept].tolist())
+    assert float(got.sum()) == pytest.approx(1.0, abs=1e-5)
