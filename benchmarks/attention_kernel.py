@@ -9,6 +9,10 @@ slots), one layer's call, for:
 * ``8x1024``: 8 unrelated decode rows, 1,024 keys each;
 * ``fork8x1024``: 8 forks of one 1,024-token prompt (its 64 pages shared), each with 8
   keys of its own (the shared splits are read once for the 8 rows);
+* ``verify8x1024``: 8 unrelated sequences of 1,024 keys with 9 new tokens each (a decode
+  row and an 8-token draft: the agents benchmark's ReAct steps are mostly these);
+* ``chunk128x1024``: one sequence's 128-token prefill chunk after 1,024 cached keys
+  (ReAct's tool observations);
 
 over fp32, bf16 and int8 pools (``--kv-dtype``), in two settings:
 
@@ -63,38 +67,47 @@ def build_baseline(source: Path) -> Any:
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
 
 
-def cases(context: int) -> dict[str, tuple[list[list[int]], list[int]]]:
-    """name -> (page tables, num_cached) of decode rows; pages numbered from 0."""
+def cases(context: int) -> dict[str, tuple[list[list[int]], list[int], int]]:
+    """name -> (page tables, num_cached, new tokens a sequence); pages numbered from 0."""
     out = {}
-    out["1x512"] = ([list(range(context // 2 // S))], [context // 2 - 1])
-    out["1x2048"] = ([list(range(2 * context // S))], [2 * context - 1])
+    out["1x512"] = ([list(range(context // 2 // S))], [context // 2 - 1], 1)
+    out["1x2048"] = ([list(range(2 * context // S))], [2 * context - 1], 1)
     per = context // S
-    out["8x1024"] = ([list(range(i * per, (i + 1) * per)) for i in range(8)], [context - 1] * 8)
-    out["fork8x1024"] = ([list(range(per)) + [per + i] for i in range(8)], [context + 7] * 8)
+    out["8x1024"] = ([list(range(i * per, (i + 1) * per)) for i in range(8)], [context - 1] * 8,
+                     1)
+    out["fork8x1024"] = ([list(range(per)) + [per + i] for i in range(8)], [context + 7] * 8, 1)
+    per = (context + 9 + S - 1) // S  # room for the 9 new tokens
+    out["verify8x1024"] = ([list(range(i * per, (i + 1) * per)) for i in range(8)],
+                           [context] * 8, 9)
+    out["chunk128x1024"] = ([list(range((context + 128 + S - 1) // S))], [context], 128)
     return out
 
 
 def make_pool(kv: str, pages: int, layers: int) -> torch.Tensor:
+    """Random K/V in the engine's pool format, on huge pages as the engine's pool is."""
+    from runtime.kv import hugepages
     from runtime.kv.layout import encode
 
     torch.manual_seed(0)
     x = torch.randn(pages, S, layers, 2, KVH, D)
-    if kv == "fp32":
-        return x
     if kv == "bf16":
-        return x.to(torch.bfloat16)
-    return encode(x, torch.empty(0, dtype=torch.int8))
+        x = x.to(torch.bfloat16)
+    elif kv == "int8":
+        x = encode(x, torch.empty(0, dtype=torch.int8))
+    pool = hugepages.zeros(tuple(x.shape), x.dtype)
+    return pool.copy_(x)
 
 
 def run_case(kernels: dict[str, Any], pool: torch.Tensor, tables: list[list[int]],
-             cached: list[int], calls: int, flush: torch.Tensor | None) -> dict[str, float]:
+             cached: list[int], new: int, calls: int, flush: torch.Tensor | None
+             ) -> dict[str, float]:
     """Best µs a call of each kernel, called in turns on the same layers."""
     layers = pool.shape[2]
     width = max(map(len, tables))
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.arange(len(tables) + 1, dtype=torch.int32)
+    starts = torch.arange(len(tables) + 1, dtype=torch.int32) * new
     nc = torch.tensor(cached, dtype=torch.int32)
-    q = torch.randn(len(tables), H, D)
+    q = torch.randn(len(tables) * new, H, D)
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for i in range(calls + 2):  # two calls warm up
         for label, ops in kernels.items():
@@ -113,7 +126,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="keys of the 8-row cases")
     parser.add_argument("--kv-dtype", default="fp32,bf16,int8")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cases", default="1x512,1x2048,8x1024,fork8x1024")
+    parser.add_argument("--cases",
+                        default="1x512,1x2048,8x1024,fork8x1024,verify8x1024,chunk128x1024")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another cpu_ops.cpp (e.g. main's) to build and run interleaved")
     args = parse_args(parser, repeats=2, context=64)
@@ -129,14 +143,14 @@ def main() -> None:
         kernels["base"] = build_baseline(args.baseline)
     flush = torch.ones(FLUSH_MB * 2**20 // 4 if not args.smoke else 2**16)
     all_cases = {k: v for k, v in cases(args.context).items() if k in args.cases.split(",")}
-    pages = max(max(map(max, t)) for t, _ in all_cases.values()) + 1
+    pages = max(max(map(max, t)) for t, _, _ in all_cases.values()) + 1
     result: dict[str, float] = {}
     rows = []
     for kv in args.kv_dtype.split(","):
         for setting, layers in (("warm", 1), ("cold", 30 if not args.smoke else 2)):
             pool = make_pool(kv, pages, layers)
-            for name, (tables, cached) in all_cases.items():
-                got = run_case(kernels, pool, tables, cached, args.repeats,
+            for name, (tables, cached, new) in all_cases.items():
+                got = run_case(kernels, pool, tables, cached, new, args.repeats,
                                flush if setting == "cold" else None)
                 for label, us in got.items():
                     prefix = "" if label == "new" else "base_"
