@@ -221,8 +221,8 @@ class Context(Counters, Turns):
                 offered, and at least 2; ``pie_ctx.tools.formats.max_calls``).
             jump_forward: under a constraint, append the tokens it forces (JSON keys, tool
                 names, punctuation) in one pass instead of one step each; the output is
-                exactly what plain constrained decoding gives (greedy: the same tokens;
-                sampling: the same distribution). False decodes them step by step.
+                exactly what plain constrained decoding gives (the same tokens, greedy or
+                sampled with a seed). False decodes them step by step.
             attention_scores: ``True`` (or a ``ScoresSpec`` with its layers, reduce,
                 heads, by_layer and no queries): the attention weights the rows that
                 sample the tokens gave each KV entry, summed (or maxed) over the whole

@@ -2,7 +2,7 @@
 
 Owns: one such generation's progress. Each round is one ``Verify`` request, batched in the
 engine with everyone else's rows: it writes the pending token (and a draft, if a
-speculator proposed one), keeps the draft tokens speculative rejection sampling accepts,
+speculator proposed one), keeps the draft up to the first token plain decoding would not write,
 and samples the next token. Rounds never commit pages, so the generation can end inside a
 round (a stop string, ``max_tokens``) or be cancelled and leave no trace: the tokens it
 wrote are truncated again. When it ends normally its full pages are committed.

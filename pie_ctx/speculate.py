@@ -1,13 +1,15 @@
 """Speculators: propose tokens for ``ctx.generate(..., speculator=...)`` to verify.
 
 Each round, the generator asks the speculator for a draft, and the engine verifies the
-whole draft in one pass (batched with everyone else's rows) by speculative rejection
-sampling: a drafted token is kept with probability ``min(1, p/q)``, where ``p`` is the
-probability the sampler (temperature, top-k, top-p, min-p, bias, allowed tokens) gives it
-and ``q`` the drafter's (1: drafts are proposals), and the first rejected one is replaced by
-a draw from what is left of ``p``. So the output has exactly the distribution of plain
-sampling, for every sampler; under greedy it is exactly greedy decoding. Rejected tokens
-are dropped from the context's working pages without a trace.
+whole draft in one pass (batched with everyone else's rows): each row is decoded as a plain
+step decodes it (the sampler's draw: temperature, top-k, top-p, min-p, bias, allowed
+tokens), and the draft is kept up to the first token that differs, which is replaced by
+the row's own. A drafted token is so kept with probability ``p`` (the sampler's for it):
+speculative rejection sampling for a drafter whose own probability is 1, so the output has
+exactly the distribution of plain sampling, for every sampler; under greedy it is exactly
+greedy decoding. Rejected tokens are dropped from the context's working pages without a
+trace. (Engine-driven drafts, ``speculator="prompt_lookup"``, go further: one generator
+for the whole generation, so a seeded one writes plain decoding's very tokens.)
 
 Usage::
 

@@ -23,8 +23,9 @@ it holds every token the filters keep is collected and sorted (most likely first
 the lower id), the filters run on it exactly, and a set that turns out not to close them
 (the estimate's rounding) gives way to the next threshold, down to the whole vocabulary.
 A top-k set that reaches past the candidates gets its mass from an ``nth_element`` over the
-vocabulary. ``filtered_probs`` returns that same kernel's kept weights over their sum, so
-speculative verification and a plain draw sample the same distribution. ``top_p == 1``
+vocabulary. ``filtered_probs`` returns that same kernel's kept weights over their sum: the
+very distribution a draw samples (speculative verification draws with ``sample_rows``
+itself, row by row: ``runtime.engine.decoding.verify``). ``top_p == 1``
 keeps every token (the torch code may round the far tail away). The torch code below is
 the fallback when the kernels are off (``PIE_CTX_KERNELS=0``) or unbuilt, and the oracle of
 tests/test_sampling.py; the two may draw differently only where the uniform number or a
@@ -185,8 +186,7 @@ def filtered_probs(x: torch.Tensor, params: list[SamplerSpec]) -> torch.Tensor:
     """The distribution each row is sampled from: Tensor[m, V] of probabilities.
 
     Greedy rows are one-hot on their argmax; the others apply temperature, top-k, top-p
-    and min-p exactly as :func:`sample_rows` does (speculative verification needs the
-    very distribution a plain draw would use).
+    and min-p exactly as :func:`sample_rows` does: the very weights its draw walks.
     """
     m, vocab = x.shape
     out = torch.zeros((m, vocab), dtype=torch.float32, device=x.device)

@@ -11,7 +11,6 @@ batch. Why llguidance: docs/decoding.md (measured with ``benchmarks/grammar_libs
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import ConstraintSpec, SamplerSpec, TopLogprobs
-from runtime.sampling import draw, filtered_probs, top_k
+from runtime.sampling import draw, sample_rows, top_k
 
 __all__ = ["Grammars", "adjust", "probes", "verify", "JSON_STYLE"]
 
@@ -202,44 +201,44 @@ def probes(raw: torch.Tensor, k: int) -> tuple[list[TopLogprobs], list[float]]:
 
 def verify(adjusted: torch.Tensor, draft: Sequence[int], params: SamplerSpec,
            gen: torch.Generator | None, stops: frozenset[int]) -> tuple[int, int | None]:
-    """Speculative rejection sampling over one group of rows (Leviathan et al. 2023).
+    """Speculative verification of one group of rows: each row decoded as plain decoding
+    decodes it, the draft kept up to the first token that differs.
 
     Row ``j`` of ``adjusted`` [k + 1, V] is the distribution after draft token ``j - 1``
-    (row 0: after the prompt). Draft token ``j`` is kept with probability ``p_j(d_j)``
-    (the draft is a proposal: q = 1); the first rejected one is replaced by a draw from
-    ``p_j`` without it, renormalised. If every draft token is kept, one more is drawn
-    from ``p_k``. A kept stop token ends the group there. The tokens so produced are
-    distributed exactly as plain sampling's; under greedy, exactly greedy decoding.
+    (row 0: after the prompt). Row ``j``'s token is what a plain decode step picks from it:
+    greedy, its argmax; sampled, one filtered draw (``sample_rows``) at the generation's
+    next uniform number. Draft token ``j`` is kept if it is that token, so it is kept with
+    probability ``p_j(d_j)``, and the first one that is not is replaced by the row's own
+    token, a draw from ``p_j`` without ``d_j``: speculative rejection sampling (Leviathan et
+    al. 2023) for a draft that is one token (q = 1), the same distribution. If every draft
+    token is kept, row ``k``'s token follows. A kept stop token ends the group there.
+
+    One uniform number is used per token produced, as a plain step uses them, so the tokens
+    are exactly plain decoding's for the same seed whatever the draft: speculation (and its
+    length, whatever decides it) never changes a seeded generation's output.
 
     Returns:
-        ``(accepted, token)``: how many draft tokens were kept, and the token drawn after
+        ``(accepted, token)``: how many draft tokens were kept, and the token produced after
         them (None if a kept stop token ended the group).
     """
     if params.is_greedy:
-        best = adjusted.argmax(dim=-1).tolist()  # [k + 1]
-        for j, d in enumerate(draft):
-            if d != best[j]:
-                return j, best[j]
-            if d in stops:
-                return j + 1, None
-        return len(draft), best[len(draft)]
-    p = filtered_probs(adjusted, [params] * adjusted.shape[0])  # [k + 1, V]
+        tokens = adjusted.argmax(dim=-1).tolist()  # [k + 1]
+    else:  # a draw a row, then the generator rewound to one number a token produced
+        state = gen.get_state() if gen is not None else torch.get_rng_state()
+        tokens = sample_rows(adjusted, [params] * adjusted.shape[0], [gen] * adjusted.shape[0])
+    accepted, token = len(draft), tokens[len(draft)]
     for j, d in enumerate(draft):
-        if draw(gen) < float(p[j, d]):
-            if d in stops:
-                return j + 1, None
-            continue
-        residual = p[j].clone()
-        residual[d] = 0.0
-        return j, _from(residual, gen)
-    return len(draft), _from(p[len(draft)], gen)
-
-
-def _from(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One draw from a (possibly unnormalised) probability vector [V]."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = float(cdf[-1])
-    if not total > 0 or math.isnan(total):
-        return int(probs.argmax())
-    idx = int(torch.searchsorted(cdf, torch.tensor([draw(gen) * total]), right=True)[0])
-    return min(idx, probs.shape[0] - 1)
+        if d != tokens[j]:
+            accepted, token = j, tokens[j]
+            break
+        if d in stops:
+            accepted, token = j + 1, None
+            break
+    if not params.is_greedy:
+        if gen is not None:
+            gen.set_state(state)
+        else:
+            torch.set_rng_state(state)
+        for _ in range(accepted + (token is not None)):
+            draw(gen)
+    return accepted, token

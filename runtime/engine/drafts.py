@@ -2,9 +2,10 @@
 
 Owns: one generation's draft source, ``Drafter``. Before each decode step the scheduler
 asks it for tokens to append after the pending token; the step writes them in the same
-pass and verifies them like any speculative draft (``decoding.verify``: exact greedy
-decoding under greedy, the same distribution under sampling), with the constraint's mask
-applied to every row. So a draft costs tokens in the batch, never correctness.
+pass and verifies them like any speculative draft (``decoding.verify``: each row decoded
+as a plain step decodes it, so a seeded generation writes plain decoding's very tokens,
+greedy or sampled), with the constraint's mask applied to every row. So a draft costs
+rows in the batch, never a token of the output.
 
 Two sources, in order:
 
@@ -34,8 +35,9 @@ adaptive speculative decoding does:
   ``MAX_BACKOFF`` decode steps propose no lookup (doubling with each rejected draft in a
   row), and the length drops to 1; one kept token resets the backoff.
 
-The policy reads only the generation's own past, so a seeded generation still replays
-exactly whatever else shares its steps (a preemption's ``reset`` starts it over too).
+The policy reads only the generation's own past (a preemption's ``reset`` starts it over
+too), so its steps' rows do not depend on what shares them. The tokens would not depend on
+the policy anyway: verification writes plain decoding's tokens whatever the draft.
 Forced tokens never back off and are never shortened.
 
 Runs on the event loop, in ``Scheduler.plan``, between two steps (never beside the model

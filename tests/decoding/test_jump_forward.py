@@ -1,8 +1,9 @@
 """Jump-forward: the tokens a constraint forces ride along with the next sampled token.
 
 The output must be exactly that of plain constrained decoding: the same tokens under
-greedy, the same distribution under sampling (where the model may write the forced bytes
-with other tokens, verification keeps its choice). Prompt lookup in the engine too.
+greedy, and under sampling the same distribution (where the model may write the forced
+bytes with other tokens, verification keeps its choice) and, with a seed, the same tokens.
+Prompt lookup in the engine too.
 """
 
 from __future__ import annotations
@@ -106,6 +107,48 @@ async def test_engine_prompt_lookup_is_lossless_and_drafts_under_a_constraint(ti
         c = Context(rt).append(text).generate(Sampler.greedy(), max_tokens=80,
                                               constrain=schema, speculator="prompt_lookup")
         assert json.loads(await c.text()) == ["abcabc"] * 6
+
+
+async def test_a_seeded_sampled_generation_writes_the_same_tokens_with_drafts(tiny_folder,
+                                                                          monkeypatch):
+    """Verification decodes each row as a plain step does (one uniform number a token it
+    produces), so neither jump-forward nor prompt lookup changes a token of a seeded
+    sampled generation. (Rejection sampling as first built drew a number a draft token
+    judged, plus one for a replacement: kept drafts alone shifted every later draw.)"""
+    from runtime.engine import decoding
+
+    groups = []
+    real = decoding.verify
+
+    def spy(adjusted, draft, params, gen, stops):
+        out = real(adjusted, draft, params, gen, stops)
+        groups.append((len(draft), out[0]))
+        return out
+
+    monkeypatch.setattr(decoding, "verify", spy)
+    text = "abcabcabcabcabc " * 6
+    looked_up = JsonSchema({"type": "array", "items": {"const": "abcabc"}, "minItems": 6,
+                            "maxItems": 6})
+    async with sdk_runtime(tiny_folder, "local") as (rt, engine):
+        for seed in range(3):
+            for t in (4.0, 1.0, 0.3):  # hot: the model splits forced runs its own way
+                sampler = Sampler.top_p(t, 0.95, seed=seed)
+                for constraint in (*CONSTRAINTS, Regex(r"hello [a-c], hello world [a-c]")):
+                    plain = await _run(rt, constraint, sampler, jump=False, prompt=f"q{seed}")
+                    jumped = await _run(rt, constraint, sampler, jump=True, prompt=f"q{seed}")
+                    assert jumped.tokens_out == plain.tokens_out, (seed, t, constraint)
+                outs = []  # prompt lookup, free and under a constraint
+                for spec in (None, "prompt_lookup"):
+                    free = Context(rt).append(text).generate(
+                        sampler, max_tokens=30, ignore_eos=True, speculator=spec)
+                    held = Context(rt).append(text).generate(
+                        sampler, max_tokens=60, constrain=looked_up, speculator=spec)
+                    outs.append((await free.tokens(), await held.tokens()))
+                assert outs[0] == outs[1], (seed, t)
+        engine.store.check_invariants()
+    # the drafts were kept whole here (rejected ones: tests/decoding/test_speculation.py's
+    # test_verify_produces_plain_decodings_tokens_and_uses_its_numbers)
+    assert sum(kept for n, kept in groups if n) >= 20
 
 
 async def test_min_tokens_masks_the_stop_tokens_until_reached(tiny_folder, transport):

@@ -123,6 +123,40 @@ async def test_speculative_sampling_has_exactly_plain_samplings_distribution(tin
     assert chi2 < _chi2_critical(dof, z=3.09), (chi2, dof)  # z = 3.09: p = 0.001
 
 
+@pytest.mark.fp32_only("no model: decoding.verify alone")
+@pytest.mark.parametrize("sampler", [Sampler.temperature(1.0), Sampler.top_p(0.7, 0.9),
+                                     Sampler.top_k(1.5, 40), Sampler.min_p(1.0, 0.05),
+                                     GREEDY])
+def test_verify_produces_plain_decodings_tokens_and_uses_its_numbers(sampler):
+    """Each row decoded as a plain step decodes it, the draft kept up to the first token
+    that differs, and the generator left where plain decoding of the tokens produced
+    leaves it: a draft never changes a seeded generation's tokens."""
+    from runtime.engine.decoding import verify
+    from runtime.sampling import sample_rows
+
+    k, vocab = 6, 300
+    logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(1)) * 3.0
+
+    def plain(n: int) -> tuple[list[int], torch.Tensor]:  # n rows decoded one step each
+        gen = torch.Generator().manual_seed(42)
+        tokens = [sample_rows(logits[j: j + 1], [sampler], [gen])[0] for j in range(n)]
+        return tokens, gen.get_state()
+
+    want, _ = plain(k + 1)
+    cases = [(want[:k], k, want[k]), ([], 0, want[0])]  # all kept; no draft
+    for m in range(k):  # token m wrong: kept m, then the row's own token
+        wrong = (want[m] + 1) % vocab
+        cases.append((want[:m] + [wrong] + want[m + 1: k], m, want[m]))
+    cases.append((want[:k], 3, None))  # a kept stop token ends the group
+    for draft, accepted, token in cases:
+        stops = frozenset({want[2]}) if token is None else frozenset()
+        gen = torch.Generator().manual_seed(42)
+        rows = logits[: len(draft) + 1]
+        assert verify(rows, draft, sampler, gen, stops) == (accepted, token)
+        produced = accepted + (token is not None)
+        assert torch.equal(gen.get_state(), plain(produced)[1]), (draft, accepted)
+
+
 def _chi2_critical(dof: int, z: float) -> float:
     """The chi-square value exceeded with the normal tail probability of ``z``
     (Wilson-Hilferty: accurate to a fraction of a percent for dof > 10)."""
