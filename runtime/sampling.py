@@ -269,7 +269,7 @@ def _top_k_lse(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     and min-p then cut. [m, V], [m] -> [m]."""
     vocab = scaled.shape[1]
     out = torch.logsumexp(scaled, dim=-1)
-    for i in (top_k < vocab).nonzero().flatten().tolist():  # top-k past the candidates
+    for i in (top_k < vocab).nonzero().flatten().tolist():  # rows with a top-k set
         out[i] = torch.logsumexp(torch.topk(scaled[i], int(top_k[i])).values, dim=0)
     return out
 
