@@ -13,6 +13,8 @@ slots), one layer's call, for:
   row and an 8-token draft: the agents benchmark's ReAct steps are mostly these);
 * ``chunk128x1024``: one sequence's 128-token prefill chunk after 1,024 cached keys
   (ReAct's tool observations);
+* ``chunk48x448``: a 48-token chunk after 448 cached keys (a Swarm agent's received
+  message);
 
 over fp32, bf16 and int8 pools (``--kv-dtype``), in two settings:
 
@@ -80,6 +82,8 @@ def cases(context: int) -> dict[str, tuple[list[list[int]], list[int], int]]:
     out["verify8x1024"] = ([list(range(i * per, (i + 1) * per)) for i in range(8)],
                            [context] * 8, 9)
     out["chunk128x1024"] = ([list(range((context + 128 + S - 1) // S))], [context], 128)
+    cached = context * 7 // 16  # 448 of 1,024
+    out["chunk48x448"] = ([list(range((cached + 48 + S - 1) // S))], [cached], 48)
     return out
 
 
@@ -126,8 +130,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="keys of the 8-row cases")
     parser.add_argument("--kv-dtype", default="fp32,bf16,int8")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cases",
-                        default="1x512,1x2048,8x1024,fork8x1024,verify8x1024,chunk128x1024")
+    parser.add_argument("--cases", default="1x512,1x2048,8x1024,fork8x1024,verify8x1024,"
+                                            "chunk128x1024,chunk48x448")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another cpu_ops.cpp (e.g. main's) to build and run interleaved")
     args = parse_args(parser, repeats=2, context=64)

@@ -251,31 +251,45 @@ struct Scratch {
   std::vector<Partial> st;
   std::vector<float> w, kf, vf;
   std::vector<float> ks, vs;  // attend_rows on an int8 pool: each key's K and V scale
+  std::vector<const float*> qs;  // each query head's query (see heads_of)
+  std::vector<int64_t> lim;      // each query head's last key
 };
 
-// The scores, softmax update and weighted values of one KV head over one block, for the
-// task's query heads [ab, ae) (row j, head i -> a = j * G + i; all nqt of them for a unit
-// of whole tasks). kp, vp: each key's K and V. acc, st, w: query head a's at a - ab.
-template <typename KV, typename T>
-void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const* kp,
-                const T* const* vp, int64_t k0, int64_t kb, v16 k_scale, v16 v_scale,
-                v16* acc, Partial* st, float* w, int64_t ab, int64_t ae) {
-  constexpr bool QUANT = std::is_same<KV, int8_t>::value;
-  const int64_t G = c.G, nv = c.nv;
+// Query heads [ab, ae) of KV head g in a task (row j, head i -> a = j * G + i): each one's
+// query, qs[a - ab], and the last key it sees, lim[a - ab]. Worked out once for all the
+// blocks a unit runs them over: worked out per block, their divisions by G cost up to ~10%
+// of a prefill chunk's attention (docs/performance.md, "Tenth stop").
+template <typename KV>
+void heads_of(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, int64_t ae,
+              const float** qs, int64_t* lim) {
   const int64_t* rows = c.task_rows + task.first;
-  bool live[64];  // chunk (a0 - ab) / QMAX sees a key of this block (64 chunks; more: always)
-  for (int64_t a0 = ab; a0 < ae; a0 += QMAX) {
-    const int an = static_cast<int>(std::min<int64_t>(QMAX, ae - a0));
+  for (int64_t a = ab; a < ae; ++a) {
+    const int64_t row = rows[a / c.G];
+    qs[a - ab] = c.qp + row * c.q_row + (g * c.G + a % c.G) * c.q_head;
+    lim[a - ab] = c.row_limit[row];
+  }
+}
+
+// The scores, softmax update and weighted values of one KV head over one block, for na
+// query heads (heads_of's qs and lim; all nqt of a unit of whole tasks). kp, vp: each key's
+// K and V. acc, st, w: query head a's at a.
+template <typename KV, typename T>
+void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
+                const T* const* kp, const T* const* vp, int64_t k0, int64_t kb, v16 k_scale,
+                v16 v_scale, v16* acc, Partial* st, float* w, int64_t na) {
+  constexpr bool QUANT = std::is_same<KV, int8_t>::value;
+  const int64_t nv = c.nv;
+  bool live[64];  // chunk a0 / QMAX sees a key of this block (64 chunks; more: always)
+  for (int64_t a0 = 0; a0 < na; a0 += QMAX) {
+    const int an = static_cast<int>(std::min<int64_t>(QMAX, na - a0));
     bool any = false;
-    for (int a = 0; a < an; ++a) any |= c.row_limit[rows[(a0 + a) / G]] >= k0;
-    if ((a0 - ab) / QMAX < 64) live[(a0 - ab) / QMAX] = any;
+    for (int a = 0; a < an; ++a) any |= lim[a0 + a] >= k0;
+    if (a0 / QMAX < 64) live[a0 / QMAX] = any;
     if (!any) {
-      for (int a = 0; a < an; ++a) store(w + (a0 - ab + a) * BLOCK, v16{});
+      for (int a = 0; a < an; ++a) store(w + (a0 + a) * BLOCK, v16{});
       continue;
     }
-    const float* qs[QMAX];
-    for (int a = 0; a < an; ++a)
-      qs[a] = c.qp + rows[(a0 + a) / G] * c.q_row + (g * G + (a0 + a) % G) * c.q_head;
+    const float* const* qs = qh + a0;
     v16 dots[QMAX][BLOCK];
     switch (an) {
       case 1: qk_block<T, 1>(qs, kp, kb, nv, dots); break;
@@ -285,8 +299,8 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
     }
     for (int a = 0; a < an; ++a) {
       const int64_t qa = a0 + a;
-      float* wa = w + (qa - ab) * BLOCK;
-      const int64_t limit = c.row_limit[rows[qa / G]];
+      float* wa = w + qa * BLOCK;
+      const int64_t limit = lim[qa];
       if (limit < k0) {  // every key of this block is in its future
         store(wa, v16{});
         continue;
@@ -305,13 +319,13 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
         store(wa, v16{});
         continue;
       }
-      Partial& p = st[qa - ab];
+      Partial& p = st[qa];
       const float m = std::max(p.m, bm);
       v16 wv = out ? v16{} : exp_neg(sc - m);
       if (p.m != NEG_INF && p.m != m) {
         const float alpha = std::exp(p.m - m);
         p.l *= alpha;
-        for (int64_t cc = 0; cc < nv; ++cc) acc[(qa - ab) * nv + cc] *= alpha;
+        for (int64_t cc = 0; cc < nv; ++cc) acc[qa * nv + cc] *= alpha;
       }
       p.l += hsum(wv);
       p.m = m;
@@ -321,11 +335,11 @@ void head_block(const Paged<KV>& c, const Task& task, int64_t g, const T* const*
   }
   // weighted values: CMAX vectors of QMAX heads' outputs in registers per pass
   for (int64_t c0 = 0; c0 < nv; c0 += c.cn) {
-    for (int64_t a0 = ab; a0 < ae; a0 += QMAX) {
-      if ((a0 - ab) / QMAX < 64 && !live[(a0 - ab) / QMAX]) continue;
-      const int an = static_cast<int>(std::min<int64_t>(QMAX, ae - a0));
-      const float* wa = w + (a0 - ab) * BLOCK;
-      v16* aa = acc + (a0 - ab) * nv;
+    for (int64_t a0 = 0; a0 < na; a0 += QMAX) {
+      if (a0 / QMAX < 64 && !live[a0 / QMAX]) continue;
+      const int an = static_cast<int>(std::min<int64_t>(QMAX, na - a0));
+      const float* wa = w + a0 * BLOCK;
+      v16* aa = acc + a0 * nv;
       const int cn = static_cast<int>(c.cn);
       switch (an) {
         case 1: v_block_cn<T, 1>(cn, vp, c0, kb, wa, aa, nv); break;
@@ -346,6 +360,10 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
   s.acc.assign(heads * nqt * nv, v16{});
   s.st.assign(heads * nqt, Partial{NEG_INF, 0.f});
   s.w.resize(nqt * BLOCK);
+  s.qs.resize(heads * nqt);
+  s.lim.resize(nqt);
+  for (int64_t g = g0; g < g1; ++g)
+    heads_of(c, task, g, 0, nqt, s.qs.data() + (g - g0) * nqt, s.lim.data());
   // several chunks of query heads read each key: widen the block once, into fp32
   const bool widen = !std::is_same<KV, float>::value && nqt > QMAX;
   if (widen) {
@@ -409,6 +427,7 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
       }
       v16* acc = s.acc.data() + (g - g0) * nqt * nv;
       Partial* st = s.st.data() + (g - g0) * nqt;
+      const float* const* qs = s.qs.data() + (g - g0) * nqt;
       if (widen) {
         const float* kf[BLOCK];
         const float* vf[BLOCK];
@@ -422,11 +441,11 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
           kf[k] = kd;
           vf[k] = vd;
         }
-        head_block<KV, float>(c, task, g, kf, vf, k0, kb, k_scale, v_scale, acc, st,
-                              s.w.data(), 0, nqt);
+        head_block<KV, float>(c, qs, s.lim.data(), kf, vf, k0, kb, k_scale, v_scale, acc, st,
+                              s.w.data(), nqt);
       } else {
-        head_block<KV, KV>(c, task, g, kp, vp, k0, kb, k_scale, v_scale, acc, st, s.w.data(),
-                           0, nqt);
+        head_block<KV, KV>(c, qs, s.lim.data(), kp, vp, k0, kb, k_scale, v_scale, acc, st,
+                           s.w.data(), nqt);
       }
     }
   }
@@ -484,20 +503,25 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     s.ks.resize(std::max<int64_t>(1, n));
     s.vs.resize(std::max<int64_t>(1, n));
   }
-  auto entry_at = [&](int64_t idx) {  // K of head g for key idx
-    return c.base + task.table[idx / S] * c.page_stride + (idx % S) * c.slot_stride +
-           c.kv_off + g * c.head_stride;
+  // Keys walked by (page, slot) cursors: one for the key read, one PREFETCH keys ahead.
+  struct Cursor {
+    int64_t page, slot;
   };
-  for (int64_t idx = lo; idx < std::min(end, lo + PREFETCH); ++idx) {
-    prefetch_bytes<3>(entry_at(idx), c.width * sizeof(KV));
-    prefetch_bytes<3>(entry_at(idx) + c.v_off, c.width * sizeof(KV));
-  }
+  auto next = [&](Cursor& at) {  // K of head g for the cursor's key; the cursor moves on
+    const KV* e = c.base + task.table[at.page] * c.page_stride + at.slot * c.slot_stride +
+                  c.kv_off + g * c.head_stride;
+    if (++at.slot == S) at.slot = 0, ++at.page;
+    return e;
+  };
+  auto fetch = [&](const KV* e) {
+    prefetch_bytes<3>(e, c.width * sizeof(KV));
+    prefetch_bytes<3>(e + c.v_off, c.width * sizeof(KV));
+  };
+  Cursor read{lo / S, lo % S}, ahead = read;
+  for (int64_t idx = lo; idx < std::min(end, lo + PREFETCH); ++idx) fetch(next(ahead));
   for (int64_t idx = lo; idx < end; ++idx) {
-    if (idx + PREFETCH < end) {
-      prefetch_bytes<3>(entry_at(idx + PREFETCH), c.width * sizeof(KV));
-      prefetch_bytes<3>(entry_at(idx + PREFETCH) + c.v_off, c.width * sizeof(KV));
-    }
-    const KV* kp = entry_at(idx);
+    if (idx + PREFETCH < end) fetch(next(ahead));
+    const KV* kp = next(read);
     const KV* vp = kp + c.v_off;
     float* kd = s.kf.data() + (idx - lo) * D;
     float* vd = s.vf.data() + (idx - lo) * D;
@@ -516,9 +540,11 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     s.acc.assign(na * nv, v16{});
     s.st.assign(na, Partial{NEG_INF, 0.f});
     s.w.resize(na * BLOCK);
+    s.qs.resize(na);
+    s.lim.resize(na);
+    heads_of(c, task, g, gb, ge, s.qs.data(), s.lim.data());
     int64_t group_end = lo;  // the keys this group sees
-    for (int64_t a = gb; a < ge; ++a)
-      group_end = std::max(group_end, std::min(hi, c.row_limit[rows[a / G]] + 1));
+    for (int64_t a = 0; a < na; ++a) group_end = std::max(group_end, std::min(hi, s.lim[a] + 1));
     for (int64_t k0 = lo; k0 < group_end; k0 += BLOCK) {
       const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);  // as attend_unit cuts them
       const float* vf[BLOCK];
@@ -534,8 +560,8 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
           v_scale[k] = s.vs[at];
         }
       }
-      head_block<KV, float>(c, task, g, kf, vf, k0, kb, k_scale, v_scale, s.acc.data(),
-                            s.st.data(), s.w.data(), gb, ge);
+      head_block<KV, float>(c, s.qs.data(), s.lim.data(), kf, vf, k0, kb, k_scale, v_scale,
+                            s.acc.data(), s.st.data(), s.w.data(), na);
     }
     for (int64_t a = gb; a < ge; ++a) {  // write out, as attend_unit does
       const int64_t row = rows[a / G], h = g * G + a % G;
