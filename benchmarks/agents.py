@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/agents.py [--concurrency 1,8,32] [--weights gguf,int8,fp32]
         [--workloads react,codeact,swarm] [--systems a1,a2,a3,b,c,d,e]
-        [--llama-server PATH] [--threads 2] [--smoke] [--model M]
+        [--llama-server PATH] [--threads 2] [--repeats N] [--smoke] [--model M]
 
 Workloads (fixed structure, benchmarks/agent_workloads.py): ReAct (an ~800-token system
 prompt with two tools, 8 rounds of a ~48-token tool call, a 20 ms tool and a ~100-token
@@ -45,6 +45,12 @@ against a2, ``responses_prompt_tokens_sent_per_round``: prompt tokens a d client
 ReAct request after its first) and the raw figures, and
 ``socket_hop_us_per_token``: one greedy generation read token by token, best of 5, over the
 socket minus hosted, per token (the hop measured directly, on the first server).
+
+``--repeats N`` runs all of it N times in rounds (our servers, then llama-server's, then
+the next round), so that a slow minute on a shared machine falls on one round and not on
+one system: each figure of the JSON line is then the median of the rounds' (``rounds``
+lists each round's figures; ``runs`` every run, with its ``round``). Back-to-back runs of
+the same code spread ~±10% on a 2-core VM, on both sides (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -364,12 +370,13 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
               "skipping column c (docs/agents.md says how to build it)")
         systems.remove("c")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.smoke and args.model is None:  # the tiny test model: seconds, not minutes
+        model = args.model
+        if args.smoke and model is None:  # the tiny test model: seconds, not minutes
             from tests.sdk.harness import tiny_model_folder
 
-            args.model = str(tiny_model_folder(Path(tmp)))
+            model = str(tiny_model_folder(Path(tmp)))
         for weights in args.weights.split(","):
-            server = PieServer(weights, args.model, tmp, args.smoke)
+            server = PieServer(weights, model, tmp, args.smoke)
             try:
                 if hop is None:
                     hop = await socket_hop_us(server, args.smoke)
@@ -460,6 +467,24 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
     return out
 
 
+def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round's summary as it is; several: each figure the median of the rounds' (None
+    where no round has it), each round's figures under ``rounds``, every run (marked with
+    its round) under ``runs``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out: dict[str, Any] = {}
+    for key in rounds[0]:
+        if key in ("agents", "runs"):
+            continue
+        values = [r[key] for r in rounds if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    out["agents"] = rounds[0]["agents"]
+    out["rounds"] = [{k: v for k, v in r.items() if k != "runs"} for r in rounds]
+    out["runs"] = [dict(run, round=i) for i, r in enumerate(rounds) for run in r["runs"]]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32")
@@ -476,6 +501,9 @@ def main() -> None:
                     help="write llama-server's logs there")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--model", default=None, help="pie-ctx's model (default: the default)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every run, the systems in turn; each figure is the "
+                         "median of the rounds'")
     ap.add_argument("--smoke", action="store_true",
                     help="a few rounds, small shapes, fp32, 1-2 agents, no warm-up, no "
                          "llama-server, and the tiny test model unless --model is given")
@@ -483,13 +511,20 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.weights = "2", "fp32"
         args.systems = ",".join(s for s in args.systems.split(",") if s != "c")
-    try:
-        runs, hop = asyncio.run(amain(args))
-    except asyncio.CancelledError:
-        print("# stopped by a signal; its servers and agents were stopped", file=sys.stderr)
-        sys.exit(143)
-    table([("runs", str(len(runs)))])
-    emit(summarize(runs, at=8 if not args.smoke else 2, hop=hop))
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    rounds = []
+    for i in range(args.repeats):
+        if args.repeats > 1:
+            print(f"# round {i + 1} of {args.repeats}", flush=True)
+        try:
+            runs, hop = asyncio.run(amain(args))
+        except asyncio.CancelledError:
+            print("# stopped by a signal; its servers and agents were stopped", file=sys.stderr)
+            sys.exit(143)
+        rounds.append(summarize(runs, at=8 if not args.smoke else 2, hop=hop))
+    table([("runs", str(sum(len(r["runs"]) for r in rounds))), ("rounds", str(len(rounds)))])
+    emit(median_of_rounds(rounds))
 
 
 if __name__ == "__main__":
