@@ -256,9 +256,8 @@ struct Scratch {
 };
 
 // Query heads [ab, ae) of KV head g in a task (row j, head i -> a = j * G + i): each one's
-// query, qs[a - ab], and the last key it sees, lim[a - ab]. Worked out once for all the
-// blocks a unit runs them over: worked out per block, their divisions by G cost up to ~10%
-// of a prefill chunk's attention (docs/performance.md, "Tenth stop").
+// query, qs[a - ab], and the last key it sees, lim[a - ab]: worked out once for all the
+// blocks a unit runs them over, not once a block.
 template <typename KV>
 void heads_of(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, int64_t ae,
               const float** qs, int64_t* lim) {
