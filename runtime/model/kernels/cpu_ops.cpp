@@ -502,25 +502,20 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     s.ks.resize(std::max<int64_t>(1, n));
     s.vs.resize(std::max<int64_t>(1, n));
   }
-  // Keys walked by (page, slot) cursors: one for the key read, one PREFETCH keys ahead.
-  struct Cursor {
-    int64_t page, slot;
+  auto entry_at = [&](int64_t idx) {  // K of head g for key idx
+    return c.base + task.table[idx / S] * c.page_stride + (idx % S) * c.slot_stride +
+           c.kv_off + g * c.head_stride;
   };
-  auto next = [&](Cursor& at) {  // K of head g for the cursor's key; the cursor moves on
-    const KV* e = c.base + task.table[at.page] * c.page_stride + at.slot * c.slot_stride +
-                  c.kv_off + g * c.head_stride;
-    if (++at.slot == S) at.slot = 0, ++at.page;
-    return e;
-  };
-  auto fetch = [&](const KV* e) {
-    prefetch_bytes<3>(e, c.width * sizeof(KV));
-    prefetch_bytes<3>(e + c.v_off, c.width * sizeof(KV));
-  };
-  Cursor read{lo / S, lo % S}, ahead = read;
-  for (int64_t idx = lo; idx < std::min(end, lo + PREFETCH); ++idx) fetch(next(ahead));
+  for (int64_t idx = lo; idx < std::min(end, lo + PREFETCH); ++idx) {
+    prefetch_bytes<3>(entry_at(idx), c.width * sizeof(KV));
+    prefetch_bytes<3>(entry_at(idx) + c.v_off, c.width * sizeof(KV));
+  }
   for (int64_t idx = lo; idx < end; ++idx) {
-    if (idx + PREFETCH < end) fetch(next(ahead));
-    const KV* kp = next(read);
+    if (idx + PREFETCH < end) {
+      prefetch_bytes<3>(entry_at(idx + PREFETCH), c.width * sizeof(KV));
+      prefetch_bytes<3>(entry_at(idx + PREFETCH) + c.v_off, c.width * sizeof(KV));
+    }
+    const KV* kp = entry_at(idx);
     const KV* vp = kp + c.v_off;
     float* kd = s.kf.data() + (idx - lo) * D;
     float* vd = s.vf.data() + (idx - lo) * D;
