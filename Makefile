@@ -40,8 +40,8 @@ test-tp: $(STAMP)
 test-backend: $(STAMP)
 	PIE_CTX_TEST_BACKEND=transformers $(BIN)/python -m pytest -q tests/sdk tests/decoding
 
-# Same seed, same tokens over the whole matrix of weights and KV formats (issue 35; the
-# default suite runs fp32 only): 5 formats of the default model, an engine and a restart each
+# Same seed, same tokens over the whole matrix of weights and KV formats (the default
+# suite runs fp32 only): 5 formats of the default model, an engine and a restart each
 # (256 tokens each; the int8 configurations and gguf took 12 min beside another busy run).
 test-determinism: $(STAMP)
 	PIE_CTX_TEST_DETERMINISM=full $(BIN)/python -m pytest -q tests/precision/test_deterministic.py

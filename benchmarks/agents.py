@@ -216,12 +216,12 @@ def _agent_commands(run: Run, target: str, session: str, smoke: bool, tools_as: 
     extra = ["--smoke"] if smoke else []
     ring = (W.SMOKE if smoke else W.Shape()).ring
     if run.system in ("a1", "a2"):
-        pie = [sys.executable, "-m", "pie_ctx", "run", str(HERE / "agent_inferlet.py"),
+        pie = [sys.executable, "-m", "runtime", "run", str(HERE / "agent_inferlet.py"),
                "--connect", target, "--"]
         return [pie + ["--workload", run.workload, "--agent", str(first + i), "--mode",
                        run.system, "--run", session] + extra for i in range(run.agents)]
     if run.system == "a3":
-        pie = [sys.executable, "-m", "pie_ctx", "launch", "agent_inferlet", "--connect",
+        pie = [sys.executable, "-m", "runtime", "launch", "agent_inferlet", "--connect",
                target, "--"]
         return [pie + ["--workload", run.workload, "--agent", str(first + i), "--mode", "a2",
                        "--run", session, "--hosted", "--session", session] + extra
@@ -302,9 +302,9 @@ async def socket_hop_us(server: PieServer, smoke: bool) -> float:
     each, in separate processes like the agents)."""
     extra = ["--smoke"] if smoke else []
     probe = ["--", "--workload", "hop", "--agent", "0", "--no-wait", *extra]
-    socket_cmd = [sys.executable, "-m", "pie_ctx", "run", str(HERE / "agent_inferlet.py"),
+    socket_cmd = [sys.executable, "-m", "runtime", "run", str(HERE / "agent_inferlet.py"),
                   "--connect", f"unix:{server.socket}", *probe]
-    hosted_cmd = [sys.executable, "-m", "pie_ctx", "launch", "agent_inferlet",
+    hosted_cmd = [sys.executable, "-m", "runtime", "launch", "agent_inferlet",
                   "--connect", f"unix:{server.socket}", *probe]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     best: dict[str, dict[str, Any]] = {}

@@ -2,8 +2,8 @@
 
     python benchmarks/backend_hooks.py [--contexts 128,1024] [--tokens 32] [--repeats 3] [--smoke]
 
-Issue 26 asked to choose how the transformers backend plugs pie-ctx's pages into
-transformers' own model classes by measuring. Both hooks here run the default model
+How the transformers backend plugs pie-ctx's pages into transformers' own model classes
+was chosen by measuring. Both hooks here run the default model
 (SmolLM2, fp32) over the same kind of page pool, one context, greedy decode:
 
 * ``attention``: what pie-ctx ships (``runtime.model.transformers_backend``): the model is

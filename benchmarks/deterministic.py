@@ -1,4 +1,4 @@
-"""The cost of deterministic numerics per weights format (issue 35): prefill 512, decode
+"""The cost of deterministic numerics per weights format: prefill 512, decode
 at 512 tokens (batch 1) and 8 unrelated contexts decoding together, each timed with the
 batch-invariant kernels (``deterministic=True``, the engine's default) and without, the
 two runners interleaved in one process so machine noise hits both alike.

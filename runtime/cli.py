@@ -14,7 +14,7 @@ the inferlet's own ``add_arguments(parser)`` if it defines one, else collected a
 This module is the program's entry point, the top of the package order (docs/design.md):
 besides the SDK it imports ``runtime.server.cli`` (to offer ``serve``), in ``models`` the
 loader, for ``run --inferlets`` the engine's boot and the inferlet host, and for a
-torchrun rank other than 0 the tensor-parallel worker. ``python -m pie_ctx`` runs it.
+torchrun rank other than 0 the tensor-parallel worker. ``python -m runtime`` runs it.
 """
 
 from __future__ import annotations

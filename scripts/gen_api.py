@@ -70,6 +70,21 @@ def _signature(name: str, fn: object) -> str:
     return f"{name}{sig}"
 
 
+def awaiting(fn: object) -> str:
+    """How a caller waits on ``fn``: ``"async "`` for a coroutine function (``await`` it),
+    ``"async for "`` for an async generator, ``"async with "`` for an async context manager
+    (``contextlib.asynccontextmanager``), ``""`` for a plain call."""
+    fn = getattr(fn, "__func__", fn)  # a bound method or a class/static method's function
+    if inspect.iscoroutinefunction(fn):
+        return "async "
+    if inspect.isasyncgenfunction(fn):
+        return "async for "
+    inner = inspect.unwrap(fn)  # type: ignore[arg-type]
+    if inner is not fn and inspect.isasyncgenfunction(inner):
+        return "async with "
+    return ""
+
+
 def _bullet(label: str, doc: str) -> list[str]:
     """A list item: the first paragraph on its line, the rest indented under it."""
     first, _, rest = doc.partition("\n\n")
@@ -139,13 +154,16 @@ def documented() -> Iterator[tuple[str, str, set[str]]]:
 def render() -> str:
     out = ["# API reference", "",
            "Generated from the docstrings by `python scripts/gen_api.py`; concepts are in "
-           "`docs/sdk.md`.", ""]
+           "`docs/sdk.md`.", "",
+           "`async` before a name marks a coroutine: `await` it (`await ctx.flush()`). "
+           "`async with` marks an async context manager (`async with Runtime.local() as "
+           "rt:`), `async for` an async generator. Every other call returns at once.", ""]
     out += ["## Functions", ""]
     for fn in FUNCTIONS:
-        out += [f"### `{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
+        out += [f"### `{awaiting(fn)}{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
     out += ["## Inferlets (`pie-ctx run`, `pie_ctx.loading`)", ""]
     for fn in INFERLET_FUNCTIONS:
-        out += [f"### `{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
+        out += [f"### `{awaiting(fn)}{_signature(fn.__name__, fn)}`", "", _doc(fn), ""]
     for title, cls in SECTIONS:
         out += [f"## {title}", "", _doc(cls), ""]
         if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
@@ -159,7 +177,7 @@ def render() -> str:
             label = cls.__name__ if name == "__init__" else name
             kind = "classmethod " if isinstance(raw, classmethod) else (
                 "staticmethod " if isinstance(raw, staticmethod) else "")
-            out += ["", f"### `{kind}{_signature(label, member)}`", ""]
+            out += ["", f"### `{kind}{awaiting(raw)}{_signature(label, member)}`", ""]
             doc = _doc(member)
             if doc and name != "__init__":
                 out += [doc]

@@ -624,7 +624,7 @@ class EngineInfo(_Reply):
     dtype: str = "float32"  # the compute dtype: float32, bfloat16, float16
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:1 ...
     attention: str = "torch"  # the attention backend: torch, flash-gather, flash-paged
-    weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype) or int8
+    weights: str = "fp32"  # projection weights: fp32 (unquantized, in dtype), int8, gguf
     backend: str = "native"  # the model runner: native or transformers (docs/models.md)
     adapters: list[AdapterInfo] = []  # LoRA adapters loaded now (docs/adapters.md)
     kv_dtype: str = "fp32"  # KV pages: fp32 (unquantized, in dtype), int8 (per-entry scales), bf16

@@ -10,7 +10,7 @@ Two ways in, one protocol:
   (``python -m runtime.distributed.worker``: nothing of the caller's main module is
   re-imported) and meets them over a TCP store on 127.0.0.1; a worker that exits before
   it joins fails the boot at once;
-* under ``torchrun --nproc-per-node N`` every rank runs ``python -m pie_ctx <pie-ctx
+* under ``torchrun --nproc-per-node N`` every rank runs ``python -m runtime <pie-ctx
   args>``: rank 0 runs the command line (which boots with ``--tensor-parallel N`` and
   attaches, ``env://``); on the others the command line calls :func:`worker_main`.
 
@@ -106,7 +106,7 @@ def start_ranks(tp: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT,
         if world != tp or rank != 0:
             raise InvalidArgument(f"torchrun started rank {rank} of {world}; --tensor-parallel "
                                   f"{tp} needs {tp} ranks, and boots on rank 0 only (workers "
-                                  "run the worker loop: torchrun ... -m pie_ctx ARGS)")
+                                  "run the worker loop: torchrun ... -m runtime ARGS)")
         dist.init_process_group(backend, init_method="env://", world_size=tp, rank=0,
                                 timeout=wait)
     else:

@@ -96,7 +96,7 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
                 outliers = outlier_channels(layer_amax[i][kind]) if layer_amax else None
                 # down_proj's inputs (SiLU(gate) * up, heavy-tailed within a group) take
                 # blocks_q8's rounding in two levels: one level left greedy agreement
-                # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md, issue 40)
+                # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md)
                 setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
                                              act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
     tied = model.lm_head.weight is model.embed

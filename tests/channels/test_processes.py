@@ -79,7 +79,7 @@ class Inferlet:
         file = tmp / f"inferlet_{abs(hash(source))}.py"
         file.write_text(textwrap.dedent(source))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pie_ctx", "run", str(file), "--connect", address,
+            [sys.executable, "-m", "runtime", "run", str(file), "--connect", address,
              "--", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=serve_env(tmp), cwd=REPO)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -26,7 +26,7 @@ def test_pie_ctx_fleet_serves_and_stops_on_sigterm(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pie_ctx", "fleet", "--replicas", "2", "--model", str(model),
+        [sys.executable, "-m", "runtime", "fleet", "--replicas", "2", "--model", str(model),
          "--page-size", "4", "--num-pages", "256", "--http", f"127.0.0.1:{port}",
          "--snapshot-dir", str(tmp_path / "shared")],
         stderr=subprocess.PIPE, text=True, cwd=ROOT,

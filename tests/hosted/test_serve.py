@@ -32,7 +32,7 @@ def _serve(tmp_path, *args: str) -> tuple[ServeProcess, str]:
 
 
 def _launch(tmp_path, address: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pie_ctx", "launch", *argv[:1],
+    return subprocess.run([sys.executable, "-m", "runtime", "launch", *argv[:1],
                            "--connect", address, *argv[1:]], capture_output=True, text=True,
                           env=serve_env(tmp_path), cwd=REPO, timeout=120)
 
@@ -58,7 +58,7 @@ def test_a_hung_launch_ends_with_its_launcher(tmp_path) -> None:
     """``pie-ctx launch hang`` holds a context; killing the launcher cancels the launch and
     releases it, while another client goes on."""
     server, address = _serve(tmp_path)
-    launcher = subprocess.Popen([sys.executable, "-m", "pie_ctx", "launch", "hang",
+    launcher = subprocess.Popen([sys.executable, "-m", "runtime", "launch", "hang",
                                  "--connect", address], stdout=subprocess.PIPE, text=True,
                                 env=serve_env(tmp_path), cwd=REPO)
 
@@ -85,7 +85,7 @@ def test_run_with_an_inferlet_folder_spawns_in_process(tmp_path) -> None:
     from tests.model.loader_fixtures import hf_reference_weights, write_tiny_hf_folder
 
     model = write_tiny_hf_folder(tmp_path / "model", hf_reference_weights())
-    done = subprocess.run([sys.executable, "-m", "pie_ctx", "run", str(INFERLETS /
+    done = subprocess.run([sys.executable, "-m", "runtime", "run", str(INFERLETS /
                            "parent.py"), "--model", str(model), "--num-pages", "64",
                            "--inferlets", str(INFERLETS), "--", "x"], capture_output=True,
                           text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)

@@ -203,7 +203,7 @@ def test_min_tokens_and_ignore_eos_fix_the_length(served: Served) -> None:
         assert c.usage.completion_tokens == 7
 
 
-# ------------------------------------------------------------ the rules of a call (issue 34)
+# ------------------------------------------------------------------------ the rules of a call
 
 OPEN_NOTE = {"type": "function", "function": {  # no additionalProperties: closed anyway
     "name": "note", "description": "Write a note.", "strict": True,
@@ -288,7 +288,7 @@ def test_the_same_seed_gives_the_same_output(served: Served) -> None:
 
 
 def test_a_seeded_request_gives_the_same_choices_cold_warm_and_batched(served: Served) -> None:
-    """Issue 35: the same request with a seed, n=2 and tools, at temperature 1, gives the
+    """The same request with a seed, n=2 and tools, at temperature 1, gives the
     same choices with a cold cache, with its prefix cached, and beside other requests."""
     from concurrent.futures import ThreadPoolExecutor
 

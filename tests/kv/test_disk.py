@@ -1,5 +1,6 @@
 """The disk tier at the page-store level: durable saves, restart, spill and reload, prefix
-matching from disk, and every fault the issue lists, injected at the file layer."""
+matching from disk, and the disk's faults (a full disk, write errors, damaged files, a
+missing, read-only or locked folder), injected at the file layer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Batch-invariant numerics, part by part (issue 35; the end-to-end check on the default
-model is tests/precision/test_deterministic.py).
+"""Batch-invariant numerics, part by part (the end-to-end check on the default model is
+tests/precision/test_deterministic.py).
 
 * The projection kernels ``choose_kernels(deterministic=True)`` picks give a row the same
   bits alone, among 7 others, among 299, at any position (fp32, int8, bf16).

@@ -57,18 +57,18 @@ async def test_server_exits_non_zero_when_a_worker_dies(tmp_path):
 
 
 def test_torchrun_ranks_run_the_command_line_and_match_one_device(tmp_path):
-    """Under ``torchrun`` every rank runs ``python -m pie_ctx``: rank 0 the command, the
+    """Under ``torchrun`` every rank runs ``python -m runtime``: rank 0 the command, the
     others the worker loop; greedy output equals the single-device engine's."""
     folder = tp_model_folder(tmp_path)
     args = ["run", "examples/hello.py", "--model", str(folder), "--", "--max-tokens", "8"]
     root = Path(__file__).resolve().parents[2]
-    single = subprocess.run([sys.executable, "-m", "pie_ctx", *args], cwd=root,
+    single = subprocess.run([sys.executable, "-m", "runtime", *args], cwd=root,
                             capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     ranks = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--standalone", "-m", "pie_ctx", *args[:4], "--tensor-parallel", "2",
+         "--standalone", "-m", "runtime", *args[:4], "--tensor-parallel", "2",
          *args[4:]], cwd=root, capture_output=True, text=True, timeout=180, env=env)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     assert ranks.stdout == single.stdout

@@ -94,7 +94,7 @@ async def test_generate_after_truncate_continues_from_the_new_last_token(tiny_fo
 
 def test_connecting_to_nothing_is_a_one_line_cli_error(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pie_ctx", "run", "examples/hello.py", "--connect",
+        [sys.executable, "-m", "runtime", "run", "examples/hello.py", "--connect",
          f"unix:{tmp_path / 'nobody.sock'}"],
         capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 1

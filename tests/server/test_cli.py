@@ -21,7 +21,7 @@ from tests.server.helpers import REPO, ServeProcess, serve_env
 
 
 def _stats(tmp_path: Path, *args: str) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-m", "pie_ctx", "stats", *args, "--json"],
+    out = subprocess.run([sys.executable, "-m", "runtime", "stats", *args, "--json"],
                          capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -62,7 +62,7 @@ def test_serve_on_tcp_writes_a_0600_token_file_and_stops_on_sigint(tmp_path):
     try:
         address = srv.wait_for(r"serving .* on (tcp:127\.0\.0\.1:\d+)").group(1)
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-        refused = subprocess.run([sys.executable, "-m", "pie_ctx", "stats", address],
+        refused = subprocess.run([sys.executable, "-m", "runtime", "stats", address],
                                  capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO)
         assert refused.returncode == 2 and "token" in refused.stderr
         assert _stats(tmp_path, address, "--token-file", str(token_file))["page_size"] == 16
@@ -94,7 +94,7 @@ def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
 
     def run_example() -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "pie_ctx", "run", "examples/prefix_snapshot.py",
+            [sys.executable, "-m", "runtime", "run", "examples/prefix_snapshot.py",
              "--connect", f"unix:{sock}", "--", "--max-tokens", "4"],
             capture_output=True, text=True, env=serve_env(tmp_path), cwd=REPO, timeout=120)
         assert out.returncode == 0, out.stderr

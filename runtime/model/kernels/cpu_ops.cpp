@@ -926,7 +926,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 // every value is the eager op's bit for bit.
 // The attribute alone does not reach the lambdas handed to at::parallel_for (their
 // operator() is a function of its own): one copy ran inlined without FMA, the threads'
-// copy with it, so a row's bits depended on the row count (issue 35). The pragma covers
+// copy with it, so a row's bits depended on the row count. The pragma covers
 // every function defined down to PYBIND11_MODULE, lambdas included.
 #define EXACT __attribute__((optimize("fp-contract=off")))
 #pragma GCC push_options
