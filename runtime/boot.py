@@ -244,6 +244,14 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
                                                    weights, kv_dtype, runner_kind),
                          shared=shared_snapshots)
 
+    event_log = None  # the trie's listener behind --kv-events, given to the store
+    if kv_events is not None:
+        from runtime.kv.events import KVEventLog
+
+        event_log = KVEventLog(page_size,
+                               "GPU" if resolve_device(device).type == "cuda" else "CPU")
+    listeners = () if event_log is None else (event_log,)
+
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
             return _build_rank0()
@@ -256,7 +264,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
             store = PageStore(pages, page_size, m.shape.num_layers, m.shape.num_kv_heads,
                               m.shape.head_dim, dtype=m.dtype, device=m.device,
                               kv_dtype=kv_dtype, files=files,
-                              max_disk_cache_pages=int(disk_cache_gb * 2**30) // page_bytes)
+                              max_disk_cache_pages=int(disk_cache_gb * 2**30) // page_bytes,
+                              listeners=listeners)
             with kernel_choices_kept(files):
                 runner = make_runner(store.pool.kv, page_size, weights)
         except BaseException:
@@ -268,7 +277,7 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     def _build_rank0() -> tuple[_Model, Any, Any]:
         loaded, store, runner = build_rank0(
             tp, model, page_size=page_size, kv_dtype=kv_dtype, weights=weights, dtype=dtype,
-            device=device, progress=progress,
+            device=device, progress=progress, listeners=listeners,
             files_for=lambda lm: files_for(_Model.native(lm), "native"),
             pages_for=lambda cfg, dt: num_pages or pool_pages_for(cfg, page_size, dt,
                                                                   kv_memory_gb, kv_dtype),
@@ -290,12 +299,10 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     engine = Engine(store, runner, m.tokenizer, model_name=m.name, vocab_size=m.vocab_size,
                     max_seq_len=m.max_seq_len, hidden_size=m.hidden_size,
                     max_step_tokens=max_step_tokens, model_thread=thread, **engine_kw)
-    if kv_events is not None:
-        from runtime.kv.events import publish_events
+    if event_log is not None:
+        from runtime.kv.events import ZmqEventPublisher
 
-        engine.kv_events = publish_events(
-            store.trie, page_size, "GPU" if m.device.type == "cuda" else "CPU", kv_events,
-            kv_events_replay)
+        engine.kv_events = ZmqEventPublisher(event_log, kv_events, kv_events_replay)
     return engine
 
 

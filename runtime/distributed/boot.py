@@ -8,7 +8,7 @@ here runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -28,6 +28,7 @@ from runtime.distributed.runner import ShardedRunner
 from runtime.distributed.shard import check_tensor_parallel, shard_config
 from runtime.kv.pool import PoolShape
 from runtime.kv.store import PageStore
+from runtime.kv.trie import TrieListener
 from runtime.model.loader import load_model
 from runtime.model.matmul import kernel_choices
 
@@ -39,6 +40,7 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
                 max_disk_cache_pages_for: Callable[[Any, torch.dtype], int],
                 kernels_kept: Callable[[Any], AbstractContextManager[None]] = nullcontext,
                 dtype: Any = None, device: Any = None, progress: bool = True,
+                listeners: Sequence[TrieListener] = (),
                 timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, PageStore, ShardedRunner]:
     """Load ``model`` as rank 0 of ``tp`` ranks (the workers are started here).
 
@@ -53,6 +55,7 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
         kernels_kept: ``PageFiles | None -> context manager`` around building the runner that
             adopts the kernel choices saved in the snapshot folder and saves the ones made
             (``runtime.boot.kernel_choices_kept``).
+        listeners: the page store's trie listeners (``PageStore``'s ``listeners``).
         timeout: seconds a collective waits for a rank before the engine gives up.
 
     Returns:
@@ -95,7 +98,7 @@ def build_rank0(tp: int, model: str | None, *, page_size: int, pages_for: Callab
         store = PageStore(pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                           dtype=weight.dtype, device=dev, kv_dtype=kv_dtype, files=files,
                           max_disk_cache_pages=max_disk_cache_pages_for(cfg, weight.dtype),
-                          pool=pool)
+                          pool=pool, listeners=listeners)
     except BaseException:
         if files is not None:
             files.close()

@@ -2,7 +2,9 @@
 
 Owns the page step behind ``PageStore.compact`` (``compact_state``) and the identity a
 kept token takes (``compacted_extras``). The store validates ``keep`` first
-(``check_keep``, the contract's ``checks.keep``); then, all or nothing:
+(``check_keep``, the contract's ``checks.keep``); then, all or nothing, this module plans
+the new contents (a ``runtime.kv.states.Rewrite``) and ``ContextStates``, the states'
+owner, applies them:
 
 * the leading committed pages that are wholly kept, with every token before them kept,
   stay on the chain as they are: shared, not copied (their K/V and identity are unchanged);
@@ -32,7 +34,7 @@ from pie_ctx.proto import checks
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.hashing import fold_extras, hash_page
-from runtime.kv.states import ContextStates
+from runtime.kv.states import ContextStates, Rewrite
 from runtime.kv.types import PageHash
 
 __all__ = ["check_keep", "compact_state", "compacted_extras"]
@@ -101,7 +103,7 @@ def compact_state(states: ContextStates, state: PageState, keep: list[int]) -> i
     shared = min(first_drop // ps, nc)
     rest = keep[shared * ps:]
     n_new = -(-len(rest) // ps)
-    if rest and not getattr(pool, "copies_slots", True):
+    if rest and not pool.copies_slots:
         raise InvalidArgument("compact needs to copy single token slots, which this engine's "
                               "pool (tensor parallel) does not do yet; run without --tp")
     new_pages = states.allocate_or_raise(n_new, "compact") if n_new else []
@@ -121,19 +123,6 @@ def compact_state(states: ContextStates, state: PageState, keep: list[int]) -> i
             new_extras.append(compacted_extras(
                 _history(trie.root_hash, toks, poss, extras, page_hashes, ps, i), extras[i]))
     committed_kept = sum(1 for i in rest if i < nc * ps)
-
-    # swap: hold the shared prefix, let go of the old chain and working pages
-    old_working = state.working
-    if shared:
-        states.set_tip(state, nodes[shared - 1])
-    elif state.tip is not None:
-        trie.drop_holder(state.tip, state.owner)
-        state.tip = None
-    states.count_working(state, n_new - len(old_working))
-    pool.free(old_working)
-    state.working = new_pages
-    state.tokens, state.positions, state.extras = new_toks, new_poss, new_extras
-    state.committed_ids = [n.page_id for n in nodes[:shared]]
-    state.ids_shared = False
-    states.commit(state, committed_kept // ps)
+    states.rewrite(state, Rewrite(nodes[shared - 1] if shared else None, new_pages, new_toks,
+                                  new_poss, new_extras, committed_kept // ps))
     return shared

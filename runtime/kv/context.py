@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pie_ctx.proto.messages import ContextState
 from runtime.kv.trie import Node
 from runtime.kv.types import PageId
 
@@ -55,6 +56,14 @@ class PageState:
     def num_committed_pages(self) -> int:
         """Pages on the committed chain."""
         return 0 if self.tip is None else self.tip.depth
+
+    def counters(self, page_size: int) -> ContextState:
+        """The state's page counters (the record the SDK receives)."""
+        num_committed = self.num_committed_pages
+        return ContextState(
+            seq_len=num_committed * page_size + len(self.tokens), page_size=page_size,
+            num_committed_pages=num_committed, num_working_pages=len(self.working),
+            num_working_tokens=len(self.tokens), next_position=self.next_position())
 
     def next_position(self) -> int:
         """Position after the last written token (0 for an empty state)."""

@@ -1,9 +1,10 @@
 """KV events: the trie's commits and evictions, published in vLLM's schema over ZeroMQ.
 
 Owns: the event records (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in a
-``KVEventBatch``), the buffer the trie appends to (``KVEventLog``), and the publisher
-thread with its PUB and replay sockets (``ZmqEventPublisher``). The trie owns the pages;
-it only calls ``KVEventLog.stored`` / ``removed`` (``PageTrie.on_event``).
+``KVEventBatch``), the buffer the trie appends to (``KVEventLog``, one of the trie's listeners, given to the
+page store at construction), and the publisher thread with its PUB and replay sockets
+(``ZmqEventPublisher``), which waits on the log. The trie owns the pages; it only tells
+the log of each page it stores or removes.
 
 The wire format is vLLM's (``vllm/distributed/kv_events.py``, ``KVEventsConfig``), so any
 KV-aware router that reads vLLM's events (NVIDIA Dynamo, llm-d, pie-ctx's own fleet
@@ -29,7 +30,6 @@ held (a replica that restarted has an empty pool).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.kv.trie import Node, TrieListener
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "KVEventLog",
            "ZmqEventPublisher", "decode_batch"]
@@ -96,23 +97,37 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
-class KVEventLog:
+class KVEventLog(TrieListener):
     """The events the trie made since the last ``take``, thread-safe.
+
+    A reader waits for news with ``wait`` (the publisher's thread); ``interrupt`` wakes it
+    without news.
 
     Args:
         page_size: tokens per page (``block_size``).
         medium: where the pages live (``"GPU"`` or ``"CPU"``).
-        wake: called after each append (the publisher's nudge); None: nothing.
     """
 
-    def __init__(self, page_size: int, medium: str, wake: Any = None) -> None:
+    def __init__(self, page_size: int, medium: str) -> None:
         self.page_size = page_size
         self.medium = medium
-        self.wake = wake
         self._lock = threading.Lock()
+        self._news = threading.Event()
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
-    def stored(self, page_hash: int, parent_hash: int | None, tokens: tuple[int, ...]) -> None:
+    def stored(self, node: Node) -> None:
+        """The trie registered ``node``: a ``BlockStored`` (joined to the last one when it
+        continues the same chain)."""
+        parent = node.parent
+        self.append_stored(node.page_hash, None if parent is None else parent.page_hash,
+                           node.tokens)
+
+    def removed(self, node: Node) -> None:
+        """The trie evicted ``node``: a ``BlockRemoved``."""
+        self.append_removed(node.page_hash)
+
+    def append_stored(self, page_hash: int, parent_hash: int | None,
+                      tokens: tuple[int, ...]) -> None:
         """A page was committed and registered after ``parent_hash`` (None: chain start)."""
         with self._lock:
             last = self._events[-1] if self._events else None
@@ -125,10 +140,9 @@ class KVEventLog:
                     block_hashes=[page_hash], parent_block_hash=parent_hash,
                     token_ids=list(tokens), block_size=self.page_size, lora_id=None,
                     medium=self.medium, lora_name=None))
-        if self.wake is not None:
-            self.wake()
+        self._news.set()
 
-    def removed(self, page_hash: int) -> None:
+    def append_removed(self, page_hash: int) -> None:
         """A page was evicted."""
         with self._lock:
             last = self._events[-1] if self._events else None
@@ -136,15 +150,24 @@ class KVEventLog:
                 last.block_hashes.append(page_hash)
             else:
                 self._events.append(BlockRemoved(block_hashes=[page_hash], medium=self.medium))
-        if self.wake is not None:
-            self.wake()
+        self._news.set()
 
     def cleared(self) -> None:
         """Every page is gone."""
         with self._lock:
             self._events.append(AllBlocksCleared())
-        if self.wake is not None:
-            self.wake()
+        self._news.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until an event is appended (or ``interrupt``) or ``timeout`` seconds
+        pass; True when woken. Resets the wake-up for the next call."""
+        woken = self._news.wait(timeout)
+        self._news.clear()
+        return woken
+
+    def interrupt(self) -> None:
+        """Wake a reader blocked in ``wait``, news or not."""
+        self._news.set()
 
     def take(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """The events since the last call, oldest first (and forget them)."""
@@ -186,7 +209,6 @@ class ZmqEventPublisher:
         self.interval_s = interval_s
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = count()
-        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
@@ -210,7 +232,6 @@ class ZmqEventPublisher:
                                 self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
-        event_log.wake = lambda: self._wake.put(True)
         event_log.cleared()  # consumers drop what an earlier run at this endpoint held
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="pie-ctx-kv-events")
@@ -218,11 +239,8 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         while self._running:
-            try:
-                self._wake.get(timeout=0.1)
+            if self.log.wait(0.1) and self._running:
                 time.sleep(self.interval_s)  # let a step's events gather into one batch
-            except queue.Empty:
-                pass
             self._service_replay()
             self._send(self.log.take())
         self._send(self.log.take())
@@ -257,22 +275,9 @@ class ZmqEventPublisher:
         if not self._running:
             return
         self._running = False
-        self._wake.put(False)
+        self.log.interrupt()
         self._thread.join(timeout=2)
         self._pub.close(linger=500)
         if self._replay is not None:
             self._replay.close(linger=0)
 
-
-def publish_events(trie: Any, page_size: int, medium: str, endpoint: str,
-                   replay_endpoint: str | None = None, topic: str = "") -> ZmqEventPublisher:
-    """Start publishing ``trie``'s events (``--kv-events``); returns the publisher, whose
-    ``close()`` stops it.
-
-    Raises:
-        InvalidArgument: see ``ZmqEventPublisher``.
-    """
-    event_log = KVEventLog(page_size, medium)
-    publisher = ZmqEventPublisher(event_log, endpoint, replay_endpoint, topic)
-    trie.on_event = event_log
-    return publisher

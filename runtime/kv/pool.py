@@ -87,7 +87,16 @@ class PagePool:
         pool = PagePool(PoolShape(64, page_size=16, num_layers=2, num_kv_heads=1, head_dim=8))
         ids = pool.allocate(3)      # [0, 1, 2]
         pool.free(ids)
+
+    Capabilities (class attributes a subclass may turn off; callers read them instead of
+    guessing from the type):
+
+    * ``copies_slots``: ``copy_slots`` moves single token slots of every layer (compaction
+      needs it). False where page contents live on several devices that this pool cannot
+      move slot by slot (``runtime.distributed.pool.ShardedPagePool``).
     """
+
+    copies_slots: bool = True
 
     __slots__ = ("kv", "shape", "num_pages", "page_size", "dtype", "kv_dtype", "_free",
                  "_bytes")

@@ -17,17 +17,41 @@ a ``PageState`` too, owned by nobody and listed in the snapshot registry, not he
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pie_ctx.proto.errors import ContextClosed, InvalidArgument, OutOfPages
-from runtime.kv.context import PageState
+from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.durable import parent_hash
 from runtime.kv.pool import PagePool
 from runtime.kv.tier import DiskTier
 from runtime.kv.trie import Node, PageTrie
 from runtime.kv.types import ContextId, PageId
 
-__all__ = ["ContextStates"]
+__all__ = ["ContextStates", "Rewrite"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """New contents for a state whose chain is cut and whose tail is rewritten (a
+    compaction, ``runtime.kv.compaction``): computed by its caller, applied by
+    ``ContextStates.rewrite`` in one go.
+
+    Fields:
+        tip: the committed page the state's chain now ends at (one of its current chain's,
+            or None: no committed pages are kept).
+        working: fresh working pages (allocated through ``allocate``), already written.
+        tokens, positions, extras: what ``working`` holds, in order.
+        num_commit: leading pages of ``working`` to commit at once (full, checked by the
+            caller).
+    """
+
+    tip: Node | None
+    working: list[PageId]
+    tokens: list[int]
+    positions: list[int]
+    extras: list[int]
+    num_commit: int
 
 
 class ContextStates:
@@ -182,6 +206,25 @@ class ContextStates:
         self.pool.free(duplicates)
         self.num_commits += k
         self.num_dedup_hits += len(duplicates)
+
+    def rewrite(self, state: PageState, rewrite: Rewrite) -> None:
+        """Give ``state`` the contents ``rewrite`` describes: hold its new tip, let go of
+        the rest of its old chain and of its old working pages, take the new working pages
+        and commit the first ``rewrite.num_commit`` of them."""
+        if rewrite.tip is not None:
+            self.set_tip(state, rewrite.tip)
+        elif state.tip is not None:
+            self.trie.drop_holder(state.tip, state.owner)
+            state.tip = None
+        self.count_working(state, len(rewrite.working) - len(state.working))
+        self.pool.free(state.working)
+        state.working = list(rewrite.working)
+        state.tokens = list(rewrite.tokens)
+        state.positions = list(rewrite.positions)
+        state.extras = list(rewrite.extras)
+        state.committed_ids = [n.page_id for n in chain_nodes(rewrite.tip)]
+        state.ids_shared = False
+        self.commit(state, rewrite.num_commit)
 
     def release_working(self, state: PageState, n: int) -> None:
         """Give the last ``n`` working pages of ``state`` back to the pool (checked by the

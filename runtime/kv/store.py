@@ -32,7 +32,7 @@ from pie_ctx.proto.messages import ContextState
 from runtime.kv.compaction import check_keep, compact_state
 from runtime.kv.context import PageState
 from runtime.kv.disk import PageFiles
-from runtime.kv.durable import RestoreJob, SaveJob, parent_hash
+from runtime.kv.durable import RestoreJob, SaveJob
 from runtime.kv.hashing import adapter_extras
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool, PoolShape
@@ -40,7 +40,7 @@ from runtime.kv.snapshot_store import SnapshotStore
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.states import ContextStates
 from runtime.kv.tier import DiskTier
-from runtime.kv.trie import Node, PageTrie
+from runtime.kv.trie import PageTrie, TrieListener
 from runtime.kv.types import ContextId, PageId, StoreStats
 from runtime.kv.validation import Extra, page_inputs
 
@@ -73,6 +73,7 @@ class PageStore:
         files: PageFiles | None = None,
         max_disk_cache_pages: int = 0,
         pool: PagePool | None = None,
+        listeners: Sequence[TrieListener] = (),
     ) -> None:
         """Allocate the pool and empty bookkeeping (and list the snapshots on disk).
 
@@ -89,6 +90,8 @@ class PageStore:
             max_disk_cache_pages: evicted cache pages kept on disk at most (with ``files``).
             pool: a pool built by the caller, of these sizes (a tensor-parallel engine's
                 holds its rank's KV heads, see ``runtime.distributed``); None: a new one.
+            listeners: told of every page the trie registers or evicts (the KV event log,
+                ``runtime.kv.events``); the disk tier, when there is one, listens first.
 
         Raises:
             ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
@@ -97,7 +100,8 @@ class PageStore:
             num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device, kv_dtype))
         self.page_size = page_size
         self.tier = None if files is None else DiskTier(files, self.pool, max_disk_cache_pages)
-        self.trie = PageTrie(self.pool, on_evict=None if files is None else self._spill_page)
+        self.trie = PageTrie(self.pool, (*(() if self.tier is None else (self.tier,)),
+                                         *listeners))
         self.snapshots = SnapshotRegistry()
         self._states = ContextStates(self.pool, self.trie, page_size)
         self._snaps = SnapshotStore(self.pool, self.trie, self.tier, self._states, self.snapshots)
@@ -114,12 +118,6 @@ class PageStore:
     def num_pages_available(self) -> int:
         """Pages an allocation could get right now: free + cached (evictable)."""
         return self._states.num_available()
-
-    def _spill_page(self, node: Node) -> None:
-        """The trie evicts ``node`` (wired only with a disk tier): keep its page on disk
-        (the disk tier decides)."""
-        self._snaps.disk.spill(node.page_hash, parent_hash(node.parent, self.trie.root_hash),
-                        node.tokens, node.positions, node.extras, node.page_id)
 
     def owner_pages(self, owner: Any) -> int:
         """Pages ``owner``'s contexts hold: their working pages plus every distinct committed
@@ -324,8 +322,8 @@ class PageStore:
             OutOfPages: the fresh pages cannot be allocated. Nothing changes on any error.
         """
         state = self._states.get(cid)
-        seq_len = state.num_committed_pages * self.page_size + len(state.tokens)
-        return compact_state(self._states, state, check_keep(keep, seq_len))
+        keep = check_keep(keep, state.counters(self.page_size).seq_len)
+        return compact_state(self._states, state, keep)
 
     # -- prefix reuse ------------------------------------------------------------------
 
@@ -397,16 +395,7 @@ class PageStore:
         Raises:
             ContextClosed: unknown context.
         """
-        s = self._states.get(cid)
-        num_committed = s.num_committed_pages
-        return ContextState(
-            seq_len=num_committed * self.page_size + len(s.tokens),
-            page_size=self.page_size,
-            num_committed_pages=num_committed,
-            num_working_pages=len(s.working),
-            num_working_tokens=len(s.tokens),
-            next_position=s.next_position(),
-        )
+        return self._states.get(cid).counters(self.page_size)
 
     def tokens(self, cid: ContextId) -> list[int]:
         """All token ids of the context, committed then working. O(seq_len).

@@ -2,8 +2,9 @@
 bytes between the pool and the snapshot directory.
 
 Owns: the disk index (``PageHash -> DiskPage``) and the disk cache's LRU; the files
-themselves are written through ``runtime.kv.disk.PageFiles``. The page store calls it; it
-never touches the trie or a context's state.
+themselves are written through ``runtime.kv.disk.PageFiles``. The page store calls it, and
+the trie tells it of each page it evicts (it is a ``TrieListener``: an evicted page is
+spilled to the disk cache); it never touches the trie or a context's state.
 
 Two kinds of page files:
 
@@ -40,8 +41,9 @@ import numpy as np
 from pie_ctx.proto.errors import SnapshotCorrupt, StorageError
 from runtime.kv.disk import PageFiles
 from runtime.kv.file_format import ManifestHead, PageRecord, page_parts
-from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.hashing import chain_root, fold_extras, hash_page
 from runtime.kv.pool import PagePool
+from runtime.kv.trie import Node, TrieListener
 from runtime.kv.types import PageHash, PageId
 
 __all__ = ["DiskTier", "DiskPage", "TierCounters"]
@@ -88,7 +90,7 @@ class TierView:
         self.pool.write_page(page_id, payload)
 
 
-class DiskTier:
+class DiskTier(TrieListener):
     """Page files on disk for one page store (see the module docstring).
 
     Args:
@@ -100,6 +102,7 @@ class DiskTier:
     def __init__(self, files: PageFiles, pool: PagePool, max_cache_pages: int) -> None:
         self.files = files
         self.view = TierView(pool)
+        self.root_hash = chain_root(pool.kv_dtype)  # what a chain's first page chains from
         self.shared = files.shared
         self.max_cache_pages = 0 if files.shared else max_cache_pages
         self.index: dict[PageHash, DiskPage] = {}
@@ -156,6 +159,15 @@ class DiskTier:
         return heads
 
     # ----------------------------------------------------------------------- writing
+
+    def evicting(self, node: Node) -> None:
+        """The trie evicts ``node``: keep its page in the disk cache (see ``spill``)."""
+        if node.parent is not None:
+            parent = int(node.parent.page_hash)
+        else:  # a chain's first page: the root (0 where the format has none)
+            parent = 0 if self.root_hash is None else int(self.root_hash)
+        self.spill(node.page_hash, parent, node.tokens, node.positions, node.extras,
+                   node.page_id)
 
     def spill(self, page_hash: PageHash, parent: int, tokens: Sequence[int],
               positions: Sequence[int], extras: Sequence[int], page_id: PageId) -> None:

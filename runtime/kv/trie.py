@@ -31,12 +31,18 @@ the existing page shared. If the hash is taken by a *different* page (a 64-bit c
 or a chain under a private node), the new node is *private*: it is not registered, never
 found by lookup, never cached (freed as soon as it is unpinned), and its descendants are
 private too. A collision therefore costs sharing, never correctness.
+
+Listeners. Whoever must follow the trie's pages (the disk tier keeps evicted pages, the KV
+event log tells routers) is a :class:`TrieListener` given at construction; the trie calls
+them in order, synchronously: ``stored`` when a page is registered (findable), ``evicting``
+just before an evicted page goes back to the pool (its bytes still there), ``removed``
+once it is gone. Private pages are neither stored nor removed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +50,7 @@ from runtime.kv.hashing import chain_root, fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
 
-__all__ = ["Node", "PageTrie"]
+__all__ = ["Node", "PageTrie", "TrieListener"]
 
 
 @dataclass(slots=True, eq=False)
@@ -86,22 +92,41 @@ class Node:
         )
 
 
+class TrieListener:
+    """What follows the trie's registered pages; every method does nothing by default.
+
+    Methods are called on the thread that changes the trie (the engine's), in the order
+    the changes happen, and must not change the trie themselves.
+    """
+
+    __slots__ = ()
+
+    def stored(self, node: Node) -> None:
+        """``node`` was committed and registered (lookups find it from now on)."""
+
+    def evicting(self, node: Node) -> None:
+        """``node`` is being evicted: its page still holds its bytes, until this returns."""
+
+    def removed(self, node: Node) -> None:
+        """``node`` was evicted: no lookup finds it any more; its page is back in the pool."""
+
+
 class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
     __slots__ = ("pool", "root_hash", "by_hash", "lru", "num_nodes", "num_pinned",
-                 "num_evictions", "pages_of", "on_evict", "on_event")
+                 "num_evictions", "pages_of", "listeners")
 
-    def __init__(self, pool: PagePool, on_evict: Callable[[Node], None] | None = None) -> None:
+    def __init__(self, pool: PagePool, listeners: Sequence[TrieListener] = ()) -> None:
         """Create an empty trie that frees evicted pages into ``pool``.
 
         Args:
             pool: where evicted pages go back.
-            on_evict: called with each node about to be evicted, while its page still
-                holds its bytes (the disk tier writes it out).
+            listeners: told of every registered page and every eviction, in this order
+                (see :class:`TrieListener`).
         """
         self.pool = pool
-        self.on_evict = on_evict
+        self.listeners = tuple(listeners)
         self.root_hash = chain_root(pool.kv_dtype)  # the format seeds every chain
         self.by_hash: dict[PageHash, Node] = {}
         self.lru: OrderedDict[PageId, Node] = OrderedDict()
@@ -109,9 +134,6 @@ class PageTrie:
         self.num_pinned = 0
         self.num_evictions = 0
         self.pages_of: dict[Any, int] = {}  # owner -> distinct committed pages it pins
-        # KV events (runtime.kv.events.KVEventLog): told of every registered page and every
-        # eviction, in order. None: nobody listens.
-        self.on_event: Any = None
 
     @property
     def num_cached(self) -> int:
@@ -180,8 +202,8 @@ class PageTrie:
         self.num_nodes += 1
         if registered:
             self.by_hash[h] = node
-            if self.on_event is not None:
-                self.on_event.stored(h, None if tip is None else tip.page_hash, node.tokens)
+            for listener in self.listeners:
+                listener.stored(node)
         if tip is not None:
             tip.num_children += 1
         self.add_holder(node, owner)
@@ -330,15 +352,15 @@ class PageTrie:
         The evicted pages go back to the pool in eviction order.
         """
         evicted: list[PageId] = []
+        gone: list[Node] = []
         lru = self.lru
         while len(evicted) < n and lru:
             _, node = lru.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(node)
+            for listener in self.listeners:
+                listener.evicting(node)
             del self.by_hash[node.page_hash]
-            if self.on_event is not None:
-                self.on_event.removed(node.page_hash)
             self._unlink(node)
+            gone.append(node)
             evicted.append(node.page_id)
             parent = node.parent
             if parent is not None and parent.num_children == 0 and parent.pins == 0:
@@ -346,6 +368,9 @@ class PageTrie:
                 lru.move_to_end(parent.page_id, last=False)
         self.num_evictions += len(evicted)
         self.pool.free(evicted)  # handed out again in eviction order
+        for node in gone:
+            for listener in self.listeners:
+                listener.removed(node)
         return evicted
 
     def _unlink(self, node: Node) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from pie_ctx.errors import InvalidArgument, OutOfPages
 from runtime.kv.context import chain_nodes
+from runtime.kv.store import PageStore
 
 from .helpers import assert_unchanged, fill, make_store, prefill
 
@@ -151,3 +152,18 @@ def test_a_durable_snapshot_of_a_compacted_context_reopens_after_a_restart(tmp_p
     assert again.next_position(opened) == 19
     check_kv(again, opened)
     again.check_invariants()
+
+
+def test_a_pool_that_cannot_copy_slots_refuses_compaction_and_changes_nothing() -> None:
+    from runtime.kv.pool import PagePool
+
+    class NoSlotCopies(PagePool):  # as a tensor-parallel pool declares itself
+        __slots__ = ()
+        copies_slots = False
+
+    base = _noisy_store()
+    store = PageStore(32, 4, num_layers=2, num_kv_heads=1, head_dim=2,
+                      pool=NoSlotCopies(base.pool.shape))
+    cid = prefill(store, list(range(10)))
+    assert_unchanged(store, lambda: store.compact(cid, [0, 2, 4]), InvalidArgument)
+    assert store.compact(cid, list(range(8))) == 2  # keeping whole pages copies no slot

@@ -33,7 +33,7 @@ import pytest
 
 from runtime.kv import PageStore
 from runtime.kv.context import chain_nodes
-from runtime.kv.events import KVEventLog, ZmqEventPublisher, publish_events
+from runtime.kv.events import KVEventLog, ZmqEventPublisher
 
 from .helpers import prefill
 
@@ -82,9 +82,8 @@ VLLM_DECODER = msgspec.msgpack.Decoder(VllmKVEventBatch)
 
 
 def store_with_log(num_pages: int = 8) -> tuple[PageStore, KVEventLog]:
-    store = PageStore(num_pages, 4, num_layers=1, num_kv_heads=1, head_dim=2)
     log = KVEventLog(4, "CPU")
-    store.trie.on_event = log
+    store = PageStore(num_pages, 4, num_layers=1, num_kv_heads=1, head_dim=2, listeners=[log])
     return store, log
 
 
@@ -124,9 +123,9 @@ def test_a_dedup_hit_and_a_private_page_make_no_event() -> None:
 
 def test_wire_bytes_decode_with_vllms_schema_over_zmq() -> None:
     zmq = pytest.importorskip("zmq")
-    store = PageStore(8, 4, num_layers=1, num_kv_heads=1, head_dim=2)
-    pub = publish_events(store.trie, 4, "CPU", "tcp://127.0.0.1:*",
-                         replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+    store, log = store_with_log()
+    pub = ZmqEventPublisher(log, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                            topic="kv")
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -167,3 +166,39 @@ def test_wire_bytes_decode_with_vllms_schema_over_zmq() -> None:
     finally:
         sub.close(linger=0)
         pub.close()
+
+
+def test_an_engine_booted_with_kv_events_publishes_its_commits(tiny_folder_path) -> None:
+    """``boot_engine(kv_events=...)`` gives the store the event log as a trie listener: a
+    flush's committed pages reach a subscriber."""
+    zmq = pytest.importorskip("zmq")
+    import anyio
+
+    from pie_ctx import Context, Runtime
+    from runtime.boot import boot_engine
+
+    engine = boot_engine(str(tiny_folder_path), page_size=4, num_pages=64, progress=False,
+                         kv_events="tcp://127.0.0.1:*")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(engine.kv_events.endpoint)
+    time.sleep(0.3)  # a SUB socket misses what is sent before it joined
+
+    async def run() -> None:
+        async with engine, Runtime.local(engine=engine) as rt:
+            await Context(rt).append(list(range(1, 10))).flush()  # 2 full pages
+
+    try:
+        anyio.run(run)
+        stored: list[int] = []
+        while sub.poll(2000):
+            _, _, payload = sub.recv_multipart()
+            for event in VLLM_DECODER.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    stored.extend(event.token_ids)
+            if len(stored) >= 8:
+                break
+        assert stored[:8] == list(range(1, 9))
+    finally:
+        sub.close(linger=0)
+        engine.kv_events.close()

@@ -469,3 +469,33 @@ def test_owner_pages_count_each_owners_distinct_pages() -> None:
     store.release(b)
     assert store.owners() == []
     store.check_invariants()
+
+
+def test_trie_listeners_hear_stores_and_evictions_in_order_with_the_bytes_there() -> None:
+    from runtime.kv.trie import TrieListener
+
+    heard: list[tuple[str, int, bool]] = []
+
+    class Listener(TrieListener):
+        def stored(self, node) -> None:
+            heard.append(("stored", node.page_id, True))
+
+        def evicting(self, node) -> None:  # the page's bytes are still the context's
+            page = store.pool.kv[node.page_id]
+            heard.append(("evicting", node.page_id, bool(page.abs().sum() > 0)))
+
+        def removed(self, node) -> None:
+            heard.append(("removed", node.page_id, node.page_id in store.pool.free_ids()))
+
+    store = PageStore(4, 4, num_layers=2, num_kv_heads=1, head_dim=2, listeners=[Listener()])
+    a = prefill(store, list(range(8)))  # 2 committed pages
+    first = store.page_table(a)
+    store.pool.kv[first] = 1.0  # as a forward pass would have written them
+    assert heard == [("stored", first[0], True), ("stored", first[1], True)]
+    store.release(a)  # cached, not evicted: nothing to hear
+    assert len(heard) == 2
+    heard.clear()
+    b = prefill(store, [50 + i for i in range(12)])  # 3 pages: one cached page evicted
+    assert heard[:2] == [("evicting", first[1], True), ("removed", first[1], True)]
+    assert [h[0] for h in heard[2:]] == ["stored"] * 3
+    store.release(b)
