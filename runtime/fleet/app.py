@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -135,25 +136,33 @@ def register(subparsers: Any) -> None:
 def start_fleet(app: Any, host: str, port: int) -> None:
     """Start Serve with the front on ``host:port`` and run ``app`` as ``FLEET_APP``.
 
-    ``serve.run`` reconnects to the Serve instance ``serve.start`` just made and says so
-    ("Connecting to existing Serve app ... will not be applied"): here it is this one,
-    with these options, so that line is left out.
+    Returns when every replica's engine serves. Deploying reconnects to the Serve instance
+    ``serve.start`` just made and says so ("Connecting to existing Serve app ... will not
+    be applied"): here it is this one, with these options, so that line is left out.
 
     Raises:
         RuntimeError: a deployment failed to start (Serve's message says why).
     """
-    import logging
-
     from ray import serve
+    from ray.serve.schema import ApplicationStatus
 
     serve.start(http_options={"host": host, "port": port})
     serve_log = logging.getLogger("ray.serve")
     reconnect = _DropReconnect()
     serve_log.addFilter(reconnect)
     try:
-        serve.run(app, name=FLEET_APP, route_prefix="/")
+        serve.run_many([serve.RunTarget(target=app, name=FLEET_APP, route_prefix="/")],
+                       wait_for_applications_running=False)
     finally:
         serve_log.removeFilter(reconnect)
+    # (serve.run asks every second; Serve's controller decides every 0.1 s)
+    while True:
+        app_status = serve.status().applications.get(FLEET_APP)
+        if app_status is not None and app_status.status == ApplicationStatus.RUNNING:
+            return
+        if app_status is not None and app_status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"deploying the fleet failed: {app_status.message}")
+        time.sleep(0.1)
 
 
 def stop_fleet(*, own_ray: bool) -> None:

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any
@@ -107,9 +108,17 @@ class FleetIngress:
                  prefix_routing: bool = True) -> None:
         self.engines = engines.options(method_name="handle", stream=True)
         self.sessions: OrderedDict[str, str] = OrderedDict()
-        self.prompts = PromptTokens.load(model) if prefix_routing else None
+        # The tokenizer loads beside the engines' boot, not before the front serves:
+        # until it is there, prompts without a session route as without prefix routing.
+        self.prompts: PromptTokens | None = None
+        if prefix_routing:
+            threading.Thread(target=self._load_prompts, args=(model,), daemon=True,
+                             name="pie-ctx-front-tokenizer").start()
         self.front_ms: deque[float] = deque(maxlen=100_000)
         self.retries = 0
+
+    def _load_prompts(self, model: str | None) -> None:
+        self.prompts = PromptTokens.load(model)
 
     # -- the table of overrides --------------------------------------------------------
 
