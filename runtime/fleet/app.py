@@ -186,6 +186,8 @@ def stop_fleet(*, own_ray: bool) -> None:
 
 
 class _DropReconnect(logging.Filter):
+    """Leaves out Serve's "Connecting to existing Serve app" line (see ``start_fleet``)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Connecting to existing Serve app")
 

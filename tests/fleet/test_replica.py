@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def temp_root(monkeypatch) -> Path:
+def temp_root(monkeypatch) -> Iterator[Path]:
     """A temp root of this test's own (short: a Unix socket's path is limited)."""
     root = Path(tempfile.mkdtemp(prefix="pcr-"))
     monkeypatch.setattr(tempfile, "tempdir", str(root))
