@@ -26,6 +26,18 @@ decides, on a local Ray instance with 2 engine replicas (``runtime.fleet``):
    replica), and ``fleet_failover_recomputed_saved_tokens`` the tokens of its saved context
    that were computed again (goal 0: every page comes from the folder).
 
+4. **Start-up and replacement**, beside one ``pie-ctx serve`` in the same run:
+   ``serve_start_s`` (one ``serve`` of the same engine options, from its start until it
+   answers a 1-token request), ``fleet_start_s`` (from ``ray.init`` until every replica
+   answers one, with its parts: ``fleet_ray_init_s`` (the local Ray instance),
+   ``fleet_deploy_s`` (Serve's controller and proxy, then the replicas, whose engines boot
+   in parallel), ``fleet_listed_s`` (until the front lists every replica) and
+   ``fleet_answer_s`` (each replica's first answer)),
+   ``fleet_start_vs_serve`` (goal <= 1.5), and ``fleet_replace_s``: an engine killed
+   (SIGKILL) until its replacement answers (goal <= 10 s on a quiet machine).
+   ``fleet_temp_folders_left`` counts the replicas' temporary folders left after the
+   fleet stopped (goal 0); the benchmark's own folder is removed too.
+
 The last line is a JSON object with these keys. Without Ray (``pip install
 'pie-ctx[ray]'``) it prints ``{"skipped": ...}``.
 """
@@ -34,8 +46,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -106,35 +121,58 @@ def main() -> None:
     try:
         import httpx
         import ray
-        from ray import serve
+        import ray.serve  # noqa: F401
     except ImportError as e:
         emit({"skipped": f"needs Ray Serve (pip install 'pie-ctx[ray]'): {e}"})
         return
     sys.path.insert(0, str(ROOT))
-    from runtime.fleet.app import FLEET_APP, build_app
 
     engine_args = ["--num-pages", "4096"] + (["--model", args.model] if args.model else [])
     folder = Path(tempfile.mkdtemp(prefix="pie-ctx-fleet-bench-"))
-    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": {
-                 "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data")}})
+    # the replicas' temporary folders go in a folder of this run's, to count what is left
+    temp_root = folder / "tmp"
+    temp_root.mkdir()
+    try:
+        serve_s = _serve_start(httpx, engine_args, folder)
+        result = _fleet(args, httpx, ray, engine_args, folder, temp_root)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    result = {**result, "serve_start_s": serve_s,
+              "fleet_start_vs_serve": result["fleet_start_s"] / serve_s}
+    table([(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()])
+    emit(result)
+
+
+def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder: Path,
+           temp_root: Path) -> dict:
+    """Start the fleet, play the ways, fail a replica, time a replacement, stop it."""
+    from runtime.fleet.app import build_app, start_fleet, stop_fleet
+    from runtime.fleet.replica import TEMP_PREFIX
+
     port = _free_port()
     front = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": {
+                 "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data"),
+                 "TMPDIR": str(temp_root)}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        t0 = time.monotonic()
-        serve.run(build_app(engine_args, folder, replicas=2), name=FLEET_APP, route_prefix="/")
-        boot_s = time.monotonic() - t0
+        t_ray = time.monotonic()
+        start_fleet(build_app(engine_args, folder, replicas=2), "127.0.0.1", port)
+        t_deployed = time.monotonic()
         reps = _replicas(httpx, front, 2)
+        t_listed = time.monotonic()
         urls = [r["url"] for r in reps.values()]
         model = httpx.get(urls[0] + "/v1/models", timeout=60).json()["data"][0]["id"]
+        for u in urls:  # every replica answers (and is warm: first requests pay one-time costs)
+            _answer(httpx, u, model)
+        t_serving = time.monotonic()
+        timings = {"fleet_start_s": t_serving - t0, "fleet_ray_init_s": t_ray - t0,
+                   "fleet_deploy_s": t_deployed - t_ray,
+                   "fleet_listed_s": t_listed - t_deployed,
+                   "fleet_answer_s": t_serving - t_listed}
         play = Play(model, args.turns, args.max_tokens)
         n = args.conversations
-        # warm both engines (first requests pay one-time costs)
-        for u in urls:
-            httpx.post(u + "/v1/chat/completions", timeout=600, json={
-                "model": model, "messages": [{"role": "user", "content": "warm up"}],
-                "max_tokens": 1})
         session = play.run("session", n, lambda c, t: front,
                            lambda c: {"x-session-id": f"conv-{c}"})
         # (c + t): each turn of a conversation on the other replica, each turn's load even
@@ -145,10 +183,11 @@ def main() -> None:
         stats = httpx.get(front + "/fleet/stats", timeout=60).json()
         hop = _hop(httpx, front, urls[0], model, args.hops)
         failover = _failover(httpx, front, model, max(2, n // 4))
+        replace_s = _replace(httpx, front, model)
     finally:
-        serve.shutdown()
-        ray.shutdown()
-    result = {
+        stop_fleet(own_ray=True)
+    left = [p.name for p in temp_root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    return {
         "fleet_computed_vs_round_robin": session["computed"] / max(1, round_robin["computed"]),
         "fleet_computed_vs_single": session["computed"] / max(1, single["computed"]),
         "fleet_prefix_computed_vs_round_robin": prefix["computed"] / max(1, round_robin["computed"]),
@@ -156,25 +195,76 @@ def main() -> None:
         "fleet_router_ms_p99": stats["routing_ms"]["p99"],
         "fleet_front_ms_p50": stats["front_ms"]["p50"],
         "fleet_hop_ms_p50": hop,
-        **failover,
+        **failover, **timings, "fleet_replace_s": replace_s,
+        "fleet_temp_folders_left": len(left),
         "prompt_tokens": session["prompt"], "prompt_tokens_round_robin": round_robin["prompt"],
         "computed_session": session["computed"], "computed_round_robin": round_robin["computed"],
         "computed_single": single["computed"], "computed_prefix": prefix["computed"],
-        "conversations": n, "turns": args.turns, "replicas_boot_s": boot_s,
+        "conversations": n, "turns": args.turns,
     }
-    table([(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()])
-    emit(result)
+
+
+def _answer(httpx, url: str, model: str, timeout: float = 600) -> None:
+    """One 1-token chat request to ``url``; raises unless it is answered."""
+    httpx.post(url + "/v1/chat/completions", timeout=timeout, json={
+        "model": model, "messages": [{"role": "user", "content": "warm up"}],
+        "max_tokens": 1}).raise_for_status()
+
+
+def _serve_start(httpx, engine_args: list[str], folder: Path) -> float:
+    """Seconds from starting one ``pie-ctx serve`` of ``engine_args`` until it answers a
+    1-token request (then it is stopped)."""
+    snaps = folder / "serve-snapshots"
+    snaps.mkdir()
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", *engine_args,
+                             "--snapshot-dir", str(snaps), "--http", "127.0.0.1:0",
+                             "--socket", str(folder / "serve.sock")],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                           "XDG_DATA_HOME": str(folder / "serve-data")})
+    try:
+        url, lines = None, []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if m := re.search(r"serving HTTP on (http://\S+)", line):
+                url = m.group(1)
+                break
+        if url is None:
+            raise RuntimeError("pie-ctx serve did not start:\n" + "".join(lines[-20:]))
+        model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        _answer(httpx, url, model)
+        return time.monotonic() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def _replace(httpx, front: str, model: str) -> float:
+    """Kill one replica's engine (SIGKILL); seconds until its replacement answers."""
+    reps = _replicas(httpx, front, 2)
+    victim, info = sorted(reps.items())[0]
+    killed = time.monotonic()
+    os.kill(info["engine_pid"], signal.SIGKILL)
+    new = _replicas(httpx, front, 2, without=victim, poll_s=0.05)
+    (fresh,) = [r for rid, r in new.items() if rid not in reps]
+    _answer(httpx, fresh["url"], model)
+    return time.monotonic() - killed
 
 
 def _replicas(httpx, front: str, n: int, without: str | None = None,
-              timeout: float = 300) -> dict:
+              timeout: float = 300, poll_s: float = 0.05) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = {r["replica"]: r for r in httpx.get(front + "/fleet/replicas", timeout=60)
                .json()["replicas"]}
         if len(got) == n and without not in got:
             return got
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"the fleet did not reach {n} replicas")
 
 

@@ -14,16 +14,18 @@ docs/scale-out.md has the picture, the routing rules and the limits.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from pie_ctx.proto.errors import InvalidArgument, PieError
 
-__all__ = ["build_app", "register", "engine_args_of"]
+__all__ = ["build_app", "register", "engine_args_of", "start_fleet", "stop_fleet"]
 
 FLEET_APP = "pie-ctx"
 
@@ -131,8 +133,69 @@ def register(subparsers: Any) -> None:
     fleet.set_defaults(func=fleet_main)
 
 
+def start_fleet(app: Any, host: str, port: int) -> None:
+    """Start Serve with the front on ``host:port`` and run ``app`` as ``FLEET_APP``.
+
+    Returns when every replica's engine serves. Deploying reconnects to the Serve instance
+    ``serve.start`` just made and says so ("Connecting to existing Serve app ... will not
+    be applied"): here it is this one, with these options, so that line is left out.
+
+    Raises:
+        RuntimeError: a deployment failed to start (Serve's message says why).
+    """
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    serve.start(http_options={"host": host, "port": port})
+    serve_log = logging.getLogger("ray.serve")
+    reconnect = _DropReconnect()
+    serve_log.addFilter(reconnect)
+    try:
+        serve.run_many([serve.RunTarget(target=app, name=FLEET_APP, route_prefix="/")],
+                       wait_for_applications_running=False)
+    finally:
+        serve_log.removeFilter(reconnect)
+    # (serve.run asks every second; Serve's controller decides every 0.1 s)
+    while True:
+        app_status = serve.status().applications.get(FLEET_APP)
+        if app_status is not None and app_status.status == ApplicationStatus.RUNNING:
+            return
+        if app_status is not None and app_status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"deploying the fleet failed: {app_status.message}")
+        time.sleep(0.1)
+
+
+def stop_fleet(*, own_ray: bool) -> None:
+    """Stop the fleet: delete ``FLEET_APP`` (every replica stops gracefully: its engine is
+    stopped and its temporary folder removed), then, for a Ray instance this process
+    started (``own_ray``), ``ray.shutdown()``, which ends Serve with the instance. On a
+    cluster this process joined, Serve stays for its other applications. (``serve.shutdown``
+    is not called: on Ray 2.60 the controller's end is logged as a failed
+    ``graceful_shutdown`` task.)"""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        serve.delete(FLEET_APP)
+    except Exception as err:  # Serve never started, or is gone already
+        logging.getLogger("pie_ctx.fleet").info("deleting the fleet's app: %s", err)
+    if own_ray:
+        ray.shutdown()
+
+
+class _DropReconnect(logging.Filter):
+    """Leaves out Serve's "Connecting to existing Serve app" line (see ``start_fleet``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
 def fleet_main(args: argparse.Namespace) -> int:
-    """Run ``pie-ctx fleet`` until SIGINT/SIGTERM."""
+    """Run ``pie-ctx fleet`` until SIGINT/SIGTERM (exit 0); 2 on bad options, 1 when the
+    fleet failed to start. Every way out deletes the app (engines stopped, temporary
+    folders removed) and shuts down the Ray instance it started."""
     from runtime.server.cli import default_snapshot_dir
     from runtime.server.http.app import parse_http_address
 
@@ -141,7 +204,6 @@ def fleet_main(args: argparse.Namespace) -> int:
 
     try:
         import ray
-        from ray import serve
     except ImportError:
         say("error: pie-ctx fleet needs Ray Serve: pip install 'pie-ctx[ray]'")
         return 2
@@ -155,20 +217,38 @@ def fleet_main(args: argparse.Namespace) -> int:
     except (PieError, OSError) as err:
         say(f"error: {err}")
         return 2
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 p for p in (os.environ.get("PYTHONPATH"), str(Path(__file__).parents[2]))
-                 if p)}})
-    serve.start(http_options={"host": http.host, "port": http.port})
-    serve.run(app, name=FLEET_APP, route_prefix="/")
-    say(f"serving HTTP on http://{http.host}:{http.port} ({args.replicas} engine replicas "
-        f"on Ray Serve, snapshots shared in {folder})")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.delete(FLEET_APP)
-    serve.shutdown()
-    ray.shutdown()
+    serving = False
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if not serving:  # stop the start where it is (the finally below cleans up)
+            raise KeyboardInterrupt
+
+    code = 0
+    own_ray = args.address is None and not ray.is_initialized()
+    try:
+        # (ray.init sets a SIGTERM handler of its own: a SystemExit until ours is set)
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                     p for p in (os.environ.get("PYTHONPATH"), str(Path(__file__).parents[2]))
+                     if p)}})
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        start_fleet(app, http.host, http.port)
+        serving = True
+        say(f"serving HTTP on http://{http.host}:{http.port} ({args.replicas} engine "
+            f"replicas on Ray Serve, snapshots shared in {folder})")
+        stop.wait()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    except Exception as err:  # a replica failed to start: Serve's message says why
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        say(f"error: the fleet did not start: {lines[-1] if lines else type(err).__name__}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the stop finish
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: now
+        stop_fleet(own_ray=own_ray)
     say("stopped")
-    return 0
+    return code

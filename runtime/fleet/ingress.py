@@ -17,8 +17,12 @@ sends it. What a request names, in order:
   (the less loaded of two random replicas).
 
 Failure: a call whose replica dies before the reply began is retried once on another
-replica (the first is avoided); one that dies while streaming ends with an error event
-(an SSE stream) or a cut body, which the client sees as an error. ``/fleet/replicas``
+replica (the first is avoided); when that fails too the client gets one OpenAI-shaped
+error, ``503`` ``{"error": {"message", "type": "server_error", "code":
+"replica_unavailable"}}``, one sentence without Ray's traceback, process ids or addresses
+(those go to the fleet's log). One that dies while streaming ends with the same error as
+an SSE ``error`` event (an SSE stream) or a cut body, which the client sees as an error.
+``/fleet/replicas``
 lists the replicas, ``/fleet/stats`` gives the router's decision times, and ``/metrics``
 is every replica's, each sample labelled with its ``replica``.
 """
@@ -30,26 +34,35 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any
 
 import httpx
 import ray.exceptions
+from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from runtime.fleet import view
 from runtime.fleet.prompt import PromptTokens
-from runtime.fleet.replica import Call
+from runtime.fleet.replica import Call, ReplicaUnavailable
 
-__all__ = ["FleetIngress", "session_of", "merge_metrics"]
+__all__ = ["FleetIngress", "session_of", "merge_metrics", "replica_error", "failed_replica"]
 
 log = logging.getLogger("pie_ctx.fleet")
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')
 _MAX_SESSIONS = 200_000  # overrides kept (the oldest go first)
 _SCAN_BYTES = 4096  # how far into a reply response ids are looked for
+# What a call through the engines' handle raises when its replica fails.
+_REPLICA_ERRORS = (ray.exceptions.RayError, RayServeException, RuntimeError)
+_UNAVAILABLE = ("The fleet could not serve this request: its replica stopped and so did "
+                "the one it was retried on; retry in a few seconds, when Ray Serve has "
+                "replaced them.")
+_STOPPED = ("The fleet replica serving this request stopped while it replied; retry the "
+            "request, another replica takes it (a stored conversation continues there).")
 
 
 def _key_scope(headers: Any) -> str:
@@ -95,9 +108,17 @@ class FleetIngress:
                  prefix_routing: bool = True) -> None:
         self.engines = engines.options(method_name="handle", stream=True)
         self.sessions: OrderedDict[str, str] = OrderedDict()
-        self.prompts = PromptTokens.load(model) if prefix_routing else None
+        # The tokenizer loads beside the engines' boot, not before the front serves:
+        # until it is there, prompts without a session route as without prefix routing.
+        self.prompts: PromptTokens | None = None
+        if prefix_routing:
+            threading.Thread(target=self._load_prompts, args=(model,), daemon=True,
+                             name="pie-ctx-front-tokenizer").start()
         self.front_ms: deque[float] = deque(maxlen=100_000)
         self.retries = 0
+
+    def _load_prompts(self, model: str | None) -> None:
+        self.prompts = PromptTokens.load(model)
 
     # -- the table of overrides --------------------------------------------------------
 
@@ -140,15 +161,20 @@ class FleetIngress:
             stream = self.engines.remote(call)
             try:
                 head = await stream.__anext__()
-            except (ray.exceptions.RayError, RuntimeError) as err:
+            except _REPLICA_ERRORS as err:
+                failed = failed_replica(err) or call.get("prefer")
+                log.warning("replica %s failed before replying (%s)%s", failed or "?",
+                            _brief(err), "" if attempt else "; retrying on another")
                 if attempt:
-                    return _error(503, f"the fleet could not serve this request: {err}")
+                    return replica_error(503, _UNAVAILABLE)
                 self.retries += 1
                 # nothing was streamed: once more, avoiding the replica that failed
-                if call.get("prefer"):
-                    call["avoid"] = [call["prefer"]]
+                if failed:
+                    call["avoid"] = [failed]
+                if call.get("prefer") == failed:
                     call["prefer"] = None
-                await asyncio.sleep(0.5)
+                if not failed:  # let Serve notice which replica it was
+                    await asyncio.sleep(0.5)
                 continue
             break
         replica = head["replica"]
@@ -170,13 +196,11 @@ class FleetIngress:
                     for rid in _RESPONSE_ID.findall(seen):
                         self._remember(f"r:{rid.decode()}", replica)
                 yield chunk
-        except (ray.exceptions.RayError, RuntimeError) as err:
-            log.warning("replica %s failed mid-reply: %s", replica, err)
+        except _REPLICA_ERRORS as err:
+            log.warning("replica %s failed mid-reply (%s)", replica, _brief(err))
             if sse:
-                error = {"error": {"message": f"replica {replica} failed: {err}; retry the "
-                                              "request (its session continues elsewhere)",
-                                   "type": "server_error", "code": "replica_failed"}}
-                yield f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+                body = json.dumps(_error_body(_STOPPED))
+                yield f"event: error\ndata: {body}\n\n".encode()
 
     async def _metrics(self) -> Response:
         """Every replica's /metrics as one exposition, each sample labelled with its
@@ -235,6 +259,42 @@ def _quantiles(values: Any) -> dict[str, float]:
             "p99": data[min(len(data) - 1, int(len(data) * 0.99))]}
 
 
-def _error(status: int, message: str) -> Response:
-    return JSONResponse({"error": {"message": message, "type": "server_error",
-                                   "code": "fleet_unavailable"}}, status_code=status)
+def _error_body(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "server_error",
+                      "code": "replica_unavailable"}}
+
+
+def replica_error(status: int, message: str) -> Response:
+    """The client's answer when no replica could serve its request: one OpenAI-shaped
+    error (``code: replica_unavailable``)."""
+    return JSONResponse(_error_body(message), status_code=status)
+
+
+def failed_replica(err: BaseException) -> str | None:
+    """The id of the replica a handle call's error names: the one whose engine failed
+    (``ReplicaUnavailable``, through Ray's wrapping), or the one whose actor died (by its
+    actor id, from what replicas report); None when neither says."""
+    seen: BaseException | None = err
+    for _ in range(4):
+        if seen is None:
+            break
+        if isinstance(seen, ReplicaUnavailable):
+            return seen.replica
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    actor = getattr(err, "actor_id", None)
+    if actor:
+        for rid, info in view.VIEW.items():
+            if info.get("actor_id") == actor:
+                return rid
+    return None
+
+
+def _brief(err: BaseException) -> str:
+    """One line of an error for the fleet's log (Ray's messages carry a traceback)."""
+    seen: BaseException | None = err
+    for _ in range(4):
+        if isinstance(seen, ReplicaUnavailable):
+            return f"{seen.replica}: {seen.message}"
+        seen = getattr(seen, "cause", None) if seen is not None else None
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:300]

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,9 @@ KEYS = {
     "decoding.py": {"json_valid_fraction", "constrained_tok_s_ratio", "spec_identical"},
     "fleet.py": {"fleet_computed_vs_round_robin", "fleet_computed_vs_single",
                  "fleet_router_ms_p50", "fleet_router_ms_p99", "fleet_failover_s",
-                 "fleet_failover_recomputed_saved_tokens"},
+                 "fleet_failover_recomputed_saved_tokens", "fleet_start_vs_serve",
+                 "fleet_replace_s", "serve_start_s", "fleet_start_s",
+                 "fleet_temp_folders_left"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
     "kv_pages.py": {"kv_int8_decode_ratio", "kv_pages_ratio"},
     "lora.py": {"lora_same_over_base", "lora_mixed_over_base", "adapter_load_ms",
@@ -95,6 +98,12 @@ def smoke(name: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _fleet_temps() -> set[str]:
+    """The fleet's temporary folders in the temp folder (replicas', fleet.py's)."""
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir()
+            if p.name.startswith(("pie-ctx-replica-", "pie-ctx-fleet-bench-"))}
+
+
 def test_every_helper_is_still_there():
     """A helper that was renamed or removed would hide a benchmark from this file."""
     assert {p.name for p in BENCHMARKS.glob("*.py")} >= set(HELPERS)
@@ -102,7 +111,10 @@ def test_every_helper_is_still_there():
 
 @pytest.mark.parametrize("name", _benchmarks())
 def test_benchmark_smoke(name: str):
+    temps = _fleet_temps() if name in FLEET else set()
     result = smoke(name)
+    if name in FLEET:  # the replicas' folders and the benchmark's own are gone
+        assert _fleet_temps() <= temps, _fleet_temps() - temps
     if result.get("skipped"):  # an optional library is missing (vs_llamacpp.py)
         return
     assert KEYS.get(name, set()) <= result.keys(), sorted(result)
@@ -114,6 +126,8 @@ def test_benchmark_smoke(name: str):
     if name == "fleet.py":  # (figures of a smoke mean little; these hold at any size)
         assert result["fleet_failover_recomputed_saved_tokens"] == 0
         assert result["computed_session"] <= result["computed_round_robin"]
+        assert result["fleet_temp_folders_left"] == 0
+        assert result["fleet_start_s"] > 0 and result["fleet_replace_s"] > 0
 
 
 def check_agents(result: dict) -> None:

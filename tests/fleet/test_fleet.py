@@ -7,14 +7,20 @@ pages are (KV events); channels whose parties meet through the front; a snapshot
 one replica opened on the other with every page read from the folder and none computed;
 SIGKILL of a replica mid-generation (the stream fails with a clear error, the session
 answers again from the other replica, nothing saved is recomputed, Serve brings the
-replica back and it takes traffic).
+replica back and it takes traffic); SIGKILL of a replica's engine mid-stream (one
+OpenAI-shaped error, read by the ``openai`` client and by raw ``httpx``; the next call
+answered by the other replica; the engine's temporary folder gone). No replica's
+temporary folder is left when the fleet stops.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +32,8 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from runtime.fleet.app import FLEET_APP, build_app  # noqa: E402
+from runtime.fleet.app import build_app, start_fleet, stop_fleet  # noqa: E402
+from runtime.fleet.replica import TEMP_PREFIX  # noqa: E402
 from tests.sdk.harness import tiny_model_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,22 +81,24 @@ def _free_port() -> int:
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
     model = tiny_model_folder(tmp_path_factory.mktemp("model"))
     snaps = tmp_path_factory.mktemp("shared")
+    # The replicas' temporary folders go here (short: a Unix socket's path is limited).
+    temp_root = Path(tempfile.mkdtemp(prefix="pcf-"))
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
              log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT),
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TMPDIR": str(temp_root),
                                        "XDG_DATA_HOME": str(tmp_path_factory.mktemp("d"))}})
     port = _free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(["--model", str(model), "--page-size", "4", "--num-pages", "512"],
-                            snaps, replicas=2, max_ongoing_requests=8),
-                  name=FLEET_APP, route_prefix="/")
+        start_fleet(build_app(["--model", str(model), "--page-size", "4", "--num-pages", "512"],
+                              snaps, replicas=2, max_ongoing_requests=8), "127.0.0.1", port)
         f = Fleet(f"http://127.0.0.1:{port}", snaps)
         f.wait_replicas(2, timeout=60)
         yield f
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_fleet(own_ray=True)
+        left = [p.name for p in temp_root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+        shutil.rmtree(temp_root, ignore_errors=True)
+    assert left == [], f"replica temporary folders left after the fleet stopped: {left}"
 
 
 def test_the_openai_client_streams_through_the_front_and_metrics_name_replicas(fleet) -> None:
@@ -212,3 +221,56 @@ def test_sigkill_of_a_replica_mid_generation(fleet) -> None:
     for i in range(12):
         landed.add(fleet.chat(f"spread {i}", session=f"after-{i}")[0])
     assert len(landed) == 2, landed  # both replicas serve, the new one included
+
+
+def _assert_one_clean_error(error: dict, pids: list[int]) -> None:
+    """One OpenAI-shaped error: a code, one sentence, nothing of Ray's traceback."""
+    assert set(error) == {"message", "type", "code"}, error
+    assert error["code"] == "replica_unavailable" and error["type"] == "server_error"
+    message = error["message"]
+    assert message.endswith(".") and ". " not in message and "\n" not in message, message
+    for leak in ("\x1b", "Traceback", "ray::", "pid=", "127.0.0.1", "/", *map(str, pids)):
+        assert leak not in message, (leak, message)
+
+
+def test_an_engine_killed_mid_stream_gives_one_openai_error(fleet) -> None:
+    client = fleet.client()
+    victim, _ = fleet.chat("who serves me?", session="doomed")
+    info = fleet.replicas()[victim]
+    folder = Path(info["socket"]).parent
+    assert folder.is_dir()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    headers = {"x-session-id": "doomed"}
+    # Two streams on the victim: one through the openai client, one raw.
+    stream = client.chat.completions.create(
+        model=MODEL, messages=body["messages"], max_tokens=400, temperature=0, stream=True,
+        extra_headers=headers)
+    chunks = iter(stream)
+    next(chunks)
+    with httpx.Client(timeout=120) as raw:
+        with raw.stream("POST", fleet.url + "/v1/chat/completions", json=body,
+                        headers=headers) as reply:
+            assert reply.headers["x-pie-replica"] == victim
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(info["engine_pid"], signal.SIGKILL)
+            rest = list(lines)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in chunks:
+            pass
+    pids = [info["pid"], info["engine_pid"]]
+    _assert_one_clean_error(caught.value.body, pids)
+    assert caught.value.code == "replica_unavailable"
+    events = [ln for ln in rest if ln]
+    assert events[-2] == "event: error", events[-3:]
+    _assert_one_clean_error(json.loads(events[-1][len("data: "):])["error"], pids)
+    # The session's next call is answered by the other replica (retried there if it
+    # reached the victim first), and the engine's temporary folder is gone.
+    where, reply = fleet.chat("and now?", session="doomed")
+    assert where != victim and reply.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 10
+    while folder.exists():
+        assert time.monotonic() < deadline, f"{folder} outlived its engine"
+        time.sleep(0.1)
+    fleet.wait_replicas(2, timeout=240, without=victim)
