@@ -203,12 +203,20 @@ def _case(name: str) -> ArchCase:
         return ArchCase(name, "llama", spm, MISTRAL_TEMPLATE,
                         common | dict(rope_theta=1000000.0, tie_word_embeddings=False),
                         "LlamaForCausalLM")
-    if name == "phi3":  # fused qkv and gate_up, untied (Phi-3-mini-4k's shape)
+    if name == "phi3":  # fused qkv and gate_up, untied, no sliding window
         phi = sentencepiece_vocab(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"],
                                   "<s>", "<|end|>")
         return ArchCase(name, "phi3", phi, PHI3_TEMPLATE, common | dict(rope_theta=10000.0,
                                                      tie_word_embeddings=False),
                         "Phi3ForCausalLM", meta={"rope.scaling.original_context_length": 4096})
+    if name == "phi3-4k":  # Phi-3-mini-4k: a sliding window (2047 there, 8 here)
+        phi = sentencepiece_vocab(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"],
+                                  "<s>", "<|end|>")
+        return ArchCase(name, "phi3", phi, PHI3_TEMPLATE,
+                        common | dict(rope_theta=10000.0, tie_word_embeddings=False,
+                                      sliding_window=8), "Phi3ForCausalLM",
+                        meta={"rope.scaling.original_context_length": 4096,
+                              "attention.sliding_window": 8})
     if name in ("phi3.5", "phi4-mini"):  # LongRoPE; Phi-4-mini: 3/4 of each head rotated, tied
         rotary = 16 if name == "phi3.5" else 12
         short = np.linspace(1.0, 1.5, rotary // 2).round(3)
@@ -257,7 +265,7 @@ def _case(name: str) -> ArchCase:
 
 
 NATIVE_CASES = ("llama3.2", "llama3.1", "qwen2.5", "qwen3", "mistral", "phi3")
-TRANSFORMERS_CASES = ("gemma2", "gemma3", "gemma3-4b", "phi3.5", "phi4-mini")
+TRANSFORMERS_CASES = ("gemma2", "gemma3", "gemma3-4b", "phi3-4k", "phi3.5", "phi4-mini")
 
 
 def case(name: str) -> ArchCase:

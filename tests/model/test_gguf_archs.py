@@ -16,6 +16,7 @@ from pie_ctx.tools.formats import tool_format
 from runtime.boot import choose_backend, default_weights
 from runtime.kv.pool import PagePool, PoolShape
 from runtime.model.batch import SeqInput
+from runtime.model.config import ModelConfig
 from runtime.model.loader import load_blocks, load_model
 from runtime.model.runner import ModelRunner
 from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
@@ -109,7 +110,8 @@ def test_tool_format_and_chat_come_from_the_files_template(name: str, tmp_path: 
     assert "hello" in text
     control = {"llama3.2": "<|start_header_id|>", "llama3.1": "<|start_header_id|>",
                "qwen2.5": "<|im_start|>", "qwen3": "<|im_start|>", "mistral": "[INST]",
-               "phi3": "<|user|>", "phi3.5": "<|user|>", "phi4-mini": "<|user|>"}.get(
+               "phi3": "<|user|>", "phi3-4k": "<|user|>", "phi3.5": "<|user|>",
+               "phi4-mini": "<|user|>"}.get(
         name, "<start_of_turn>")
     assert control in text
     marker = tok.backend.token_to_id(control)
@@ -118,7 +120,7 @@ def test_tool_format_and_chat_come_from_the_files_template(name: str, tmp_path: 
 
 @pytest.mark.parametrize("name", TRANSFORMERS_CASES)
 def test_the_rest_runs_on_the_transformers_backend(name: str, tmp_path: Path) -> None:
-    """Gemma 2/3 and Phi-3.5/4-mini (LongRoPE, partial rotary) GGUFs: routed to the
+    """Gemma 2/3 and Phi-3 with a sliding window, LongRoPE or partial rotary GGUFs: routed to the
     transformers backend (the file dequantized), paged logits equal to transformers' forward
     of the model the file holds (its rope settings included)."""
     model, path = _write(name, tmp_path)
@@ -128,7 +130,7 @@ def test_the_rest_runs_on_the_transformers_backend(name: str, tmp_path: Path) ->
     pool = PagePool(PoolShape(8, PAGE, m.num_layers, m.num_kv_heads, m.head_dim))
     runner = TransformersRunner(m, pool.kv, PAGE)
     tokens = _tokens(20, m.vocab_size)
-    got = _paged(runner.forward, tokens, 13)  # past Gemma's window of 8
+    got = _paged(runner.forward, tokens, 13)  # past the windows of 8
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
@@ -147,3 +149,30 @@ def test_default_weights_read_blocks_only_where_pie_ctx_reads_the_file(tmp_path:
     assert default_weights("native", str(phi), "cpu", 1, progress=False) == "fp32"
     with pytest.raises(ModelError, match="--weights fp32 or int8"):
         load_blocks(load_model(phi, device="cpu", progress=False).path)
+
+
+def test_native_config_takes_mistral_and_phi3_only_without_what_it_lacks() -> None:
+    """Mistral and Phi-3 configs run native as Llamas; a sliding window shorter than the
+    context or partial rotary sends them to the transformers backend (ModelError here,
+    which boot's auto choice turns into that backend)."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "vocab_size": 300, "intermediate_size": 128,
+            "max_position_embeddings": 4096}
+    mistral = ModelConfig.from_hf_config(base | {"architectures": ["MistralForCausalLM"],
+                                                  "sliding_window": None})
+    assert mistral.arch == "llama" and not mistral.attention_bias
+    phi = ModelConfig.from_hf_config(base | {"architectures": ["Phi3ForCausalLM"],
+                                              "rope_parameters": {"rope_type": "default",
+                                                                  "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 1.0}})
+    assert phi.arch == "phi3" and phi.rope_scaling is None
+    with pytest.raises(ModelError, match="sliding window of 4096"):
+        ModelConfig.from_hf_config(base | {"architectures": ["MistralForCausalLM"],
+                                           "sliding_window": 4096,
+                                           "max_position_embeddings": 32768})
+    with pytest.raises(ModelError, match="sliding window of 2047"):
+        ModelConfig.from_hf_config(base | {"architectures": ["Phi3ForCausalLM"],
+                                           "sliding_window": 2047})
+    with pytest.raises(ModelError, match="partial rotary"):
+        ModelConfig.from_hf_config(base | {"architectures": ["Phi3ForCausalLM"],
+                                           "partial_rotary_factor": 0.75})

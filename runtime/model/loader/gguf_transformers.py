@@ -15,7 +15,7 @@ through transformers (``pip install 'pie-ctx[transformers]'``) instead:
   Phi-3 with plain RoPE runs native, the rest on the transformers backend.
 
 transformers' GGUF reader leaves out a few settings the file holds; :func:`config_fixes`
-writes them back into ``config.json`` (Phi-3's partial rotary and LongRoPE factors,
+writes them back into ``config.json`` (Phi-3's sliding window, partial rotary and LongRoPE factors,
 Gemma 2's soft-caps, Gemma 3's linear rope scaling), or the converted model would silently
 differ from the one llama.cpp runs from the same file.
 """
@@ -108,6 +108,8 @@ def config_fixes(meta: dict[str, Any], small: dict[str, np.ndarray],
                      "short_factor": small["rope_factors_short.weight"].tolist()}
             if key("rope.scaling.attn_factor") is not None:
                 rope["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        if key("attention.sliding_window"):  # Phi-3-mini-4k: 2047
+            out["sliding_window"] = int(key("attention.sliding_window"))
         if key("rope.scaling.original_context_length"):
             out["original_max_position_embeddings"] = int(
                 key("rope.scaling.original_context_length"))
