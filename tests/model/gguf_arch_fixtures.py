@@ -184,11 +184,13 @@ def _case(name: str) -> ArchCase:
     if name == "llama3.2":  # tied embeddings, llama3 rope scaling (factor 32)
         return ArchCase(name, "llama", llama3, LLAMA3_TEMPLATE,
                         common | dict(rope_theta=500000.0, tie_word_embeddings=True,
+                                      max_position_embeddings=131072,
                                       rope_scaling=_LLAMA3_SCALING), "LlamaForCausalLM",
                         rope_freqs=True)
     if name == "llama3.1":  # untied, factor 8
         return ArchCase(name, "llama", llama3, LLAMA3_TEMPLATE,
                         common | dict(rope_theta=500000.0, tie_word_embeddings=False,
+                                      max_position_embeddings=131072,
                                       rope_scaling=_LLAMA3_SCALING | {"factor": 8.0}),
                         "LlamaForCausalLM", rope_freqs=True)
     if name == "qwen2.5":  # q/k/v bias, tied (the small ones)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pie_ctx import Context, Runtime, Sampler
 from pie_ctx.proto.errors import ModelError
 from pie_ctx.tools.formats import tool_format
 from runtime.boot import choose_backend, default_weights
@@ -176,3 +177,19 @@ def test_native_config_takes_mistral_and_phi3_only_without_what_it_lacks() -> No
     with pytest.raises(ModelError, match="partial rotary"):
         ModelConfig.from_hf_config(base | {"architectures": ["Phi3ForCausalLM"],
                                            "partial_rotary_factor": 0.75})
+
+
+@pytest.mark.parametrize(("name", "backend", "weights"), [
+    ("llama3.2", "native", "gguf"), ("qwen3", "native", "gguf"), ("mistral", "native", "gguf"),
+    ("phi3", "native", "fp32"), ("gemma2", "transformers", "fp32"),
+    ("phi4-mini", "transformers", "fp32")])
+async def test_each_file_runs_with_default_options(name: str, backend: str, weights: str,
+                                                   tmp_path: Path) -> None:
+    """``run``'s defaults (``weights="auto"``, backend auto) on each file: the runner and
+    weights chosen, a chat turn rendered by the file's template and generated from."""
+    _, path = _write(name, tmp_path)
+    async with Runtime.local(str(path), weights="auto", page_size=PAGE, num_pages=96) as rt:
+        assert (rt.info.backend, rt.info.weights) == (backend, weights)
+        ctx = Context(rt).user("hello").cue()
+        tokens = await ctx.generate(Sampler.greedy(), max_tokens=6, ignore_eos=True).tokens()
+        assert len(tokens) == 6 and all(0 <= t < len(case(name).vocab.tokens) for t in tokens)
