@@ -29,7 +29,7 @@ from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig
 from runtime.model.loader import (
-    gguf_source,
+    gguf_blocks_source,
     load_blocks,
     load_model,
     resolve_device,
@@ -49,12 +49,13 @@ BACKENDS = ("native", "transformers", "auto")
 def default_weights(kind: str, model: str | None, device: Any, tp: int, *,
                     progress: bool = True) -> str:
     """What ``weights="auto"`` (``run`` and ``serve``'s default) means for this engine:
-    ``"gguf"`` for a model read from a GGUF on the native backend, on CPU, on one rank (the
+    ``"gguf"`` for a model pie-ctx read from a GGUF (Llama, Qwen2, Qwen3: whose blocks it
+    computes on) on the native backend, on CPU, on one rank (the
     file's own weights, and the fastest on CPU: docs/performance.md), else ``"fp32"``."""
     if kind != "native" or tp != 1 or resolve_device(device).type != "cpu":
         return "fp32"
     _, folder = resolve_model(model, progress=progress)
-    return "gguf" if gguf_source(folder) is not None else "fp32"
+    return "gguf" if gguf_blocks_source(folder) is not None else "fp32"
 
 
 def default_kv_dtype(weights: str) -> str:

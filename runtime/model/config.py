@@ -6,7 +6,9 @@ never changes after load. Loaders (HF folders, GGUF) build one with
 equivalent dict synthesised from GGUF metadata.
 
 Supported architectures: Llama (Llama 2/3, SmolLM2; rope scaling ``llama3`` and
-``linear``), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit ``head_dim``). Both the
+``linear``), Mistral without a sliding window (a Llama), Phi-3 with plain RoPE over the
+whole head (a Llama whose checkpoint fuses q/k/v and gate/up: Phi-3-mini-4k and
+Phi-3-medium-4k), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit ``head_dim``). Both the
 transformers 4 layout (``rope_theta`` + ``rope_scaling``) and the transformers 5 layout
 (``rope_parameters``) are accepted. Anything else raises :class:`ModelError`.
 """
@@ -20,15 +22,18 @@ from pie_ctx.proto.errors import ModelError
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 
-Arch = Literal["llama", "qwen2", "qwen3"]
+Arch = Literal["llama", "qwen2", "qwen3", "phi3"]
 
 # HF `architectures` entry -> our arch name. model_type is the fallback key.
 SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # without a sliding window (checked below)
+    "Phi3ForCausalLM": "phi3",  # plain RoPE over the whole head (checked below)
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_MODEL_TYPES: dict[str, Arch] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES: dict[str, Arch] = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
+                                 "qwen2": "qwen2", "qwen3": "qwen3"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -110,6 +115,11 @@ class ModelConfig:
             raise ModelError("model config: mlp_bias=true is unsupported")
         if arch == "qwen2" and d.get("use_sliding_window"):
             raise ModelError("model config: Qwen2 sliding-window attention is unsupported")
+        window = d.get("sliding_window")
+        if arch in ("llama", "phi3") and window and int(window) < int(
+                d.get("max_position_embeddings", 2048)):
+            raise ModelError(f"model config: a sliding window of {window} tokens is unsupported "
+                             "by the native runner (the transformers backend runs it)")
         rope_theta, rope_scaling = _rope_from_hf(d)
         if arch == "qwen2":
             attention_bias = True  # Qwen2 always has q/k/v bias and no config flag for it
@@ -165,6 +175,11 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(d.get("rope_scaling") or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    partial = scaling.pop("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:
+        raise ModelError(f"model config: partial rotary embeddings (partial_rotary_factor="
+                         f"{partial}) are unsupported by the native runner (the transformers "
+                         "backend runs them)")
     if rope_type not in _ROPE_TYPES:
         raise ModelError(
             f"model config: rope scaling type {rope_type!r} is unsupported; "

@@ -17,6 +17,7 @@ the converted folder is loaded (float32 on CPU, bfloat16 on CUDA, unless ``dtype
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,14 @@ from ..config import ModelConfig
 from . import cache
 from .convert import ensure_converted, gguf_cache_name
 from .default import DEFAULT_NAME, default_gguf_path, ensure_default
+from .gguf_file import SUPPORTED_GGUF_ARCHS
 from .hf import load_tokenizer, load_weights, read_config
 
 __all__ = [
     "LoadedModel", "CachedModel", "load_model", "resolve_model", "resolve_device",
     "resolve_dtype", "list_cached_models",
     "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
-    "load_blocks", "gguf_source",
+    "load_blocks", "gguf_source", "gguf_blocks_source", "split_fused",
 ]
 
 # Short names -> cache entry of a model pie-ctx knows how to fetch.
@@ -153,7 +155,7 @@ def load_model(
     name, folder = resolve_model(ref, progress=progress)
     config_dict = read_config(folder)
     config = ModelConfig.from_hf_config(config_dict)
-    weights = load_weights(folder, dt, dev)
+    weights = split_fused(load_weights(folder, dt, dev), config)
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelError(f"model {folder} has no model.embed_tokens.weight; is it a causal LM?")
@@ -164,6 +166,35 @@ def load_model(
     tokenizer = load_tokenizer(folder, config_dict)
     return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
                        tokenizer=tokenizer, path=folder)
+
+
+_FUSED = re.compile(r"^(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+
+
+def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """``weights`` with a checkpoint's fused projections (Phi-3's ``self_attn.qkv_proj``,
+    rows ``[q; k; v]``, and ``mlp.gate_up_proj``, rows ``[gate; up]``) split into the
+    separate HF names every other part of the runner reads (layers fuse them again, tensor
+    parallelism shards them, adapters name them)."""
+    c = config
+    sizes = {"self_attn.qkv_proj": (("self_attn.q_proj", c.num_heads * c.head_dim),
+                                    ("self_attn.k_proj", c.num_kv_heads * c.head_dim),
+                                    ("self_attn.v_proj", c.num_kv_heads * c.head_dim)),
+             "mlp.gate_up_proj": (("mlp.gate_proj", c.intermediate_size),
+                                  ("mlp.up_proj", c.intermediate_size))}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        m = _FUSED.match(name)
+        if m is None:
+            out[name] = tensor
+            continue
+        parts = sizes[m.group(2)]
+        if tensor.shape[0] != sum(n for _, n in parts):
+            raise ModelError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, "
+                             f"expected {sum(n for _, n in parts)}")
+        for (part, _), piece in zip(parts, tensor.split([n for _, n in parts]), strict=True):
+            out[f"{m.group(1)}.{part}.{m.group(3)}"] = piece.contiguous()
+    return out
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -184,18 +215,40 @@ def gguf_source(folder: Path) -> Path | None:
     return path
 
 
+def gguf_blocks_source(folder: Path) -> Path | None:
+    """The GGUF whose blocks ``weights="gguf"`` reads for ``folder``: its source when
+    pie-ctx's own reader converted it (Llama, Qwen2, Qwen3); None for an HF folder, and for
+    a GGUF transformers converted (``.gguf_transformers``: it runs on its dequantized
+    weights).
+
+    Raises:
+        ModelError: the folder was converted from a GGUF that is no longer there.
+    """
+    path = gguf_source(folder)
+    if path is None:
+        return None
+    arch = (read_config(folder).get("architectures") or [""])[0]
+    return path if arch in {hf for hf, _ in SUPPORTED_GGUF_ARCHS.values()} else None
+
+
 def load_blocks(folder: Path) -> dict[str, Any] | None:
     """The block-format matrices of the GGUF ``folder`` was converted from, by HF name
     (``runtime.model.blocks.BlockWeight``), or None for an HF folder.
 
     Raises:
-        ModelError: the GGUF is gone, or uses a block format weights='gguf' does not run.
+        ModelError: the GGUF is gone, was converted by transformers (its blocks are not
+            read), or uses a block format weights='gguf' does not run.
     """
     from .gguf_file import GGUFModel
 
     path = gguf_source(folder)
     if path is None:
         return None
+    if gguf_blocks_source(folder) is None:
+        arch = (read_config(folder).get("architectures") or ["?"])[0]
+        raise ModelError(f"weights='gguf' computes on the blocks of Llama, Qwen2 and Qwen3 GGUFs; "
+                         f"{path.name} ({arch}) runs on its dequantized weights: use --weights "
+                         "fp32 or int8")
     return dict(GGUFModel(path).iter_blocks())
 
 

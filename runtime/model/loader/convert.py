@@ -21,8 +21,9 @@ import numpy as np
 from pie_ctx.proto.errors import ModelError
 
 from . import cache
-from .gguf_file import GGUFModel
+from .gguf_file import SUPPORTED_GGUF_ARCHS, GGUFModel
 from .gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer
+from .gguf_transformers import convert_with_transformers, read_gguf_header, transformers_tokenizer
 
 __all__ = ["CONVERTER_VERSION", "convert_gguf", "gguf_cache_name", "ensure_converted"]
 
@@ -52,15 +53,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     Returns:
         ``out_dir``.
 
+    An architecture this module does not read (Gemma, Phi-3...) is converted by
+    transformers instead (:mod:`.gguf_transformers`), and so is a sentencepiece vocabulary.
+
     Raises:
         ModelError: the GGUF is unreadable or describes an unsupported model or tokenizer.
     """
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
+    if read_gguf_header(gguf_path)[0].get("general.architecture") not in SUPPORTED_GGUF_ARCHS:
+        return convert_with_transformers(gguf_path, out_dir)
     model = GGUFModel(gguf_path)
     spec = GGUFTokenizerSpec.from_metadata(model.metadata)
-    tokenizer = build_gguf_tokenizer(spec)
+    tokenizer = (build_gguf_tokenizer(spec) if spec.model == "gpt2"
+                 else transformers_tokenizer(gguf_path))
 
     tensors: dict[str, np.ndarray] = {}
     bar = tqdm(total=model.num_tensors, desc=f"converting {gguf_path.name}", unit="tensor",
