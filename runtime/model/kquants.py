@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from pie_ctx.proto.errors import ModelError
-from runtime.model import kernels
+from runtime.model import blocks, kernels
 
-__all__ = ["ISAS", "KQUANT_FORMATS", "QK_K", "KQuantPart", "KQuantWeight", "round_q8k"]
+__all__ = ["ISAS", "KQUANT_FORMATS", "QK_K", "KQuantPart", "KQuantWeight", "built_isas",
+           "int8_activations", "round_q8k"]
 
 QK_K = 256  # weights a super-block
 # format -> (ggml type id: kquant_mm.cpp's ``kind``, bytes a super-block)
@@ -193,6 +194,12 @@ class KQuantWeight:
         for p, lo, hi in self._spans():
             ops.kquant_mm_q8_out(x, p.raw, p.code, out[:, lo:hi], code)
         return out
+
+
+def int8_activations() -> bool:
+    """Whether ``kquant_q8`` may run here: not turned off by ``PIE_CTX_BLOCKS_Q8=0`` (the
+    switch of every int8-activation block kernel), and the K-quant kernels built."""
+    return blocks.INT8_ACTIVATIONS and kernels.kquant_ops() is not None
 
 
 def built_isas() -> list[str]:
