@@ -62,18 +62,26 @@ inline float half(const uint8_t* p) {
   return static_cast<float>(h);
 }
 
-// The eight 6-bit scales (sc) and mins (m) of a Q4_K / Q5_K super-block's 12 bytes.
-inline void scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block's 12 bytes, one a byte of
+// ``sc`` and ``m`` (in registers: a vector path widens them without a trip through memory).
+inline void scales_mins64(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, s, 4);
+  std::memcpy(&u1, s + 4, 4);
+  std::memcpy(&u2, s + 8, 4);
   constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_lo = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_lo;
-  u[0] &= k1;
-  std::memcpy(sc, u, 8);
-  std::memcpy(m, u + 2, 8);
+  const uint32_t m_hi = ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4);
+  const uint32_t m_lo = u1 & k1;
+  const uint32_t sc_hi = (u2 & k2) | (((u0 >> 6) & k3) << 4);
+  sc = (u0 & k1) | (uint64_t{sc_hi} << 32);
+  m = m_lo | (uint64_t{m_hi} << 32);
+}
+
+inline void scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint64_t a, b;
+  scales_mins64(s, a, b);
+  std::memcpy(sc, &a, 8);
+  std::memcpy(m, &b, 8);
 }
 
 // ----------------------------------------------------------------- exact dequantization
@@ -87,12 +95,19 @@ void dequant(int64_t kind, const uint8_t* b, float* y) {
     for (int h = 0; h < 2; ++h) {
       float ds[8];
       for (int i = 0; i < 8; ++i) ds[i] = d * static_cast<float>(sc[8 * h + i]);
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lo = ql[64 * h + l + 32 * (k & 1)];
-          const int q = ((k < 2 ? lo & 15 : lo >> 4) | (((qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
-          y[128 * h + 32 * k + l] = ds[2 * k + l / 16] * static_cast<float>(q);
+      for (int k = 0; k < 4; ++k) {  // (loops the compiler vectorises: one scale, one shift)
+        const int shift = k < 2 ? 0 : 4;
+        for (int half = 0; half < 2; ++half) {
+          const float scale = ds[2 * k + half];
+          const uint8_t* lo = ql + 64 * h + 32 * (k & 1) + 16 * half;
+          const uint8_t* hi = qh + 32 * h + 16 * half;
+          float* out = y + 128 * h + 32 * k + 16 * half;
+          for (int l = 0; l < 16; ++l) {
+            const int q = (((lo[l] >> shift) & 15) | (((hi[l] >> (2 * k)) & 3) << 4)) - 32;
+            out[l] = scale * static_cast<float>(q);
+          }
         }
+      }
     }
     return;
   }
@@ -210,14 +225,14 @@ void quantize_q8k(const float* x, int64_t nb, int8_t* q, float* d, int16_t* bsum
   for (int64_t i = 0; i < nb; ++i) {
     const float* xb = x + i * QK;
     int8_t* qb = q + i * QK;
-    float amax = 0.f, mx = 0.f;
-    for (int j = 0; j < QK; ++j) {
-      const float ax = std::fabs(xb[j]);
-      if (ax > amax) {
-        amax = ax;
+    float amax = 0.f;  // (a max the compiler vectorises, then its first position)
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    float mx = 0.f;
+    for (int j = 0; j < QK; ++j)
+      if (std::fabs(xb[j]) == amax) {
         mx = xb[j];
+        break;
       }
-    }
     if (amax == 0.f) {
       d[i] = 0.f;
       std::memset(qb, 0, QK);
@@ -379,11 +394,11 @@ struct Spread {
 inline void load_q45(int64_t kind, const uint8_t* blk, const Spread& sp, Block512& o) {
   o.d = half(blk);
   o.dmin = half(blk + 2);
-  uint8_t sm[16];
-  scales_mins(blk + 4, sm, sm + 8);
-  const __m128i both = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm)));
-  o.mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
-  const __m512i sc = _mm512_castsi128_si512(both);
+  uint64_t sc8, m8;
+  scales_mins64(blk + 4, sc8, m8);
+  o.mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m8)));
+  const __m512i sc = _mm512_castsi128_si512(
+      _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
   static constexpr int pairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
   for (int v = 0; v < 4; ++v) o.s[v] = _mm512_permutexvar_epi16(sp.q45[v], sc);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -427,7 +442,8 @@ inline void load_q6(const uint8_t* blk, const Spread& sp, Block512& o) {
 }
 
 template <int R>
-void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os) {
+void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
+              const Spread& sp) {
   const int64_t nb = a.nb, bb = block_bytes(kind);
   __m512 acc[R];
   __m128 accm[R];
@@ -435,7 +451,6 @@ void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* 
     acc[r] = _mm512_setzero_ps();
     accm[r] = _mm_setzero_ps();
   }
-  const Spread sp;
   Block512 blk;
   for (int64_t b = 0; b < nb; ++b) {
     if (kind == Q6_K) load_q6(w + b * bb, sp, blk);
@@ -443,10 +458,12 @@ void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* 
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* aq = a.q.data() + row * a.K + b * QK;
-      __m512i isum = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v)
-        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(blk.q[v], _mm512_loadu_si512(aq + 64 * v)),
-                                   blk.s[v]);
+      // two chains of int32 sums (exact: any order gives the same integers), half the latency
+      __m512i p[4];
+      for (int v = 0; v < 4; ++v) p[v] = _mm512_maddubs_epi16(blk.q[v], _mm512_loadu_si512(aq + 64 * v));
+      __m512i isum = _mm512_add_epi32(
+          _mm512_dpwssd_epi32(_mm512_madd_epi16(p[0], blk.s[0]), p[2], blk.s[2]),
+          _mm512_dpwssd_epi32(_mm512_madd_epi16(p[1], blk.s[1]), p[3], blk.s[3]));
       const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
       const float da = a.d[row * nb + b];
       if (kind == Q6_K) {  // (q - 32): less 32 * the scaled sums of 16
@@ -510,9 +527,9 @@ void tile_avx2(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float*
     } else {
       dw = half(blk);
       dmin = half(blk + 2);
-      uint8_t sm[16];
-      scales_mins(blk + 4, sm, sm + 8);
-      mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
+      uint64_t sc8, m8;
+      scales_mins64(blk + 4, sc8, m8);
+      mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m8)));
       const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
       const __m256i qh = kind == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
                                       : _mm256_setzero_si256();
@@ -523,7 +540,7 @@ void tile_avx2(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float*
           n = _mm256_or_si256(n, _mm256_and_si256(
               _mm256_slli_epi64(_mm256_srl_epi64(qh, _mm_cvtsi32_si128(sb)), 4), _mm256_set1_epi8(0x10)));
         q[sb] = n;
-        s[sb] = _mm256_set1_epi16(static_cast<int16_t>(sm[sb]));
+        s[sb] = _mm256_set1_epi16(static_cast<int16_t>((sc8 >> (8 * sb)) & 0xFF));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -567,11 +584,15 @@ bool has_isa(int64_t isa) {
   return false;
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+struct Spread {};
+#endif
+
 template <int R>
 void tile(int64_t isa, int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out,
-          int64_t os) {
+          int64_t os, const Spread& sp) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (isa == AVX512) return tile_512<R>(kind, w, a, r0, out, os);
+  if (isa == AVX512) return tile_512<R>(kind, w, a, r0, out, os, sp);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa == AVX2) return tile_avx2<R>(kind, w, a, r0, out, os);
@@ -625,10 +646,11 @@ void kquant_mm_q8_out(torch::Tensor x, torch::Tensor raw, int64_t kind, torch::T
   const int64_t ws = raw.stride(0), os = out.stride(0);
   // threads split the output columns; a few activation rows share each pass over a row
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    const Spread sp;
     for (int64_t n = begin; n < end; ++n) {
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tile<4>(isa, kind, w + n * ws, a, r, op + r * os + n, os);
-      for (; r < M; ++r) tile<1>(isa, kind, w + n * ws, a, r, op + r * os + n, os);
+      for (; r + 4 <= M; r += 4) tile<4>(isa, kind, w + n * ws, a, r, op + r * os + n, os, sp);
+      for (; r < M; ++r) tile<1>(isa, kind, w + n * ws, a, r, op + r * os + n, os, sp);
     }
   });
 }
