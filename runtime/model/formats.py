@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Union
 
 import numpy as np
 
@@ -30,7 +29,7 @@ __all__ = ["FAMILIES", "KERNELS", "GGUFWeight", "cat_weights", "family_of", "not
 
 log = logging.getLogger(__name__)
 
-GGUFWeight = Union[BlockWeight, KQuantWeight]
+GGUFWeight = BlockWeight | KQuantWeight
 # family -> its kernels: (exact, on int8 activations)
 KERNELS: dict[str, tuple[str, str]] = {"legacy": ("blocks", "blocks_q8"),
                                        "kquant": ("kquant", "kquant_q8")}

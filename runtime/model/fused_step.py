@@ -71,6 +71,7 @@ from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
+from runtime.model.kquants import KQuantWeight
 from runtime.model.matmul import CHUNK_ROWS, STEP_KINDS, Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
@@ -128,6 +129,10 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
             return (kind, p._layouts[name], w.scale, b, None, 0)
         if name == "fbgemm" and name in p._layouts:  # bias inside the prepacked weight
             return (kind, _NONE, _NONE, None, p._layouts[name], 0)
+    if isinstance(w, KQuantWeight) and kernels.kquant_ops() is not None:  # its op registered
+        raws = [p.raw for p in w.parts]
+        kinds = torch.tensor([p.code for p in w.parts], dtype=torch.int64)
+        return (kind, _NONE, kinds, bias, raws, int(name == "kquant_q8"))
     if isinstance(w, BlockWeight):
         if name == "blocks" and kernels.block_ops() is not None:  # its op registered
             return (kind, w.qs, w.d, bias, w.m, w.bits)

@@ -78,8 +78,8 @@ import torch.nn.functional as F
 
 from pie_ctx.proto.errors import ModelError
 from runtime.model import blocks as blocks_module
-from runtime.model import kquants as kquants_module
 from runtime.model import kernels, machine_cache
+from runtime.model import kquants as kquants_module
 from runtime.model.blocks import (
     BlockWeight,
     Int4Weight,
@@ -116,7 +116,7 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 # decode_step.cpp's Kind number; a deterministic choice takes its decode buckets from a
 # class of these when there is one (a new kernel with a C++ form joins here).
 STEP_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
-              "int4pack": 5, "blocks": 6, "blocks_q8": 7}
+              "int4pack": 5, "blocks": 6, "blocks_q8": 7, "kquant": 8, "kquant_q8": 8}
 
 
 def has_step_form(name: str) -> bool:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from runtime.model import kernels
 from runtime.model.adapters.delta import LoraBatch
 from runtime.model.blocks import BlockWeight
-from runtime.model.kquants import KQuantWeight
 from runtime.model.config import ModelConfig
+from runtime.model.kquants import KQuantWeight
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from loader_fixtures import CHAT_TEMPLATE, tiny_spec, tiny_tokens
+from loader_fixtures import add_tiny_tokenizer, tiny_tokens
 
 # bytes a super-block and where its float16 scales sit
 LAYOUT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)),
@@ -53,7 +53,6 @@ def write_kquant_gguf(path: Path, formats: dict[str, str] | None = None, seed: i
     K-quant formats of ``formats`` (llama.cpp tensor stem -> format; default
     :data:`Q4_K_M`; ``"blk.1.ffn_up"`` style keys name one layer's tensor), norms F32."""
     formats = formats or Q4_K_M
-    spec = tiny_spec()
     vocab = len(tiny_tokens())
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in (("context_length", 256), ("embedding_length", HIDDEN),
@@ -62,16 +61,7 @@ def write_kquant_gguf(path: Path, formats: dict[str, str] | None = None, seed: i
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.rope.freq_base", 50000.0)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "smollm")
-    w.add_array("tokenizer.ggml.tokens", spec.tokens)
-    w.add_array("tokenizer.ggml.token_type", spec.token_types)
-    w.add_array("tokenizer.ggml.merges", spec.merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 2)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    add_tiny_tokenizer(w)
     rng = np.random.default_rng(seed)
     shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),

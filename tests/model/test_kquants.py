@@ -19,7 +19,7 @@ from kquant_fixtures import Q4_K_M, dequantized, random_blocks, write_kquant_ggu
 
 from runtime.cli import main as cli_main
 from runtime.model import blocks as blocks_mod
-from runtime.model import kernels
+from runtime.model import fused_step, kernels
 from runtime.model.blocks import BLOCK_FORMATS, BlockWeight
 from runtime.model.formats import FAMILIES, cat_weights, family_of, weight_from_gguf
 from runtime.model.kquants import KQUANT_FORMATS, KQuantWeight, built_isas, round_q8k
@@ -208,6 +208,38 @@ def test_a_q4_k_m_model_runs_on_its_super_blocks(tmp_path: Path, q8: bool,
         got = _forward(ours, ids)
         assert 0 < (got - want).abs().max().item() <= 2e-2 * scale
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("kernel", ["kquant", "kquant_q8"])
+def test_the_fused_decode_step_gives_the_eager_steps_bits(tmp_path: Path, kernel: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    monkeypatch.setattr(fused_step, "ENABLED", True)
+    if kernels.ops() is None or kernels.kquant_ops() is None:
+        pytest.skip("the CPU kernels did not build here (no compiler?)")
+    path = write_kquant_gguf(tmp_path / "tiny.gguf")
+    loaded = load_model(path, device="cpu", progress=False)
+    blocks = load_blocks(loaded.path)
+    c = loaded.config
+
+    def make() -> ModelRunner:
+        runner = ModelRunner(c, loaded.weights, _pool(c), 16, weight_format="gguf",
+                             blocks=blocks)
+        for p in runner.model.projections():
+            p.use([kernel] * p.buckets)
+        return runner
+
+    fused, eager = make(), make()
+    eager._step = False  # never fused
+    ids = [3, 7, 1, 9, 4, 4, 12, 5]
+    pages = list(range(fused.num_pages))
+    logits = [r.forward([SeqInput(ids, list(range(8)), pages, 0, [7])]) for r in (fused, eager)]
+    assert torch.equal(logits[0], logits[1])
+    for pos, token in ((8, 5), (9, 11), (10, 2)):
+        logits = [r.forward([SeqInput([token], [pos], pages, pos, [0])]) for r in (fused, eager)]
+        assert torch.equal(logits[0], logits[1])
+    # (the 8-token prompt is a step too: MAX_ROWS)
+    assert isinstance(fused._step, fused_step.FusedStep) and fused._step.steps == 4
 
 
 def test_a_k_quant_file_runs_with_default_options(tmp_path: Path) -> None:

@@ -662,7 +662,36 @@ torch::Tensor kquant_mm_q8(torch::Tensor x, torch::Tensor raw, int64_t kind, int
   return out;
 }
 
+// x @ W.T for W the parts raws[i] (kinds[i], int64 [P]) stacked along the output rows: the
+// exact kernel (q8 false) or kquant_mm_q8's best path (q8 true); KQuantWeight.matmul and
+// matmul_q8 in one call, for the fused decode step (decode_step.cpp).
+torch::Tensor kquant_mm_parts(torch::Tensor x, std::vector<torch::Tensor> raws,
+                              torch::Tensor kinds, bool q8) {
+  TORCH_CHECK(x.dim() == 2 && kinds.scalar_type() == torch::kInt64 &&
+              kinds.numel() == static_cast<int64_t>(raws.size()), "kquant_mm_parts: sizes");
+  int64_t n = 0;
+  for (const auto& r : raws) n += r.size(0);
+  auto out = torch::empty({x.size(0), n}, x.options());
+  const auto* kp = kinds.data_ptr<int64_t>();
+  int64_t at = 0;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    auto part = out.narrow(1, at, raws[i].size(0));
+    if (q8) kquant_mm_q8_out(x, raws[i], kp[i], part, -1);
+    else kquant_mm_out(x, raws[i], kp[i], part);
+    at += raws[i].size(0);
+  }
+  return out;
+}
+
+// A dispatcher op too, for the fused decode step in the cpu_ops extension:
+// c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_kquants::kquant_mm_parts", "").
+TORCH_LIBRARY(pie_ctx_kquants, m) {
+  m.def("kquant_mm_parts(Tensor x, Tensor[] raws, Tensor kinds, bool q8) -> Tensor",
+        &kquant_mm_parts);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kquant_mm_parts", &kquant_mm_parts, "x @ W.T over a fused K-quant weight's parts");
   m.def("kquant_rows", &kquant_rows, "rows of a K-quant weight, dequantized to float32");
   m.def("kquant_mm", &kquant_mm, "x @ W.T for W in K-quant super-blocks (exact weights)");
   m.def("kquant_mm_out", &kquant_mm_out, "kquant_mm into out (rows may be strided)");
