@@ -130,9 +130,7 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
         if name == "fbgemm" and name in p._layouts:  # bias inside the prepacked weight
             return (kind, _NONE, _NONE, None, p._layouts[name], 0)
     if isinstance(w, KQuantWeight) and kernels.kquant_ops() is not None:  # its op registered
-        raws = [p.raw for p in w.parts]
-        kinds = torch.tensor([p.code for p in w.parts], dtype=torch.int64)
-        return (kind, _NONE, kinds, bias, raws, int(name == "kquant_q8"))
+        return (kind, _NONE, w.codes, bias, [p.raw for p in w.parts], int(name == "kquant_q8"))
     if isinstance(w, BlockWeight):
         if name == "blocks" and kernels.block_ops() is not None:  # its op registered
             return (kind, w.qs, w.d, bias, w.m, w.bits)

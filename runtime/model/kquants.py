@@ -40,7 +40,7 @@ QK_K = 256  # weights a super-block
 # format -> (ggml type id: kquant_mm.cpp's ``kind``, bytes a super-block)
 KQUANT_FORMATS: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 176),
                                               "Q6_K": (14, 210)}
-# kquant_mm_q8's code paths, by name -> its ``isa`` argument
+# the q8_K product's code paths, by name -> kquant_mm_parts' ``isa`` argument
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 
 
@@ -88,12 +88,21 @@ class KQuantWeight:
         parts: the stored matrices, top to bottom (one, or a fused projection's).
         out_features, in_features: the shape (``in_features`` a multiple of 256).
         source: the formats, ``"Q4_K"`` or ``"Q4_K+Q6_K"``.
+        codes: int64 [parts]: each part's kind, as the kernels take it.
     """
 
     parts: tuple[KQuantPart, ...]
     out_features: int
     in_features: int
     source: str
+    codes: torch.Tensor
+
+    @classmethod
+    def of(cls, parts: tuple[KQuantPart, ...], in_features: int) -> KQuantWeight:
+        """The weight of ``parts`` stacked (each ``in_features`` wide)."""
+        return cls(parts, sum(p.rows for p in parts), in_features,
+                   "+".join(sorted({p.kind for p in parts})),
+                   torch.tensor([p.code for p in parts], dtype=torch.int64))
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray | torch.Tensor, kind: str,
@@ -112,8 +121,7 @@ class KQuantWeight:
         if in_f % QK_K or raw.size != out_f * row_bytes or raw.dtype != np.uint8:
             raise ModelError(f"GGUF {kind} tensor of shape {shape} has {raw.size} bytes; the "
                              "file is corrupt")
-        t = _as_tensor(raw).reshape(out_f, row_bytes)
-        return cls((KQuantPart(kind, t),), out_f, in_f, kind)
+        return cls.of((KQuantPart(kind, _as_tensor(raw).reshape(out_f, row_bytes)),), in_f)
 
     @staticmethod
     def cat(parts: list[KQuantWeight]) -> KQuantWeight | None:
@@ -121,9 +129,7 @@ class KQuantWeight:
         its bytes and format), or None when their input sizes differ."""
         if len({p.in_features for p in parts}) != 1:
             return None
-        stored = tuple(q for p in parts for q in p.parts)
-        return KQuantWeight(stored, sum(p.out_features for p in parts), parts[0].in_features,
-                            "+".join(sorted({q.kind for q in stored})))
+        return KQuantWeight.of(tuple(q for p in parts for q in p.parts), parts[0].in_features)
 
     def take_rows(self, index: torch.Tensor) -> KQuantWeight:
         """The weight of output rows ``index`` (a copy of those rows' bytes: Q/K row
@@ -132,8 +138,7 @@ class KQuantWeight:
             raise RuntimeError("take_rows of a fused K-quant weight")
         part = self.parts[0]
         raw = part.raw[index.to(torch.int64)].contiguous()
-        return KQuantWeight((KQuantPart(part.kind, raw),), int(index.numel()),
-                            self.in_features, self.source)
+        return KQuantWeight.of((KQuantPart(part.kind, raw),), self.in_features)
 
     # ------------------------------------------------------------------ reading
 
@@ -174,12 +179,7 @@ class KQuantWeight:
         if ops is None or x.device.type != "cpu":
             return torch.nn.functional.linear(x, self.dequantize().to(x.device))
         x = x if x.stride(-1) == 1 else x.contiguous()
-        if len(self.parts) == 1:
-            return ops.kquant_mm(x, self.parts[0].raw, self.parts[0].code)
-        out = x.new_empty(x.shape[0], self.out_features)
-        for p, lo, hi in self._spans():
-            ops.kquant_mm_out(x, p.raw, p.code, out[:, lo:hi])
-        return out
+        return ops.kquant_mm_parts(x, [p.raw for p in self.parts], self.codes, False, -1)
 
     def matmul_q8(self, x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
         """float32 ``x`` [M, in] @ W.T -> [M, out] on ``x`` rounded to ``q8_K``
@@ -188,12 +188,9 @@ class KQuantWeight:
         ops = kernels.kquant_ops()
         if ops is None:
             raise RuntimeError("the K-quant kernels are not built here")
-        code = -1 if isa is None else ISAS[isa]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        out = x.new_empty(x.shape[0], self.out_features)
-        for p, lo, hi in self._spans():
-            ops.kquant_mm_q8_out(x, p.raw, p.code, out[:, lo:hi], code)
-        return out
+        return ops.kquant_mm_parts(x, [p.raw for p in self.parts], self.codes, True,
+                                   -1 if isa is None else ISAS[isa])
 
 
 def int8_activations() -> bool:

@@ -217,7 +217,7 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
     case KQUANT: {  // matmul.py's "kquant" (group 0) and "kquant_q8" (1): kquant_mm.cpp's op
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
           "pie_ctx_kquants::kquant_mm_parts", "");
-      torch::jit::Stack s{x, k.packed, k.scale, k.group != 0};
+      torch::jit::Stack s{x, k.packed, k.scale, k.group != 0, int64_t{-1}};
       op.callBoxed(&s);
       auto out = s[0].toTensor();
       return k.bias.defined() ? out.add_(k.bias) : out;

@@ -15,13 +15,14 @@
 //     (nibble of ql[64 h + l + 32 (k & 1)], low for k < 2) | ((qh[32 h + l] >> 2 k) & 3) << 4,
 //     minus 32; w = (d * sc) * q with the scale of its sub-block of 16.
 //
-// Two products, both with a row's result independent of its batch (each (row, column) is
-// one chain of the same instructions in the same order whatever the number of rows, and
-// one thread computes it whole: threads split the output columns):
+// Two products (kquant_mm_parts, over a weight's parts in one parallel region), both with
+// a row's result independent of its batch (each (row, column) is one chain of the same
+// instructions in the same order whatever the number of rows, and one thread computes it
+// whole: threads split the output columns):
 //
-// * kquant_mm: fp32 activations times the weights dequantized exactly as ggml (and
+// * exact (q8 false): fp32 activations times the weights dequantized exactly as ggml (and
 //   gguf.quants.dequantize) form them: the file's model, no activation rounding.
-// * kquant_mm_q8: llama.cpp's way: each activation row quantized per 256 to q8_K
+// * q8 true: llama.cpp's way: each activation row quantized per 256 to q8_K
 //   (iscale = -127 / (the value of largest magnitude), q = round(x * iscale) ties to even,
 //   d = 1 / iscale, sums per 16), then integer dots with the weights' sub-block scales (and
 //   mins) per super-block, scaled once a super-block in fp32. Three code paths, chosen by
@@ -44,7 +45,7 @@ namespace {
 constexpr int64_t QK = 256;  // weights a super-block
 // ggml's type ids: the kind argument (runtime/model/kquants.py's table passes them)
 constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
-// paths of kquant_mm_q8 (kquants.py's ISAS)
+// code paths of the q8_K product (kquants.py's ISAS)
 constexpr int64_t PORTABLE = 0, AVX2 = 1, AVX512 = 2;
 
 int64_t block_bytes(int64_t kind) {
@@ -183,38 +184,6 @@ torch::Tensor kquant_rows(torch::Tensor raw, int64_t kind, torch::Tensor rows) {
   return out;
 }
 
-// out [M, N] (rows may be strided) = x [M, K] @ W^T, W the exact dequantized weights.
-void kquant_mm_out(torch::Tensor x, torch::Tensor raw, int64_t kind, torch::Tensor out) {
-  check_weight(raw, kind, "kquant_mm");
-  const int64_t N = raw.size(0), nb = raw.size(1) / block_bytes(kind), K = nb * QK;
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
-              x.size(1) == K, "kquant_mm: x float32 [M, ", K, "]");
-  const int64_t M = x.size(0);
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M &&
-              out.size(1) == N && out.stride(1) == 1, "kquant_mm: out float32 [M, N]");
-  if (M == 0 || N == 0) return;
-  const uint8_t* w = raw.data_ptr<uint8_t>();
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ws = raw.stride(0), xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> wrow(K);  // one output row's weights, then every activation row
-    for (int64_t n = begin; n < end; ++n) {
-      dequant_row(kind, w + n * ws, nb, wrow.data());
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) dot_tile<4>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
-      for (; r < M; ++r) dot_tile<1>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
-    }
-  });
-}
-
-torch::Tensor kquant_mm(torch::Tensor x, torch::Tensor raw, int64_t kind) {
-  TORCH_CHECK(x.dim() == 2, "kquant_mm: x float32 [M, K]");
-  auto out = torch::empty({x.size(0), raw.size(0)}, x.options());
-  kquant_mm_out(x, raw, kind, out);
-  return out;
-}
-
 // ---------------------------------------------------------------------------- q8_K
 
 namespace {
@@ -269,7 +238,8 @@ void prepare(const float* x, int64_t M, int64_t xs, int64_t nb, int64_t kind, bo
   a.q.resize(M * a.K);
   a.d.resize(M * nb);
   a.bs.assign(M * nb * 16, 0);
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+  // (a parallel region only where there are rows enough: each is a rendezvous of threads)
+  at::parallel_for(0, M, 32, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> q(a.K);
     std::vector<int16_t> s16(nb * 16);
     for (int64_t r = begin; r < end; ++r) {
@@ -602,7 +572,7 @@ void tile(int64_t isa, int64_t kind, const uint8_t* w, const Acts& a, int64_t r0
 
 }  // namespace
 
-// The paths this build has: 0 portable, 1 AVX2, 2 AVX-512 VNNI.
+// The q8_K product's paths this build has: 0 portable, 1 AVX2, 2 AVX-512 VNNI.
 std::vector<int64_t> kquant_isas() {
   std::vector<int64_t> out;
   for (int64_t i : {PORTABLE, AVX2, AVX512})
@@ -625,78 +595,127 @@ std::vector<torch::Tensor> q8k_quantize(torch::Tensor x) {
   return {q, d, s};
 }
 
-// out [M, N] (rows may be strided) = q8_K(x) @ W^T on path ``isa`` (-1: the best here).
-void kquant_mm_q8_out(torch::Tensor x, torch::Tensor raw, int64_t kind, torch::Tensor out,
-                      int64_t isa) {
-  check_weight(raw, kind, "kquant_mm_q8");
-  if (isa < 0) isa = kquant_isas().back();
-  TORCH_CHECK(has_isa(isa), "kquant_mm_q8: path ", isa, " is not built here");
-  const int64_t N = raw.size(0), nb = raw.size(1) / block_bytes(kind), K = nb * QK;
+namespace {
+
+// The parts of a weight stacked along its output rows (one, or a fused projection's), each
+// its own format, all with the same input width.
+struct Part {
+  const uint8_t* w;
+  int64_t ws, kind, lo, hi;  // row stride; kind; its output columns [lo, hi)
+};
+
+std::vector<Part> parts_of(const std::vector<torch::Tensor>& raws, const int64_t* kinds,
+                           int64_t& N, int64_t& nb) {
+  std::vector<Part> parts;
+  N = 0;
+  nb = -1;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    check_weight(raws[i], kinds[i], "kquant_mm");
+    const int64_t pnb = raws[i].size(1) / block_bytes(kinds[i]);
+    TORCH_CHECK(nb < 0 || pnb == nb, "kquant_mm: parts of different input widths");
+    nb = pnb;
+    parts.push_back({raws[i].data_ptr<uint8_t>(), raws[i].stride(0), kinds[i], N,
+                     N + raws[i].size(0)});
+    N += raws[i].size(0);
+  }
+  return parts;
+}
+
+void check_io(const torch::Tensor& x, const torch::Tensor& out, int64_t N, int64_t K) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
-              x.size(1) == K, "kquant_mm_q8: x float32 [M, ", K, "]");
-  const int64_t M = x.size(0);
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == M &&
-              out.size(1) == N && out.stride(1) == 1, "kquant_mm_q8: out float32 [M, N]");
+              x.size(1) == K, "kquant_mm: x float32 [M, ", K, "]");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == x.size(0) &&
+              out.size(1) == N && out.stride(1) == 1, "kquant_mm: out float32 [M, N]");
+}
+
+inline const Part& part_of(const std::vector<Part>& parts, int64_t n) {
+  size_t i = 0;
+  while (n >= parts[i].hi) ++i;
+  return parts[i];
+}
+
+// out [M, N] = x @ W^T on the exact weights: one parallel region (threads split the output
+// columns); each output row dequantized once, then every activation row.
+void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
+                 const torch::Tensor& out) {
+  const int64_t M = x.size(0), K = nb * QK;
   if (M == 0 || N == 0) return;
-  thread_local Acts buffers;  // the caller's, reused call after call
-  Acts& a = buffers;  // (by name, a worker thread would find its own)
-  prepare(x.data_ptr<float>(), M, x.stride(0), nb, kind, isa == AVX512, a);
-  const uint8_t* w = raw.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ws = raw.stride(0), os = out.stride(0);
-  // threads split the output columns; a few activation rows share each pass over a row
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    const Spread sp;
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> wrow(K);
     for (int64_t n = begin; n < end; ++n) {
+      const Part& p = part_of(parts, n);
+      dequant_row(p.kind, p.w + (n - p.lo) * p.ws, nb, wrow.data());
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tile<4>(isa, kind, w + n * ws, a, r, op + r * os + n, os, sp);
-      for (; r < M; ++r) tile<1>(isa, kind, w + n * ws, a, r, op + r * os + n, os, sp);
+      for (; r + 4 <= M; r += 4) dot_tile<4>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
+      for (; r < M; ++r) dot_tile<1>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
     }
   });
 }
 
-torch::Tensor kquant_mm_q8(torch::Tensor x, torch::Tensor raw, int64_t kind, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2, "kquant_mm_q8: x float32 [M, K]");
-  auto out = torch::empty({x.size(0), raw.size(0)}, x.options());
-  kquant_mm_q8_out(x, raw, kind, out, isa);
-  return out;
+// out [M, N] = q8_K(x) @ W^T on path isa: the activations quantized once per layout the
+// parts need, then one parallel region (threads split the output columns; a few
+// activation rows share each pass over a weight row).
+void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
+              const torch::Tensor& out, int64_t isa) {
+  if (isa < 0) isa = kquant_isas().back();
+  TORCH_CHECK(has_isa(isa), "kquant_mm_parts: path ", isa, " is not built here");
+  const int64_t M = x.size(0);
+  if (M == 0 || N == 0) return;
+  thread_local Acts buffers[2];  // the caller's (Q4_K / Q5_K layout, Q6_K's), reused
+  Acts& a45 = buffers[0];  // (by name, a worker thread would find its own)
+  Acts& a6 = buffers[1];
+  bool need45 = false, need6 = false;
+  for (const Part& p : parts) (p.kind == Q6_K ? need6 : need45) = true;
+  if (need45) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512, a45);
+  if (need6) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q6_K, false, a6);
+  float* op = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    const Spread sp;
+    for (int64_t n = begin; n < end; ++n) {
+      const Part& p = part_of(parts, n);
+      const Acts& a = p.kind == Q6_K ? a6 : a45;
+      const uint8_t* w = p.w + (n - p.lo) * p.ws;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) tile<4>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
+      for (; r < M; ++r) tile<1>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
+    }
+  });
 }
 
-// x @ W.T for W the parts raws[i] (kinds[i], int64 [P]) stacked along the output rows: the
-// exact kernel (q8 false) or kquant_mm_q8's best path (q8 true); KQuantWeight.matmul and
-// matmul_q8 in one call, for the fused decode step (decode_step.cpp).
+}  // namespace
+
+// x @ W.T for W the parts raws[i] (kinds[i], int64 [P]) stacked along the output rows, in
+// one call: the exact kernel (q8 false) or q8_K activations on path isa (-1: the best
+// here). KQuantWeight's products, and the fused decode step's (decode_step.cpp).
 torch::Tensor kquant_mm_parts(torch::Tensor x, std::vector<torch::Tensor> raws,
-                              torch::Tensor kinds, bool q8) {
-  TORCH_CHECK(x.dim() == 2 && kinds.scalar_type() == torch::kInt64 &&
-              kinds.numel() == static_cast<int64_t>(raws.size()), "kquant_mm_parts: sizes");
-  int64_t n = 0;
-  for (const auto& r : raws) n += r.size(0);
-  auto out = torch::empty({x.size(0), n}, x.options());
-  const auto* kp = kinds.data_ptr<int64_t>();
-  int64_t at = 0;
-  for (size_t i = 0; i < raws.size(); ++i) {
-    auto part = out.narrow(1, at, raws[i].size(0));
-    if (q8) kquant_mm_q8_out(x, raws[i], kp[i], part, -1);
-    else kquant_mm_out(x, raws[i], kp[i], part);
-    at += raws[i].size(0);
-  }
+                              torch::Tensor kinds, bool q8, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && kinds.scalar_type() == torch::kInt64 && kinds.is_contiguous() &&
+              kinds.numel() == static_cast<int64_t>(raws.size()) && !raws.empty(),
+              "kquant_mm_parts: kinds int64 [parts]");
+  int64_t N, nb;
+  const auto parts = parts_of(raws, kinds.data_ptr<int64_t>(), N, nb);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  check_io(x, out, N, nb * QK);
+  if (q8) q8_parts(x, parts, N, nb, out, isa);
+  else exact_parts(x, parts, N, nb, out);
   return out;
 }
 
 // A dispatcher op too, for the fused decode step in the cpu_ops extension:
 // c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_kquants::kquant_mm_parts", "").
 TORCH_LIBRARY(pie_ctx_kquants, m) {
-  m.def("kquant_mm_parts(Tensor x, Tensor[] raws, Tensor kinds, bool q8) -> Tensor",
+  m.def("kquant_mm_parts(Tensor x, Tensor[] raws, Tensor kinds, bool q8, int isa) -> Tensor",
         &kquant_mm_parts);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kquant_mm_parts", &kquant_mm_parts, "x @ W.T over a fused K-quant weight's parts");
+  m.def("kquant_mm_parts", &kquant_mm_parts,
+        "x @ W.T for W in K-quant super-blocks (its parts), exact or on q8_K activations");
   m.def("kquant_rows", &kquant_rows, "rows of a K-quant weight, dequantized to float32");
-  m.def("kquant_mm", &kquant_mm, "x @ W.T for W in K-quant super-blocks (exact weights)");
-  m.def("kquant_mm_out", &kquant_mm_out, "kquant_mm into out (rows may be strided)");
-  m.def("kquant_mm_q8", &kquant_mm_q8, "x @ W.T on q8_K activations (llama.cpp's way)");
-  m.def("kquant_mm_q8_out", &kquant_mm_q8_out, "kquant_mm_q8 into out (rows may be strided)");
   m.def("q8k_quantize", &q8k_quantize, "x rounded to q8_K: (q, d, bsums)");
-  m.def("kquant_isas", &kquant_isas, "the kquant_mm_q8 paths built here");
+  m.def("kquant_isas", &kquant_isas, "the q8_K product's code paths built here");
 }
