@@ -24,7 +24,8 @@ the oracle of tests/model/test_fused_step.py):
   one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
-  ``blocks``, ``blocks_q8``, each also as a deterministic choice's padded ``name@p``
+  ``blocks``, ``blocks_q8``, ``kquant``, ``kquant_q8``, each also as a deterministic
+  choice's padded ``name@p``
   (the C++ step pads a call of fewer rows with zero rows, as ``Projection`` does);
 * the attention backend is the torch one with its kernels on;
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
