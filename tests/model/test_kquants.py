@@ -246,3 +246,32 @@ def test_a_k_quant_file_runs_with_default_options(tmp_path: Path) -> None:
     path = write_kquant_gguf(tmp_path / "tiny.gguf", {**Q4_K_M, "blk.0.ffn_down": "Q5_K"})
     assert cli_main(["run", "examples/hello.py", "--model", str(path), "--page-size", "4",
                      "--", "hi", "--max-tokens", "3"]) == 0
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+def test_llama_cpps_own_k_quant_files_load_as_stored(tmp_path: Path, ftype: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixes llama.cpp's quantizer writes: every matrix runs on its super-blocks (or on
+    legacy blocks where llama.cpp chose them), each the converted folder's dequantized
+    floats bit for bit, Q/K rows un-permuted alike."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    import loader_fixtures as lf
+
+    monkeypatch.setattr(lf, "HIDDEN", 256)
+    monkeypatch.setattr(lf, "FFN", 512)
+    hf = lf.hf_reference_weights(seed=3, scaled=True, head_dim=64)
+    f16 = lf.write_tiny_gguf(tmp_path / "f16.gguf", {
+        k: v.astype(np.float16) if v.ndim == 2 else v for k, v in hf.items()}, formats={})
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    path = tmp_path / f"{ftype}.gguf"
+    assert llama_cpp.llama_model_quantize(str(f16).encode(), str(path).encode(),
+                                          ctypes.byref(params)) == 0
+    loaded = load_model(path, device="cpu", progress=False)
+    blocks = load_blocks(loaded.path)
+    assert blocks is not None and len(blocks) == 1 + 7 * lf.LAYERS  # embedding + projections
+    assert {w.source for w in blocks.values()} & set(KQUANT_FORMATS)
+    for name, w in blocks.items():
+        assert torch.equal(w.dequantize(), torch.as_tensor(loaded.weights[name]).float()), name
