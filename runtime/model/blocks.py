@@ -27,8 +27,8 @@ integer dot (AVX-512 VNNI), scaled in fp32. The weights stay the file's; only th
 activations are rounded (down_proj's in two levels: the first level's error rounded again,
 ``StripBlocks.levels``).
 
-K-quants (Q2_K..Q6_K) and the IQ formats are refused with :class:`ModelError` naming the
-formats that work. A Hugging Face folder is quantized at load with llama.cpp's reference
+Other formats are not this family's: ``runtime.model.formats`` sends a file's K-quants to
+``runtime.model.kquants`` and has the rest dequantized at load. A Hugging Face folder is quantized at load with llama.cpp's reference
 Q4_1 quantizer (:meth:`BlockWeight.quantize_q4_1`); docs/performance.md gives its cost.
 """
 

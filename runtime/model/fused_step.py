@@ -24,7 +24,8 @@ the oracle of tests/model/test_fused_step.py):
   one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
   ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
-  ``blocks``, ``blocks_q8``, each also as a deterministic choice's padded ``name@p``
+  ``blocks``, ``blocks_q8``, ``kquant``, ``kquant_q8``, each also as a deterministic
+  choice's padded ``name@p``
   (the C++ step pads a call of fewer rows with zero rows, as ``Projection`` does);
 * the attention backend is the torch one with its kernels on;
 * the batch has at most :data:`MAX_ROWS` new tokens, each sequence at most 16 of them
@@ -71,6 +72,7 @@ from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
+from runtime.model.kquants import KQuantWeight
 from runtime.model.matmul import CHUNK_ROWS, STEP_KINDS, Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
@@ -128,6 +130,8 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
             return (kind, p._layouts[name], w.scale, b, None, 0)
         if name == "fbgemm" and name in p._layouts:  # bias inside the prepacked weight
             return (kind, _NONE, _NONE, None, p._layouts[name], 0)
+    if isinstance(w, KQuantWeight) and kernels.kquant_ops() is not None:  # its op registered
+        return (kind, _NONE, w.codes, bias, [p.raw for p in w.parts], int(name == "kquant_q8"))
     if isinstance(w, BlockWeight):
         if name == "blocks" and kernels.block_ops() is not None:  # its op registered
             return (kind, w.qs, w.d, bias, w.m, w.bits)

@@ -2,9 +2,10 @@
 
 Owner: the model runner, once at load, on a model built in float. With the blocks of the
 GGUF the model was converted from (``runtime.model.loader.load_blocks``) every matrix the
-file stores in Q4_0, Q4_1 or Q8_0 runs on those blocks as they are (a fused qkv or gate_up
-stacks its parts' blocks; parts of different bit widths, and matrices the file stores as
-floats, stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
+file stores in a format computed as stored (``runtime.model.formats``: Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K) runs on those blocks as they are (a fused qkv or gate_up stacks its
+parts' blocks; parts no one weight holds together, other formats and matrices the file
+stores as floats stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
 Face folder) the float weights are quantized here as llama.cpp's Q4_1 files are: the
 projections to Q4_1, the embedding table (and lm_head) to Q8_0.
 """
@@ -26,6 +27,7 @@ from runtime.model.blocks import (
     int8_activations,
     outlier_channels,
 )
+from runtime.model.formats import GGUFWeight, cat_weights
 from runtime.model.matmul import Projection, choose_kernels
 from runtime.model.quant import calibrate
 
@@ -54,14 +56,14 @@ def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
                        out_f, in_f, "Q8_0")
 
 
-def _fused(blocks: dict[str, BlockWeight], layer: int, kind: str) -> BlockWeight | None:
+def _fused(blocks: dict[str, GGUFWeight], layer: int, kind: str) -> GGUFWeight | None:
     parts = [blocks.get(f"model.layers.{layer}.{p}.weight") for p in _PARTS[kind]]
     if any(p is None for p in parts):
         return None
-    return parts[0] if len(parts) == 1 else BlockWeight.cat(parts)  # type: ignore[arg-type]
+    return parts[0] if len(parts) == 1 else cat_weights(parts)  # type: ignore[arg-type]
 
 
-def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
+def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
                calibration: list[int] | None = None) -> None:
     """Replace ``model``'s float projections, lm_head and embedding with block weights, in
     place (see the module docstring), then choose their kernels.
@@ -110,7 +112,7 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
         model.lm_head = Projection(head, buckets=2, outliers=(
             outlier_channels(head_amax) if head_amax is not None else None))
     if table is not None:
-        model.embed = BlockEmbedding(table, model.dtype)
+        model.embed = BlockEmbedding(table, model.dtype)  # type: ignore[arg-type]
     model.weight_format = "gguf"
     model.kernel_report = choose_kernels(model.projections(),
                                          deterministic=getattr(model, "deterministic", False))

@@ -33,6 +33,12 @@ rounded, its calibrated outlier channels exactly; see :class:`runtime.model.bloc
 where it computes the same weights: when every scale and zero is exact in bf16, which a
 file's float16 scales are not in general.
 
+K-quant candidates (CPU, a :class:`runtime.model.kquants.KQuantWeight`: a GGUF file's Q4_K,
+Q5_K or Q6_K super-blocks, read where the file holds them): ``kquant`` (exact weights, fp32
+activations, ``runtime/model/kernels/kquant_mm.cpp``), ``blocks_f32`` (dequantized per call,
+then ``F.linear``) and ``kquant_q8`` (llama.cpp's ``q8_K`` activations, integer dots;
+``PIE_CTX_BLOCKS_Q8=0`` leaves it out too).
+
 Invariants: every candidate of a projection computes the same projection (checked at load
 against the first candidate, on the rounded activations for a kernel that rounds them:
 :data:`ROUNDS_ACTIVATIONS`); results may differ in the last bits, never more.
@@ -73,6 +79,7 @@ import torch.nn.functional as F
 from pie_ctx.proto.errors import ModelError
 from runtime.model import blocks as blocks_module
 from runtime.model import kernels, machine_cache
+from runtime.model import kquants as kquants_module
 from runtime.model.blocks import (
     BlockWeight,
     Int4Weight,
@@ -80,6 +87,8 @@ from runtime.model.blocks import (
     int8_activations,
     round_activations,
 )
+from runtime.model.kquants import KQuantWeight, round_q8k
+from runtime.model.kquants import int8_activations as kquant_int8_activations
 
 __all__ = ["CHUNK_ROWS", "Int4Weight", "Int8Weight", "KernelChoice", "Projection", "ROW_BUCKETS",
            "STEP_KINDS", "adopt_kernel_choices", "choose_kernels", "has_step_form",
@@ -99,7 +108,7 @@ _PACK_HINT = 8  # batch size the oneDNN packed layout is tuned for
 _INT8_MAX = 127.0
 # kernels that round their input first -> that rounding (choose_kernels' check compares them
 # with the reference kernel on the rounded input)
-ROUNDS_ACTIVATIONS = {"blocks_q8": round_activations}
+ROUNDS_ACTIVATIONS = {"blocks_q8": round_activations, "kquant_q8": round_q8k}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -107,7 +116,7 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 # decode_step.cpp's Kind number; a deterministic choice takes its decode buckets from a
 # class of these when there is one (a new kernel with a C++ form joins here).
 STEP_KINDS = {"mkl": 0, "mm": 1, "onednn": 2, "int_mm": 3, "int_mm_kn": 3, "fbgemm": 4,
-              "int4pack": 5, "blocks": 6, "blocks_q8": 7}
+              "int4pack": 5, "blocks": 6, "blocks_q8": 7, "kquant": 8, "kquant_q8": 8}
 
 
 def has_step_form(name: str) -> bool:
@@ -226,25 +235,28 @@ class Projection:
 
     @property
     def is_blocks(self) -> bool:
-        return isinstance(self.weight, BlockWeight)
+        return isinstance(self.weight, (BlockWeight, KQuantWeight))
 
     @property
     def shape(self) -> tuple[int, int]:
-        if isinstance(self.weight, BlockWeight):
+        if isinstance(self.weight, (BlockWeight, KQuantWeight)):
             return self.weight.out_features, self.weight.in_features
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return int(w.shape[0]), int(w.shape[1])
 
     @property
     def device(self) -> torch.device:
-        if isinstance(self.weight, BlockWeight):
+        if isinstance(self.weight, (BlockWeight, KQuantWeight)):
             return self.weight.device
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return w.device
 
     @property
     def form(self) -> str:
-        """``"int8"``, ``"q4"`` / ``"q8"`` (blocks) or the float dtype."""
+        """``"int8"``, ``"q4"`` / ``"q8"`` (blocks), the K-quant formats (``"q4_k+q6_k"``)
+        or the float dtype."""
+        if isinstance(self.weight, KQuantWeight):
+            return self.weight.source.lower()
         if isinstance(self.weight, BlockWeight):
             return f"q{self.weight.bits}"
         return "int8" if self.is_int8 else str(self.weight.dtype)
@@ -263,11 +275,16 @@ class Projection:
     def nbytes(self) -> int:
         """Bytes of the weight (one layout) and bias a call reads."""
         w = self.weight
-        n = w.nbytes if isinstance(w, (Int8Weight, BlockWeight)) else w.numel() * w.element_size()
+        n = (w.nbytes if isinstance(w, (Int8Weight, BlockWeight, KQuantWeight))
+             else w.numel() * w.element_size())
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def candidate_names(self) -> list[str]:
         """Kernels that can run this projection here, the reference one first."""
+        if isinstance(self.weight, KQuantWeight):
+            if self.device.type != "cpu":
+                return ["blocks_f32"]
+            return ["kquant", "blocks_f32"] + (["kquant_q8"] if kquant_int8_activations() else [])
         if self.is_blocks:
             if self.device.type != "cpu":
                 return ["blocks_f32"]
@@ -315,6 +332,8 @@ class Projection:
             return lambda x: linear(x, packed, b, "none", [], "")  # type: ignore[operator]
         if isinstance(w, BlockWeight):
             return self._block_kernel(name, w, b)
+        if isinstance(w, KQuantWeight):
+            return _kquant_kernel(name, w, b)
         assert isinstance(w, Int8Weight)
         if name == "int_mm":
             qt = w.q.t()  # a view of W as stored, [out, in] row-major
@@ -367,6 +386,21 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor[rows, in] -> Tensor[rows, out]."""
         return self._kernels[min(_bucket(x.shape[0]), self.buckets - 1)](x)
+
+
+def _kquant_kernel(name: str, w: KQuantWeight, b: torch.Tensor | None) -> Kernel:
+    """Kernel ``name`` of a K-quant weight (the file's super-blocks serve every kernel)."""
+    if name == "kquant":
+        product: Kernel = w.matmul
+    elif name == "kquant_q8":
+        product = w.matmul_q8
+    elif name == "blocks_f32":
+        return lambda x: _as(F.linear(_f32(x), w.dequantize(), b), x)
+    else:
+        raise ValueError(f"unknown projection kernel {name!r}")
+    if b is None:
+        return lambda x: _as(product(_f32(x)), x)
+    return lambda x: _as(product(_f32(x)).add_(b), x)
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -512,7 +546,8 @@ class KernelChoice:
 def _probe_code() -> str:
     """The version of the probe's code: this module's and the block kernels' Python side
     (the compiled kernels are in the machine facts)."""
-    return machine_cache.source_digest(Path(__file__), Path(blocks_module.__file__))
+    return machine_cache.source_digest(Path(__file__), Path(blocks_module.__file__),
+                                       Path(kquants_module.__file__))
 
 
 def _probe_inputs(rep: Projection, sig: tuple, names: list[str], repeats: int) -> dict[str, Any]:
@@ -520,7 +555,7 @@ def _probe_inputs(rep: Projection, sig: tuple, names: list[str], repeats: int) -
     (:mod:`runtime.model.machine_cache` adds the machine's facts)."""
     w = rep.weight
     return {"signature": sig, "candidates": names, "repeats": repeats,
-            "source": w.source if isinstance(w, BlockWeight) else None,
+            "source": w.source if isinstance(w, (BlockWeight, KQuantWeight)) else None,
             "outliers": 0 if rep.outliers is None else int(rep.outliers.numel()),
             "probe": [PROBE_ROWS, ROW_BUCKETS, _MAX_PAD, _WINDOW], "code": _probe_code()}
 

@@ -24,6 +24,7 @@ from runtime.model import kernels
 from runtime.model.adapters.delta import LoraBatch
 from runtime.model.blocks import BlockWeight
 from runtime.model.config import ModelConfig
+from runtime.model.kquants import KQuantWeight
 from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary
@@ -109,7 +110,7 @@ class Transformer:
         total += sum(p.nbytes for p in projections)
         table = getattr(self.embed, "table", self.embed)  # int8: the QuantEmbedding's
         if table is not projections[-1].weight:
-            total += (table.nbytes if isinstance(table, (Int8Weight, BlockWeight))
+            total += (table.nbytes if isinstance(table, (Int8Weight, BlockWeight, KQuantWeight))
                       else table.numel() * table.element_size())
         return total
 

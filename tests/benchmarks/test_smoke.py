@@ -26,7 +26,8 @@ HELPERS = {
     "agent_mcp.py": "the ReAct tools as an MCP server (agents.py, system e)",
 }
 # Benchmarks whose smoke runs without the default model.
-NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py"}
+NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py",
+                    "kquant_kernels.py"}
 # Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
 FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
@@ -55,6 +56,8 @@ KEYS = {
                  "fleet_replace_s", "serve_start_s", "fleet_start_s",
                  "fleet_temp_folders_left"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
+    "kquant_kernels.py": {"gbs_kquant_q8_1", "roofline_kquant_q8_1", "gbs_read_1",
+                          "ms_kquant_1", "ms_kquant_q8_64"},
     "kv_pages.py": {"kv_int8_decode_ratio", "kv_pages_ratio"},
     "lora.py": {"lora_same_over_base", "lora_mixed_over_base", "adapter_load_ms",
                 "lora_max_abs_logit_diff"},

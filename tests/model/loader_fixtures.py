@@ -111,6 +111,21 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
 
 
+def add_tiny_tokenizer(w: gguf.GGUFWriter) -> None:
+    """Write :func:`tiny_spec`'s tokenizer metadata into ``w``."""
+    spec = tiny_spec()
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "smollm")
+    w.add_array("tokenizer.ggml.tokens", spec.tokens)
+    w.add_array("tokenizer.ggml.token_type", spec.token_types)
+    w.add_array("tokenizer.ggml.merges", spec.merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 2)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+
+
 def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
                     meta_overrides: dict[str, Any] | None = None,
                     extra_tensors: dict[str, np.ndarray] | None = None,
@@ -122,7 +137,6 @@ def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
     llama.cpp name suffixes to a block format (``{"attn_q.weight": "Q4_1"}``) instead of
     :data:`QUANTIZED`'s Q8_0.
     """
-    spec = tiny_spec()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.context_length", 256)
     w.add_uint32(f"{arch}.embedding_length", HIDDEN)
@@ -132,16 +146,7 @@ def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama",
     w.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
     w.add_float32(f"{arch}.rope.freq_base", 50000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "smollm")
-    w.add_array("tokenizer.ggml.tokens", spec.tokens)
-    w.add_array("tokenizer.ggml.token_type", spec.token_types)
-    w.add_array("tokenizer.ggml.merges", spec.merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 2)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    add_tiny_tokenizer(w)
     for key, value in (meta_overrides or {}).items():
         w.add_key_value(key, value[0], value[1])
     for name, array in hf.items():

@@ -30,6 +30,10 @@ The kernels (docs/forward.md):
 Its ``block_mm_q8`` multiplies them with int8-quantized activations (AVX-512 VNNI where the
 CPU has it, portable loops elsewhere); its twin is ``round_activations`` then the same.
 
+:func:`kquant_ops` is another, from ``kquant_mm.cpp`` (built with ``-ffp-contract=off``):
+projections over a GGUF file's K-quant super-blocks (Q4_K, Q5_K, Q6_K) read in the file's
+own byte layout (``runtime.model.kquants``), exact or on llama.cpp's ``q8_K`` activations.
+
 :func:`sampling_ops` is a third, from ``sampling.cpp`` (built with ``-ffp-contract=off``): a
 step's filtered draw (temperature, top-k, top-p, min-p) for every sampled row in one call,
 and the distribution it draws from (``runtime.sampling``; its twin is that module's torch
@@ -59,23 +63,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["ops", "block_ops", "sampling_ops", "enabled", "build", "folder"]
+__all__ = ["ops", "block_ops", "kquant_ops", "sampling_ops", "enabled", "build", "folder"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
 SAMPLING_SOURCE = Path(__file__).with_name("sampling.cpp")
+KQUANT_SOURCE = Path(__file__).with_name("kquant_mm.cpp")
 # the files each module is compiled from: the decode step (runtime/model/fused_step.py)
 # is built into the cpu_ops module. HEADER is the vectors and the exp all three include:
 # part of each build folder's digest, not a compiled source.
 HEADER = Path(__file__).with_name("vec16.h")
 SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
-           BLOCK_SOURCE: (BLOCK_SOURCE,), SAMPLING_SOURCE: (SAMPLING_SOURCE,)}
+           BLOCK_SOURCE: (BLOCK_SOURCE,), SAMPLING_SOURCE: (SAMPLING_SOURCE,),
+           KQUANT_SOURCE: (KQUANT_SOURCE,)}
 _lock = threading.Lock()
 _module: Any = None
 _block_module: Any = None
 _sampling_module: Any = None
+_kquant_module: Any = None
 _tried: set[Path] = set()  # the sources whose build was tried (once each)
 
 
@@ -140,7 +147,7 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
         flags += ["-march=native", "-mprefer-vector-width=512"]
     if source == BLOCK_SOURCE:  # a * b + c as one fma (exact where it matters there)
         flags.append("-ffp-contract=fast")
-    elif source == SAMPLING_SOURCE:  # every copy of a row's code rounds alike
+    elif source in (SAMPLING_SOURCE, KQUANT_SOURCE):  # every rounding as written
         flags.append("-ffp-contract=off")
     elif platform.machine() in ("aarch64", "arm64"):
         flags.append("-mcpu=native")
@@ -159,7 +166,7 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
 
 def _load(source: Path, cache: str, what: str, fallback: str) -> Any:
     """The module built from ``source``, kept in the global ``cache`` (``_module``,
-    ``_block_module`` or ``_sampling_module``: benchmarks/model.py swaps them for
+    ``_block_module``, ``_kquant_module`` or ``_sampling_module``: benchmarks/model.py swaps them for
     profiling), or None (turned off, or the build failed: logged once, with ``fallback``
     saying what runs instead)."""
     if not enabled():
@@ -190,6 +197,13 @@ def block_ops() -> Any:
     build failed: logged once)."""
     return _load(BLOCK_SOURCE, "_block_module", "block-weight kernels",
                  "GGUF block weights run dequantized, through PyTorch (slower)")
+
+
+def kquant_ops() -> Any:
+    """The compiled K-quant kernels (``kquant_mm.cpp``), or None (turned off, or the build
+    failed: logged once)."""
+    return _load(KQUANT_SOURCE, "_kquant_module", "K-quant kernels",
+                 "GGUF K-quant weights run dequantized, through PyTorch (slower)")
 
 
 def sampling_ops() -> Any:

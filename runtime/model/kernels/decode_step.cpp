@@ -7,7 +7,8 @@
 // SiLU are cpu_ops.cpp's kernels called directly; each projection runs the kernel that
 // runtime/model/matmul.py's choose_kernels picked for its row bucket, as the same ATen op
 // (at::linear, at::mm, mkldnn::_linear_pointwise, at::_int_mm, fbgemm's int8 linear,
-// at::_weight_int4pack_mm_for_cpu, block_mm.cpp's block_mm and block_mm_q8), so the step
+// at::_weight_int4pack_mm_for_cpu, block_mm.cpp's block_mm and block_mm_q8, kquant_mm.cpp's
+// kquant_mm_parts), so the step
 // computes the eager forward's numbers.
 //
 // LoRA: one grouped kernel per projection for every adapter of the batch: the rows of one
@@ -85,7 +86,8 @@ inline float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
 
 // What matmul.py calls each kernel (Kernel::kind); fused_step.py passes these numbers.
 enum Kind : int64_t {
-  MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6, BLOCKS_Q8 = 7
+  MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6, BLOCKS_Q8 = 7,
+  KQUANT = 8
 };
 
 struct Kernel {
@@ -154,7 +156,7 @@ Kernel make_kernel(py::tuple spec) {
     k.idx = spec[8].cast<torch::Tensor>();
     k.side = spec[9].cast<torch::Tensor>();
   }
-  TORCH_CHECK(k.kind >= MKL && k.kind <= BLOCKS_Q8, "decode step: unknown projection kernel");
+  TORCH_CHECK(k.kind >= MKL && k.kind <= KQUANT, "decode step: unknown projection kernel");
   if (k.kind == BLOCKS_Q8) {
     k.m = k.packed.toTensor();
     k.bias_or_empty = k.bias.defined() ? k.bias.to(at::kFloat).contiguous()
@@ -208,6 +210,14 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
       static const auto op =
           c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "");
       torch::jit::Stack s{x, k.w, k.scale, k.packed, k.group};
+      op.callBoxed(&s);
+      auto out = s[0].toTensor();
+      return k.bias.defined() ? out.add_(k.bias) : out;
+    }
+    case KQUANT: {  // matmul.py's "kquant" (group 0) and "kquant_q8" (1): kquant_mm.cpp's op
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+          "pie_ctx_kquants::kquant_mm_parts", "");
+      torch::jit::Stack s{x, k.packed, k.scale, k.group != 0, int64_t{-1}};
       op.callBoxed(&s);
       auto out = s[0].toTensor();
       return k.bias.defined() ? out.add_(k.bias) : out;

@@ -232,12 +232,12 @@ def gguf_blocks_source(folder: Path) -> Path | None:
 
 
 def load_blocks(folder: Path) -> dict[str, Any] | None:
-    """The block-format matrices of the GGUF ``folder`` was converted from, by HF name
-    (``runtime.model.blocks.BlockWeight``), or None for an HF folder.
+    """The matrices of the GGUF ``folder`` was converted from whose formats are computed as
+    stored (``runtime.model.formats``), by HF name, or None for an HF folder.
 
     Raises:
-        ModelError: the GGUF is gone, was converted by transformers (its blocks are not
-            read), or uses a block format weights='gguf' does not run.
+        ModelError: the GGUF is gone, or was converted by transformers (its blocks are
+            not read).
     """
     from .gguf_file import GGUFModel
 

@@ -251,25 +251,31 @@ class GGUFModel:
         return len(self._reader.tensors)
 
     def iter_blocks(self) -> Iterator[tuple[str, Any]]:
-        """Yield ``(hf_name, BlockWeight)`` for every weight matrix stored in a block format,
-        Q/K rows un-permuted where needed. Float tensors (F32, F16, BF16) are skipped: the
-        converted folder holds them exactly.
+        """Yield ``(hf_name, weight)`` for every weight matrix stored in a format computed as
+        stored (``runtime.model.formats``: the bytes in place, a view of the file), Q/K rows
+        un-permuted where needed (a copy). Float tensors (F32, F16, BF16) are skipped, and
+        so are other formats (logged once): the converted folder holds their exact values.
 
         Raises:
-            ModelError: a matrix uses a block format ``weights="gguf"`` does not run
-                (K-quants, IQ formats), or an unknown tensor name.
+            ModelError: an unknown tensor name, or bytes that do not fit a shape.
         """
-        from runtime.model.blocks import BlockWeight
+        from collections import Counter
+
+        from runtime.model.formats import FLOAT_FORMATS, note_dequantized, weight_from_gguf
 
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
+        dequantized: Counter[str] = Counter()
         for t in self._reader.tensors:
             name = hf_tensor_name(t.name)
             kind = t.tensor_type.name
-            if name is None or kind in ("F32", "F16", "BF16") or len(t.shape) != 2:
+            if name is None or kind in FLOAT_FORMATS or len(t.shape) != 2:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            w = BlockWeight.from_gguf(t.data, kind, shape)  # (refuses other formats)
+            w = weight_from_gguf(t.data, kind, shape)
+            if w is None:
+                dequantized[kind] += 1
+                continue
             if self.arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
                 n = heads if ".attn_q." in t.name else kv_heads
                 rows = unpermute_qk(np.arange(shape[0]), n)
@@ -277,6 +283,7 @@ class GGUFModel:
 
                 w = w.take_rows(torch.from_numpy(rows))
             yield name, w
+        note_dequantized(dequantized, self.path)
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed.

@@ -1,0 +1,721 @@
+// pie-ctx CPU kernels for weights in a GGUF file's K-quant super-blocks (Q4_K, Q5_K, Q6_K).
+//
+// Built at first use by runtime/model/kernels/__init__.py (kquant_ops()), with
+// -ffp-contract=off: every a * b + c below is two roundings unless it is spelled as an fma.
+// The weights are read in ggml's own byte layout, straight from the file (a uint8 tensor
+// [N, row bytes] whose rows are the super-blocks of one output row; rows may be strided):
+//
+//   Q4_K (144 bytes / 256 weights): d, dmin (fp16), scales[12] (eight 6-bit scales and
+//     eight 6-bit mins), qs[128]: weight 64 j + l is the low nibble of qs[32 j + l] (sub-block
+//     2 j), weight 64 j + 32 + l its high nibble (sub-block 2 j + 1);
+//     w = (d * sc) * q - (dmin * m) with the scale and min of its sub-block of 32.
+//   Q5_K (176): d, dmin, scales[12], qh[32], qs[128]: as Q4_K with a fifth bit, bit s of
+//     qh[l] for the weight l of sub-block s.
+//   Q6_K (210): ql[128], qh[64], scales[16] (int8), d: weight 128 h + 32 k + l is
+//     (nibble of ql[64 h + l + 32 (k & 1)], low for k < 2) | ((qh[32 h + l] >> 2 k) & 3) << 4,
+//     minus 32; w = (d * sc) * q with the scale of its sub-block of 16.
+//
+// Two products (kquant_mm_parts, over a weight's parts in one parallel region), both with
+// a row's result independent of its batch (each (row, column) is one chain of the same
+// instructions in the same order whatever the number of rows, and one thread computes it
+// whole: threads split the output columns):
+//
+// * exact (q8 false): fp32 activations times the weights dequantized exactly as ggml (and
+//   gguf.quants.dequantize) form them: the file's model, no activation rounding.
+// * q8 true: llama.cpp's way: each activation row quantized per 256 to q8_K
+//   (iscale = -127 / (the value of largest magnitude), q = round(x * iscale) ties to even,
+//   d = 1 / iscale, sums per 16), then integer dots with the weights' sub-block scales (and
+//   mins) per super-block, scaled once a super-block in fp32. Three code paths, chosen by
+//   the caller (``isa``): AVX-512 VNNI (maddubs then dpwssd with the scales), AVX2
+//   (maddubs then madd), and portable C++; each keeps the invariance above.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec16.h"
+
+namespace {
+
+constexpr int64_t QK = 256;  // weights a super-block
+// ggml's type ids: the kind argument (runtime/model/kquants.py's table passes them)
+constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
+// code paths of the q8_K product (kquants.py's ISAS)
+constexpr int64_t PORTABLE = 0, AVX2 = 1, AVX512 = 2;
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  _Float16 h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block's 12 bytes, one a byte of
+// ``sc`` and ``m`` (in registers: a vector path widens them without a trip through memory).
+inline void scales_mins64(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, s, 4);
+  std::memcpy(&u1, s + 4, 4);
+  std::memcpy(&u2, s + 8, 4);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  const uint32_t m_hi = ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4);
+  const uint32_t m_lo = u1 & k1;
+  const uint32_t sc_hi = (u2 & k2) | (((u0 >> 6) & k3) << 4);
+  sc = (u0 & k1) | (uint64_t{sc_hi} << 32);
+  m = m_lo | (uint64_t{m_hi} << 32);
+}
+
+inline void scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint64_t a, b;
+  scales_mins64(s, a, b);
+  std::memcpy(sc, &a, 8);
+  std::memcpy(m, &b, 8);
+}
+
+// ----------------------------------------------------------------- exact dequantization
+
+// 256 weights of one super-block, as ggml's dequantize_row_q*_K forms them.
+void dequant(int64_t kind, const uint8_t* b, float* y) {
+  if (kind == Q6_K) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half(b + 208);
+    for (int h = 0; h < 2; ++h) {
+      float ds[8];
+      for (int i = 0; i < 8; ++i) ds[i] = d * static_cast<float>(sc[8 * h + i]);
+      for (int k = 0; k < 4; ++k) {  // (loops the compiler vectorises: one scale, one shift)
+        const int shift = k < 2 ? 0 : 4;
+        for (int half = 0; half < 2; ++half) {
+          const float scale = ds[2 * k + half];
+          const uint8_t* lo = ql + 64 * h + 32 * (k & 1) + 16 * half;
+          const uint8_t* hi = qh + 32 * h + 16 * half;
+          float* out = y + 128 * h + 32 * k + 16 * half;
+          for (int l = 0; l < 16; ++l) {
+            const int q = (((lo[l] >> shift) & 15) | (((hi[l] >> (2 * k)) & 3) << 4)) - 32;
+            out[l] = scale * static_cast<float>(q);
+          }
+        }
+      }
+    }
+    return;
+  }
+  const float d = half(b), dmin = half(b + 2);
+  uint8_t sc[8], mn[8];
+  scales_mins(b + 4, sc, mn);
+  const uint8_t* qh = b + 16;  // Q5_K
+  const uint8_t* qs = b + (kind == Q5_K ? 48 : 16);
+  for (int s = 0; s < 8; ++s) {
+    const float ds = d * static_cast<float>(sc[s]), ms = dmin * static_cast<float>(mn[s]);
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t byte = qs[32 * (s / 2) + l];
+      int q = s & 1 ? byte >> 4 : byte & 15;
+      if (kind == Q5_K) q |= ((qh[l] >> s) & 1) << 4;
+      y[32 * s + l] = ds * static_cast<float>(q) - ms;  // two roundings, as ggml
+    }
+  }
+}
+
+void dequant_row(int64_t kind, const uint8_t* row, int64_t nb, float* y) {
+  const int64_t bb = block_bytes(kind);
+  for (int64_t b = 0; b < nb; ++b) dequant(kind, row + b * bb, y + b * QK);
+}
+
+inline float hsum(v16 v) {
+  float s[16];
+  std::memcpy(s, &v, sizeof s);
+  float a = 0.f;  // a fixed order
+  for (int i = 0; i < 16; ++i) a += s[i];
+  return a;
+}
+
+// out[r * os] = x[r] . w for R rows of x (one weight row w of K floats): each row's two
+// chains of fmas over K in the same order whatever R.
+template <int R>
+void dot_tile(const float* x, int64_t xs, const float* w, int64_t K, float* out, int64_t os) {
+  v16 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
+  for (int64_t k = 0; k < K; k += 32) {
+    const v16 w0 = load(w + k), w1 = load(w + k + 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = fmadd(load(x + r * xs + k), w0, acc[r][0]);
+      acc[r][1] = fmadd(load(x + r * xs + k + 16), w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r][0] + acc[r][1]);
+}
+
+void check_weight(const torch::Tensor& raw, int64_t kind, const char* op) {
+  TORCH_CHECK(block_bytes(kind) > 0, op, ": kind must be Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.stride(1) == 1 &&
+              raw.size(1) % block_bytes(kind) == 0, op, ": raw uint8 [N, row bytes]");
+}
+
+}  // namespace
+
+// The fp32 weights of output rows ``rows`` (int64 [R]) -> [R, K]: ggml's dequantized values.
+torch::Tensor kquant_rows(torch::Tensor raw, int64_t kind, torch::Tensor rows) {
+  check_weight(raw, kind, "kquant_rows");
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(),
+              "kquant_rows: rows int64 [R]");
+  const int64_t R = rows.size(0), N = raw.size(0), nb = raw.size(1) / block_bytes(kind);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "kquant_rows: row ", rp[i], " out of range");
+  auto out = torch::empty({R, nb * QK}, torch::kFloat32);
+  const uint8_t* w = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ws = raw.stride(0);
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequant_row(kind, w + rp[i] * ws, nb, op + i * nb * QK);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- q8_K
+
+namespace {
+
+// One activation row quantized to q8_K per super-block (llama.cpp's quantize_row_q8_K_ref):
+// q [K], d [nb], bsums [nb * 16] (sums of 16 quants).
+void quantize_q8k(const float* x, int64_t nb, int8_t* q, float* d, int16_t* bsums) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* xb = x + i * QK;
+    int8_t* qb = q + i * QK;
+    float amax = 0.f;  // (a max the compiler vectorises, then its first position)
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    float mx = 0.f;
+    for (int j = 0; j < QK; ++j)
+      if (std::fabs(xb[j]) == amax) {
+        mx = xb[j];
+        break;
+      }
+    if (amax == 0.f) {
+      d[i] = 0.f;
+      std::memset(qb, 0, QK);
+      std::memset(bsums + 16 * i, 0, 32);
+      continue;
+    }
+    const float iscale = -127.f / mx;
+    for (int j = 0; j < QK; ++j)
+      qb[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
+    for (int g = 0; g < 16; ++g) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += qb[16 * g + j];
+      bsums[16 * i + g] = static_cast<int16_t>(s);
+    }
+    d[i] = 1.f / iscale;
+  }
+}
+
+// A batch of q8_K rows as a path reads them: quants (Q4_K / Q5_K on the vector paths: each
+// 128 reordered as [0, 64, 32, 96] + 0..31, the order of a 64-byte load's low then high
+// nibbles), scales, and per super-block 16 int16 sums: Q6_K's sums of 16; Q4_K / Q5_K's
+// sums of 32 in the first 8 (the rest 0).
+struct Acts {
+  int64_t nb = 0, K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bs;
+};
+
+void prepare(const float* x, int64_t M, int64_t xs, int64_t nb, int64_t kind, bool reorder,
+             Acts& a) {
+  a.nb = nb;
+  a.K = nb * QK;
+  a.q.resize(M * a.K);
+  a.d.resize(M * nb);
+  a.bs.assign(M * nb * 16, 0);
+  // (a parallel region only where there are rows enough: each is a rendezvous of threads)
+  at::parallel_for(0, M, 32, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> q(a.K);
+    std::vector<int16_t> s16(nb * 16);
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_q8k(x + r * xs, nb, q.data(), a.d.data() + r * nb, s16.data());
+      int8_t* qr = a.q.data() + r * a.K;
+      int16_t* br = a.bs.data() + r * nb * 16;
+      if (kind == Q6_K) {
+        std::memcpy(qr, q.data(), a.K);
+        std::memcpy(br, s16.data(), nb * 32);
+        continue;
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int j = 0; j < 8; ++j)
+          br[16 * b + j] = static_cast<int16_t>(s16[16 * b + 2 * j] + s16[16 * b + 2 * j + 1]);
+        const int8_t* src = q.data() + b * QK;
+        int8_t* dst = qr + b * QK;
+        if (!reorder) {
+          std::memcpy(dst, src, QK);
+          continue;
+        }
+        static constexpr int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block at slot
+        for (int k = 0; k < 8; ++k) std::memcpy(dst + 32 * k, src + 32 * order[k], 32);
+      }
+    }
+  });
+}
+
+// ---- portable: one super-block's integer sums, then two fmas a super-block
+
+template <int R>
+void tile_portable(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out,
+                   int64_t os) {
+  const int64_t nb = a.nb, bb = block_bytes(kind);
+  float acc[R] = {}, accm[R] = {};
+  int8_t wq[QK];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    int32_t sc[16];
+    int32_t mn[8] = {};
+    float dw, dmin = 0.f;
+    int nsub;
+    if (kind == Q6_K) {
+      nsub = 16;
+      dw = half(blk + 208);
+      for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t lo = blk[64 * h + l + 32 * (k & 1)];
+            wq[128 * h + 32 * k + l] = static_cast<int8_t>(
+                ((k < 2 ? lo & 15 : lo >> 4) | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4)) - 32);
+          }
+    } else {
+      nsub = 8;
+      dw = half(blk);
+      dmin = half(blk + 2);
+      uint8_t s8[8], m8[8];
+      scales_mins(blk + 4, s8, m8);
+      for (int s = 0; s < 8; ++s) {
+        sc[s] = s8[s];
+        mn[s] = m8[s];
+      }
+      const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
+      for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = qs[32 * (s / 2) + l];
+          int q = s & 1 ? byte >> 4 : byte & 15;
+          if (kind == Q5_K) q |= ((blk[16 + l] >> s) & 1) << 4;
+          wq[32 * s + l] = static_cast<int8_t>(q);
+        }
+    }
+    const int len = QK / nsub;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* aq = a.q.data() + row * a.K + b * QK;
+      int32_t isum = 0, imin = 0;
+      for (int s = 0; s < nsub; ++s) {
+        int32_t dot = 0;
+        for (int l = 0; l < len; ++l) dot += int32_t{wq[s * len + l]} * aq[s * len + l];
+        isum += sc[s] * dot;
+      }
+      const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
+      for (int s = 0; s < 8; ++s) imin += mn[s] * bs[s];
+      const float da = a.d[row * nb + b];
+      acc[r] = std::fma(static_cast<float>(isum), dw * da, acc[r]);
+      accm[r] = std::fma(static_cast<float>(imin), dmin * da, accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = acc[r] - accm[r];
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ---- AVX-512 VNNI: a super-block's weights as four 64-byte unsigned vectors (in the
+// order prepare() gives the activations) and four int16 scale vectors; per activation row
+// four maddubs + dpwssd, one int32 vector a super-block scaled into a float vector.
+
+struct Block512 {
+  __m512i q[4], s[4];
+  float d, dmin;
+  __m128i mins;  // Q4_K / Q5_K: 8 int16
+  __m256i sc16;  // Q6_K: 16 int16 scales (for the -32 offset)
+};
+
+inline __m512i idx16(int a, int b) {  // int16 lanes: 0..15 -> a, 16..31 -> b
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
+}
+
+// the permutexvar indices spreading a super-block's scales over its four vectors' lanes
+struct Spread {
+  __m512i q45[4], q6[4];
+  Spread() {
+    static const int pairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int v = 0; v < 4; ++v) {
+      q45[v] = idx16(pairs[v][0], pairs[v][1]);
+      alignas(64) int16_t idx[32];  // Q6_K: 64 weights = 4 sub-blocks of 16 = 8 lanes each
+      for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>(4 * v + i / 8);
+      q6[v] = _mm512_load_si512(idx);
+    }
+  }
+};
+
+inline void load_q45(int64_t kind, const uint8_t* blk, const Spread& sp, Block512& o) {
+  o.d = half(blk);
+  o.dmin = half(blk + 2);
+  uint64_t sc8, m8;
+  scales_mins64(blk + 4, sc8, m8);
+  o.mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m8)));
+  const __m512i sc = _mm512_castsi128_si512(
+      _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+  static constexpr int pairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+  for (int v = 0; v < 4; ++v) o.s[v] = _mm512_permutexvar_epi16(sp.q45[v], sc);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+    o.q[2 * h] = _mm512_and_si512(v, low);
+    o.q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if (kind == Q5_K) {
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+    const __m512i bit = _mm512_set1_epi8(0x10);
+    for (int v = 0; v < 4; ++v) {  // vector v holds sub-blocks pairs[v]: their qh bits
+      const __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi64(pairs[v][0]),
+                                             _mm256_set1_epi64x(pairs[v][1]), 1);
+      const __m512i hb = _mm512_and_si512(_mm512_slli_epi64(_mm512_srlv_epi64(qh, cnt), 4), bit);
+      o.q[v] = _mm512_or_si512(o.q[v], hb);
+    }
+  }
+}
+
+inline void load_q6(const uint8_t* blk, const Spread& sp, Block512& o) {
+  o.d = half(blk + 208);
+  o.dmin = 0.f;
+  o.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+  const __m512i sc = _mm512_castsi256_si512(o.sc16);
+  for (int v = 0; v < 4; ++v) o.s[v] = _mm512_permutexvar_epi16(sp.q6[v], sc);
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+    for (int k = 0; k < 2; ++k) {  // k 0: weights 0..63 of the half (low nibbles), 1: 64..127
+      const __m512i nib = k ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low) : _mm512_and_si512(l, low);
+      const __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi64(4 * k),
+                                             _mm256_set1_epi64x(4 * k + 2), 1);
+      const __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, cnt), two), 4);
+      o.q[2 * h + k] = _mm512_or_si512(nib, hb);
+    }
+  }
+}
+
+template <int R>
+void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
+              const Spread& sp) {
+  const int64_t nb = a.nb, bb = block_bytes(kind);
+  __m512 acc[R];
+  __m128 accm[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accm[r] = _mm_setzero_ps();
+  }
+  Block512 blk;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (kind == Q6_K) load_q6(w + b * bb, sp, blk);
+    else load_q45(kind, w + b * bb, sp, blk);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* aq = a.q.data() + row * a.K + b * QK;
+      // two chains of int32 sums (exact: any order gives the same integers), half the latency
+      __m512i p[4];
+      for (int v = 0; v < 4; ++v) p[v] = _mm512_maddubs_epi16(blk.q[v], _mm512_loadu_si512(aq + 64 * v));
+      __m512i isum = _mm512_add_epi32(
+          _mm512_dpwssd_epi32(_mm512_madd_epi16(p[0], blk.s[0]), p[2], blk.s[2]),
+          _mm512_dpwssd_epi32(_mm512_madd_epi16(p[1], blk.s[1]), p[3], blk.s[3]));
+      const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
+      const float da = a.d[row * nb + b];
+      if (kind == Q6_K) {  // (q - 32): less 32 * the scaled sums of 16
+        const __m256i off = _mm256_madd_epi16(
+            blk.sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+      } else {
+        const __m128i imin = _mm_madd_epi16(blk.mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)));
+        accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(blk.dmin * da), accm[r]);
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(blk.d * da), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float m[4];
+    _mm_storeu_ps(m, accm[r]);
+    out[r * os] = _mm512_reduce_add_ps(acc[r]) - ((m[0] + m[1]) + (m[2] + m[3]));
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- AVX2: the same with 32-byte vectors (maddubs then madd with the scales).
+
+template <int R>
+void tile_avx2(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os) {
+  const int64_t nb = a.nb, bb = block_bytes(kind);
+  __m256 acc[R];
+  __m128 accm[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    accm[r] = _mm_setzero_ps();
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bb;
+    __m256i q[8], s[8];  // 32 weights a vector, in the order of the activations
+    float dw, dmin = 0.f;
+    __m128i mins = _mm_setzero_si128();
+    __m256i sc16 = _mm256_setzero_si256();
+    if (kind == Q6_K) {
+      dw = half(blk + 208);
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      alignas(32) int16_t scs[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(scs), sc16);
+      const __m256i two = _mm256_set1_epi8(0x03);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        for (int k = 0; k < 4; ++k) {
+          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+          const __m256i nib = k < 2 ? _mm256_and_si256(l, low)
+                                    : _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
+          const __m256i hb = _mm256_slli_epi16(
+              _mm256_and_si256(_mm256_srl_epi64(qh, _mm_cvtsi32_si128(2 * k)), two), 4);
+          q[4 * h + k] = _mm256_or_si256(nib, hb);
+          const int s0 = scs[8 * h + 2 * k], s1 = scs[8 * h + 2 * k + 1];
+          s[4 * h + k] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(s1)),
+                                          _mm_set1_epi16(static_cast<int16_t>(s0)));
+        }
+      }
+    } else {
+      dw = half(blk);
+      dmin = half(blk + 2);
+      uint64_t sc8, m8;
+      scales_mins64(blk + 4, sc8, m8);
+      mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m8)));
+      const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
+      const __m256i qh = kind == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                                      : _mm256_setzero_si256();
+      for (int sb = 0; sb < 8; ++sb) {  // sub-block sb (natural activation order)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (sb / 2)));
+        __m256i n = sb & 1 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+        if (kind == Q5_K)
+          n = _mm256_or_si256(n, _mm256_and_si256(
+              _mm256_slli_epi64(_mm256_srl_epi64(qh, _mm_cvtsi32_si128(sb)), 4), _mm256_set1_epi8(0x10)));
+        q[sb] = n;
+        s[sb] = _mm256_set1_epi16(static_cast<int16_t>((sc8 >> (8 * sb)) & 0xFF));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* aq = a.q.data() + row * a.K + b * QK;
+      __m256i isum = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v) {
+        const __m256i p = _mm256_maddubs_epi16(q[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + 32 * v)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s[v]));
+      }
+      const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
+      const float da = a.d[row * nb + b];
+      if (kind == Q6_K) {
+        const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+      } else {
+        const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)));
+        accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin * da), accm[r]);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * da), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float v[8], m[4];
+    _mm256_storeu_ps(v, acc[r]);
+    _mm_storeu_ps(m, accm[r]);
+    out[r * os] = (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) -
+                  ((m[0] + m[1]) + (m[2] + m[3]));
+  }
+}
+#endif
+
+bool has_isa(int64_t isa) {
+  if (isa == PORTABLE) return true;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa == AVX2) return true;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (isa == AVX512) return true;
+#endif
+  return false;
+}
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+struct Spread {};
+#endif
+
+template <int R>
+void tile(int64_t isa, int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out,
+          int64_t os, const Spread& sp) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (isa == AVX512) return tile_512<R>(kind, w, a, r0, out, os, sp);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa == AVX2) return tile_avx2<R>(kind, w, a, r0, out, os);
+#endif
+  tile_portable<R>(kind, w, a, r0, out, os);
+}
+
+}  // namespace
+
+// The q8_K product's paths this build has: 0 portable, 1 AVX2, 2 AVX-512 VNNI.
+std::vector<int64_t> kquant_isas() {
+  std::vector<int64_t> out;
+  for (int64_t i : {PORTABLE, AVX2, AVX512})
+    if (has_isa(i)) out.push_back(i);
+  return out;
+}
+
+// x [M, K] float32 rounded to q8_K: (q int8 [M, K], d float32 [M, K / 256], bsums int16
+// [M, K / 16]) in natural order (the eager twin's test).
+std::vector<torch::Tensor> q8k_quantize(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+              x.size(1) % QK == 0, "q8k_quantize: x float32 [M, K], K a multiple of 256");
+  const int64_t M = x.size(0), nb = x.size(1) / QK;
+  auto q = torch::empty({M, nb * QK}, torch::kInt8);
+  auto d = torch::empty({M, nb}, torch::kFloat32);
+  auto s = torch::empty({M, nb * 16}, torch::kInt16);
+  for (int64_t r = 0; r < M; ++r)
+    quantize_q8k(x.data_ptr<float>() + r * x.stride(0), nb, q.data_ptr<int8_t>() + r * nb * QK,
+                 d.data_ptr<float>() + r * nb, s.data_ptr<int16_t>() + r * nb * 16);
+  return {q, d, s};
+}
+
+namespace {
+
+// The parts of a weight stacked along its output rows (one, or a fused projection's), each
+// its own format, all with the same input width.
+struct Part {
+  const uint8_t* w;
+  int64_t ws, kind, lo, hi;  // row stride; kind; its output columns [lo, hi)
+};
+
+std::vector<Part> parts_of(const std::vector<torch::Tensor>& raws, const int64_t* kinds,
+                           int64_t& N, int64_t& nb) {
+  std::vector<Part> parts;
+  N = 0;
+  nb = -1;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    check_weight(raws[i], kinds[i], "kquant_mm");
+    const int64_t pnb = raws[i].size(1) / block_bytes(kinds[i]);
+    TORCH_CHECK(nb < 0 || pnb == nb, "kquant_mm: parts of different input widths");
+    nb = pnb;
+    parts.push_back({raws[i].data_ptr<uint8_t>(), raws[i].stride(0), kinds[i], N,
+                     N + raws[i].size(0)});
+    N += raws[i].size(0);
+  }
+  return parts;
+}
+
+void check_io(const torch::Tensor& x, const torch::Tensor& out, int64_t N, int64_t K) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+              x.size(1) == K, "kquant_mm: x float32 [M, ", K, "]");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == x.size(0) &&
+              out.size(1) == N && out.stride(1) == 1, "kquant_mm: out float32 [M, N]");
+}
+
+inline const Part& part_of(const std::vector<Part>& parts, int64_t n) {
+  size_t i = 0;
+  while (n >= parts[i].hi) ++i;
+  return parts[i];
+}
+
+// out [M, N] = x @ W^T on the exact weights: one parallel region (threads split the output
+// columns); each output row dequantized once, then every activation row.
+void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
+                 const torch::Tensor& out) {
+  const int64_t M = x.size(0), K = nb * QK;
+  if (M == 0 || N == 0) return;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> wrow(K);
+    for (int64_t n = begin; n < end; ++n) {
+      const Part& p = part_of(parts, n);
+      dequant_row(p.kind, p.w + (n - p.lo) * p.ws, nb, wrow.data());
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) dot_tile<4>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
+      for (; r < M; ++r) dot_tile<1>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
+    }
+  });
+}
+
+// out [M, N] = q8_K(x) @ W^T on path isa: the activations quantized once per layout the
+// parts need, then one parallel region (threads split the output columns; a few
+// activation rows share each pass over a weight row).
+void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
+              const torch::Tensor& out, int64_t isa) {
+  if (isa < 0) isa = kquant_isas().back();
+  TORCH_CHECK(has_isa(isa), "kquant_mm_parts: path ", isa, " is not built here");
+  const int64_t M = x.size(0);
+  if (M == 0 || N == 0) return;
+  thread_local Acts buffers[2];  // the caller's (Q4_K / Q5_K layout, Q6_K's), reused
+  Acts& a45 = buffers[0];  // (by name, a worker thread would find its own)
+  Acts& a6 = buffers[1];
+  bool need45 = false, need6 = false;
+  for (const Part& p : parts) (p.kind == Q6_K ? need6 : need45) = true;
+  if (need45) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512, a45);
+  if (need6) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q6_K, false, a6);
+  float* op = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    const Spread sp;
+    for (int64_t n = begin; n < end; ++n) {
+      const Part& p = part_of(parts, n);
+      const Acts& a = p.kind == Q6_K ? a6 : a45;
+      const uint8_t* w = p.w + (n - p.lo) * p.ws;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) tile<4>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
+      for (; r < M; ++r) tile<1>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
+    }
+  });
+}
+
+}  // namespace
+
+// x @ W.T for W the parts raws[i] (kinds[i], int64 [P]) stacked along the output rows, in
+// one call: the exact kernel (q8 false) or q8_K activations on path isa (-1: the best
+// here). KQuantWeight's products, and the fused decode step's (decode_step.cpp).
+torch::Tensor kquant_mm_parts(torch::Tensor x, std::vector<torch::Tensor> raws,
+                              torch::Tensor kinds, bool q8, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && kinds.scalar_type() == torch::kInt64 && kinds.is_contiguous() &&
+              kinds.numel() == static_cast<int64_t>(raws.size()) && !raws.empty(),
+              "kquant_mm_parts: kinds int64 [parts]");
+  int64_t N, nb;
+  const auto parts = parts_of(raws, kinds.data_ptr<int64_t>(), N, nb);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  check_io(x, out, N, nb * QK);
+  if (q8) q8_parts(x, parts, N, nb, out, isa);
+  else exact_parts(x, parts, N, nb, out);
+  return out;
+}
+
+// A dispatcher op too, for the fused decode step in the cpu_ops extension:
+// c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_kquants::kquant_mm_parts", "").
+TORCH_LIBRARY(pie_ctx_kquants, m) {
+  m.def("kquant_mm_parts(Tensor x, Tensor[] raws, Tensor kinds, bool q8, int isa) -> Tensor",
+        &kquant_mm_parts);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kquant_mm_parts", &kquant_mm_parts,
+        "x @ W.T for W in K-quant super-blocks (its parts), exact or on q8_K activations");
+  m.def("kquant_rows", &kquant_rows, "rows of a K-quant weight, dequantized to float32");
+  m.def("q8k_quantize", &q8k_quantize, "x rounded to q8_K: (q, d, bsums)");
+  m.def("kquant_isas", &kquant_isas, "the q8_K product's code paths built here");
+}
