@@ -164,8 +164,9 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
             None = no limit (see docs/scheduling.md).
         weights: ``"fp32"`` (unquantized, in ``dtype``), ``"int8"`` (smoothed int8
             projections, CPU; see docs/models.md) or ``"gguf"`` (CPU: the projections,
-            lm_head and embedding on the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, bit for bit
-            the file's weights; an HF folder gets Q4_1 blocks made at load; see
+            lm_head and embedding on the GGUF's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+            blocks, bit for bit the file's weights; an HF folder gets Q4_1 blocks made at
+            load; see
             docs/performance.md); ``"auto"`` (``run`` and ``serve``'s default): ``"gguf"``
             for a model read from a GGUF on CPU, else ``"fp32"`` (:func:`default_weights`).
         kv_dtype: ``"fp32"`` (KV pages unquantized, in ``dtype``), ``"int8"`` (int8 entries

@@ -1,4 +1,5 @@
-"""Weights kept in a GGUF file's own block formats (``weights="gguf"``): Q4_0, Q4_1, Q8_0.
+"""Weights kept in a GGUF file's own block formats (``weights="gguf"``): Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0.
 
 Owner: the model's projections, lm_head and embedding table when the model runs on the
 blocks its GGUF stores (or, for a Hugging Face folder, on Q4_1 blocks made at load).
@@ -9,6 +10,11 @@ arrays (quants, scales, minimums) so the kernel reads them with aligned vector l
   ``w = q * d + m``;
 * Q4_0: ``w = (q - 8) * d``: stored as Q4_1 with ``m = -8 d`` (exact in float16, and
   ``q * d - 8 d`` rounds to the same float32 as ``(q - 8) * d``);
+* Q5_1: as Q4_1 with 5-bit ``q`` (the file's 4-byte ``qh`` holds each weight's 5th bit);
+* Q5_0: ``w = (q - 16) * d`` with 5-bit ``q``: stored without minimums (the kernels form
+  ``q * d - 16 d``, the same float32 value), so it reads the file's 5.5 bits a weight, and
+  Q5_1 its 6 (the blocks' bytes regrouped, none added: the int8-activation layout's 5th bits
+  become one 64-bit mask per 64 quant bytes, as many bytes as ``qh``);
 * Q8_0: ``w = q * d`` with 8-bit ``q``.
 
 The product (``runtime/model/kernels/block_mm.cpp``) forms each weight in float32 exactly as
@@ -47,8 +53,11 @@ __all__ = ["BLOCK_FORMATS", "BlockWeight", "BlockEmbedding", "GROUP", "Int4Weigh
            "StripBlocks", "int8_activations", "outlier_channels", "round_activations"]
 
 GROUP = 32  # weights per block in every supported format
-BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+# bytes of a block of 32 in BlockWeight.qs, by bits (5 bits: ggml's qh, then the nibbles)
+_QS_BYTES = {4: 16, 5: 20, 8: 32}
+Q5_0_OFFSET = 16  # Q5_0's w = (q - 16) * d
 # Read once; the int8-activation kernel joins the choice unless PIE_CTX_BLOCKS_Q8=0. With its
 # outlier split it meets the quality gates (greedy agreement 0.9891, +0.08% ppl;
 # docs/performance.md); off, the block projections keep fp32 activations, the file's model.
@@ -63,11 +72,14 @@ class BlockWeight:
     """One weight [out_features, in_features] in GGUF blocks of 32 along ``in_features``.
 
     Fields:
-        bits: 4 (Q4_0 / Q4_1) or 8 (Q8_0).
-        qs: uint8 [out, in / 2] (4 bits, ggml's nibble order) or int8 [out, in] (8 bits).
+        bits: 4 (Q4_0 / Q4_1), 5 (Q5_0 / Q5_1) or 8 (Q8_0).
+        qs: uint8 [out, in / 2] (4 bits, ggml's nibble order), uint8 [out, in / 32 * 20]
+            (5 bits: each block's 4 bytes of ``qh``, then its 16 bytes of nibbles) or int8
+            [out, in] (8 bits).
         d: float16 [out, in / 32] scales.
-        m: float16 [out, in / 32] minimums (4 bits; Q4_0 has ``-8 d``), empty for 8 bits.
-        source: the format it came from (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``).
+        m: float16 [out, in / 32] minimums (4 bits, Q4_0 with ``-8 d``; Q5_1), empty for
+            Q5_0 (``-16 d``, formed by the kernels) and 8 bits.
+        source: the format it came from (``"Q4_0"``, ``"Q4_1"``, ``"Q5_0"``, ...).
     """
 
     bits: int
@@ -101,6 +113,13 @@ class BlockWeight:
         if kind == "Q8_0":
             qs = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(out_f, in_f)
             return cls(8, qs, d, torch.empty(0, dtype=torch.float16), out_f, in_f, kind)
+        if kind == "Q5_0":  # d, qh, qs: the minimum -16 d is left to the kernels
+            qs = blocks[:, :, 2:].reshape(out_f, nb * 20).contiguous()
+            return cls(5, qs, d, torch.empty(0, dtype=torch.float16), out_f, in_f, kind)
+        if kind == "Q5_1":  # d, m, qh, qs
+            m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(out_f, nb)
+            return cls(5, blocks[:, :, 4:].reshape(out_f, nb * 20).contiguous(), d, m, out_f,
+                       in_f, kind)
         if kind == "Q4_1":
             m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(out_f, nb)
             qs = blocks[:, :, 4:].reshape(out_f, nb * 16).contiguous()
@@ -133,11 +152,14 @@ class BlockWeight:
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight | None:
         """The weights stacked along the output rows (a fused qkv / gate_up), or None when
-        their bit widths differ (the caller keeps that projection in float)."""
+        their bit widths differ (the caller keeps that projection in float). Q5_0 beside
+        Q5_1 gets its minimums ``-16 d`` stored (:meth:`minimums`)."""
         if len({p.bits for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
             return None
         first = parts[0]
-        m = torch.cat([p.m for p in parts]) if first.bits == 4 else first.m
+        m = first.m
+        if any(p.m.numel() for p in parts):
+            m = torch.cat([p.m if p.m.numel() else p.minimums() for p in parts])
         kinds = sorted({p.source for p in parts})
         return BlockWeight(first.bits, torch.cat([p.qs for p in parts]),
                            torch.cat([p.d for p in parts]), m,
@@ -148,7 +170,7 @@ class BlockWeight:
         """The weight of output rows ``index`` (Q/K row un-permutation, tensor-parallel
         shards)."""
         return BlockWeight(self.bits, self.qs[index].contiguous(), self.d[index].contiguous(),
-                           self.m[index].contiguous() if self.bits == 4 else self.m,
+                           self.m[index].contiguous() if self.m.numel() else self.m,
                            int(index.numel()), self.in_features, self.source)
 
     # ------------------------------------------------------------------ reading
@@ -162,6 +184,23 @@ class BlockWeight:
     def device(self) -> torch.device:
         return self.qs.device
 
+    def minimums(self) -> torch.Tensor:
+        """float16 [out, in / 32]: ``m`` as stored, or Q5_0's ``-16 d`` (exact in float16
+        while ``16 |d|`` is within its range, as for any weight a quantizer writes).
+
+        Raises:
+            ModelError: a Q5_0 scale whose ``-16 d`` float16 cannot hold.
+        """
+        if self.m.numel():
+            return self.m
+        if self.bits != 5:
+            raise RuntimeError(f"{self.source} weights have no minimums")
+        m = self.d.float() * -Q5_0_OFFSET
+        if not torch.isfinite(m.to(torch.float16)).all():
+            raise ModelError(f"a {self.source} scale of 4096 or more cannot be stored beside "
+                             "Q5_1 blocks; use --weights fp32 or int8 for this model")
+        return m.to(torch.float16)
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [R, in] weights of output ``rows`` (None: all): ggml's values exactly."""
         index = rows if rows is not None else torch.arange(self.out_features)
@@ -173,10 +212,15 @@ class BlockWeight:
         if self.bits == 8:
             q = qs.view(-1, nb, GROUP).float()
             return (q * d[..., None]).reshape(-1, self.in_features)
-        b = qs.view(-1, nb, 16).to(torch.int32)
-        q = torch.cat([b & 15, b >> 4], dim=2).float()  # element j, then j + 16
+        blk = qs.view(-1, nb, _QS_BYTES[self.bits])
+        b = blk[..., -16:].to(torch.int32)
+        q = torch.cat([b & 15, b >> 4], dim=2)  # element j, then j + 16
+        if self.bits == 5:  # bit j of the little-endian qh: element j's 5th bit
+            qh = blk[..., :4].contiguous().view(torch.int32)  # [R, nb, 1]
+            q = q | (((qh >> torch.arange(GROUP, dtype=torch.int32)) & 1) << 4)
+        m = self.m[index].float() if self.m.numel() else d * -Q5_0_OFFSET
         # q * d is exact in float32, so one rounding of the sum, as ggml's q * d + m
-        return (q * d[..., None] + self.m[index].float()[..., None]).reshape(-1, self.in_features)
+        return (q.float() * d[..., None] + m[..., None]).reshape(-1, self.in_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """float32 ``x`` [M, in] @ W.T -> [M, out] (the compiled kernel, or the eager twin)."""
@@ -249,6 +293,20 @@ class Int4Weight:
         return y.to(x.dtype)
 
 
+def _fifth_bit_masks(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 [strips, nb, 64]: the 5th bits of 5-bit blocks for ``block_mm_q8``, from their
+    ``qh`` (uint8 [strips, 16, nb, 4]: row 16 s + l's 4 bytes of block b): 8 little-endian
+    64-bit masks a strip's block, mask (k, h) at byte 16 k + 8 h, whose bit 4 l + t is the
+    5th bit of element 16 h + 4 k + t of row l (the element of byte 4 l + t of quant vector
+    k, in its low nibble for h = 0, its high nibble for h = 1)."""
+    strips, _, nb, _ = qh.shape
+    word = qh.contiguous().view(torch.int32)  # [s, l, b, 1]: bit j is element j's
+    bits = (word >> torch.arange(GROUP, dtype=torch.int32)) & 1  # [s, l, b, 32]
+    bits = bits.view(strips, 16, nb, 2, 4, 4).permute(0, 2, 4, 3, 1, 5)  # [s, b, k, h, l, t]
+    octets = bits.reshape(strips, nb, 64, 8) << torch.arange(8, dtype=torch.int32)
+    return octets.sum(dim=3).to(torch.uint8)  # byte 8 (2k + h) + i holds bits 8i..8i+7
+
+
 def int8_activations() -> bool:
     """Whether the ``blocks_q8`` kernel may run here: not turned off by
     ``PIE_CTX_BLOCKS_Q8=0`` (read at import), and the block kernels built with it."""
@@ -307,11 +365,12 @@ class StripBlocks:
     the strip's 16 rows interleaved 4 bytes at a time (one vector: 4 bytes of every row).
 
     Fields:
-        bits: 4 or 8.
+        bits: 4, 5 or 8.
         qs: uint8 [strips, nb, 4, 16, 4] (4 bits: [s, b, k, l, t] is ggml's byte 4k + t of
-            row 16 s + l's block b) or [strips, nb, 8, 16, 4] (8 bits: ``q + 128`` of
-            element 4k + t).
-        d: float16 [strips, nb, 16] scales; m: the same minimums (4 bits) or empty.
+            row 16 s + l's block b), [strips, nb, 320] (5 bits: those 256 bytes, then the
+            5th bits as 8 masks, :func:`_fifth_bit_masks`) or [strips, nb, 8, 16, 4] (8
+            bits: ``q + 128`` of element 4k + t).
+        d: float16 [strips, nb, 16] scales; m: the same minimums (4 bits, Q5_1) or empty.
         outliers: int64 [K] input channels kept out of the rounding (K may be 0).
         side: float32 [K, out]: the file's dequantized weights of those channels (exact).
         levels: 1, or 2: the activations rounded in two levels (:func:`round_activations`;
@@ -353,13 +412,16 @@ class StripBlocks:
         def per_strip(t: torch.Tensor) -> torch.Tensor:  # [n, nb] -> [strips, nb, 16]
             return rows(t).view(strips, 16, nb).transpose(1, 2).contiguous()
 
-        if w.bits == 4:
-            q = rows(w.qs).view(strips, 16, nb, 4, 4)  # [s, l, b, k, t]
-            m = per_strip(w.m)
-        else:
+        m = per_strip(w.m) if w.m.numel() else torch.empty(0, dtype=torch.float16)
+        if w.bits == 8:
             q = rows(w.qs.view(torch.uint8) ^ 0x80, 0x80).view(strips, 16, nb, 8, 4)
-            m = torch.empty(0, dtype=torch.float16)
-        qs = q.permute(0, 2, 3, 1, 4).contiguous()  # [s, b, k, l, t]
+            qs = q.permute(0, 2, 3, 1, 4).contiguous()  # [s, b, k, l, t]
+        else:
+            blk = rows(w.qs).view(strips, 16, nb, _QS_BYTES[w.bits])
+            q = blk[..., -16:].view(strips, 16, nb, 4, 4)  # [s, l, b, k, t]
+            qs = q.permute(0, 2, 3, 1, 4).contiguous()
+            if w.bits == 5:
+                qs = torch.cat([qs.view(strips, nb, 256), _fifth_bit_masks(blk[..., :4])], dim=2)
         idx = (torch.empty(0, dtype=torch.int64) if outliers is None
                else outliers.to(torch.int64).contiguous())
         side = w.dequantize()[:, idx].t().contiguous()  # [K, out]

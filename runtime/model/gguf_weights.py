@@ -2,10 +2,10 @@
 
 Owner: the model runner, once at load, on a model built in float. With the blocks of the
 GGUF the model was converted from (``runtime.model.loader.load_blocks``) every matrix the
-file stores in a format computed as stored (``runtime.model.formats``: Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K, Q6_K) runs on those blocks as they are (a fused qkv or gate_up stacks its
-parts' blocks; parts no one weight holds together, other formats and matrices the file
-stores as floats stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
+file stores in a format computed as stored (``runtime.model.formats``: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) runs on those blocks as they are (a fused qkv or gate_up
+stacks its parts' blocks; parts no one weight holds together, other formats and matrices
+the file stores as floats stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
 Face folder) the float weights are quantized here as llama.cpp's Q4_1 files are: the
 projections to Q4_1, the embedding table (and lm_head) to Q8_0.
 """

@@ -23,7 +23,7 @@ only: fbgemm's int8 linear with fp32 output, fed that row's own scale and the ze
 128 that makes its uint8 input the same integers).
 
 Block candidates (CPU, a :class:`runtime.model.blocks.BlockWeight`: a GGUF file's Q4_0,
-Q4_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
+Q4_1, Q5_0, Q5_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
 ``runtime/model/kernels/block_mm.cpp``), ``blocks_f32`` (the blocks dequantized per call,
 then ``F.linear``: for many rows), ``blocks_q8`` (the blocks times int8-quantized
 activations, llama.cpp's Q8 per 32, in integer SIMD: the same weights, the activations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -203,16 +204,25 @@ def test_bf16_and_int8_pages_give_the_eager_steps_bits(kv: str) -> None:
 
 def _blocks(p: Projection, kernel: str = "blocks") -> Projection:
     """``p``'s weight as Q4_1 blocks (runtime/model/blocks.py) on block kernel ``kernel``
-    (``blocks_q8_split``: blocks_q8 with three input channels kept out of the rounding)."""
+    (``blocks_q8_split``: blocks_q8 with three input channels kept out of the rounding;
+    ``<kernel>-<format>``: the weight quantized by gguf to that format instead)."""
     outliers = None
+    kernel, _, kind = kernel.partition("-")
     if kernel == "blocks_q8_split":
         kernel, outliers = "blocks_q8", torch.tensor([1, 5, 40])
-    proj = Projection(BlockWeight.quantize_q4_1(p.weight.float()), p.bias, outliers=outliers)
+    w = p.weight.float()
+    if kind:
+        fmt = gguf.GGMLQuantizationType[kind]
+        bw = BlockWeight.from_gguf(gguf.quants.quantize(w.numpy(), fmt), kind, tuple(w.shape))
+    else:
+        bw = BlockWeight.quantize_q4_1(w)
+    proj = Projection(bw, p.bias, outliers=outliers)
     proj.use([kernel] * proj.buckets)
     return proj
 
 
-@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8", "blocks_q8_split"])
+@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8", "blocks_q8_split",
+                                     "blocks-Q5_1", "blocks_q8_split-Q5_0"])
 def test_int8_and_block_weights_match_the_eager_step(weights: str) -> None:
     hf = make_hf_model("qwen2", seed=7)  # q/k/v biases too
 

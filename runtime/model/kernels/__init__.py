@@ -25,8 +25,8 @@ The kernels (docs/forward.md):
   prepares and runs it).
 
 :func:`block_ops` is a second module from ``block_mm.cpp`` (built the same way, with
-``-ffp-contract=fast``): projections over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks
-(``runtime.model.blocks``); its eager twin is dequantizing the blocks and ``F.linear``.
+``-ffp-contract=fast``): projections over a GGUF file's own Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q8_0 blocks (``runtime.model.blocks``); its eager twin is dequantizing the blocks and ``F.linear``.
 Its ``block_mm_q8`` multiplies them with int8-quantized activations (AVX-512 VNNI where the
 CPU has it, portable loops elsewhere); its twin is ``round_activations`` then the same.
 
@@ -114,9 +114,11 @@ def cpu_facts() -> tuple[str, str]:
     return cpu_model, flags
 
 
-def folder(source: Path = SOURCE) -> Path:
-    """Where this machine's build of ``source`` lives."""
+def folder(source: Path = SOURCE, march: str = "native") -> Path:
+    """Where this machine's build of ``source`` (for ``-march=march``) lives."""
     digest = hashlib.blake2b(digest_size=8)
+    if march != "native":
+        digest.update(march.encode())
     # (this file too: it holds the compiler flags)
     for part in (*(s.read_bytes() for s in SOURCES[source]), HEADER.read_bytes(),
                  Path(__file__).read_bytes(),
@@ -127,11 +129,16 @@ def folder(source: Path = SOURCE) -> Path:
     return root / "pie-ctx" / "kernels" / digest.hexdigest()
 
 
-def build(verbose: bool = False, source: Path = SOURCE) -> Any:
-    """Compile (or load the cached build of) the kernels of ``source``; raise if that fails."""
+def build(verbose: bool = False, source: Path = SOURCE, march: str = "native") -> Any:
+    """Compile (or load the cached build of) the kernels of ``source``; raise if that fails.
+
+    ``march``: on x86, the instruction set to compile for (``"x86-64-v3"``: AVX2 and FMA;
+    ``"x86-64"``: SSE2 only, the portable loops), so that tests run the code paths other
+    CPUs take; such a build registers no dispatcher ops (``PIE_CTX_NO_DISPATCHER_OPS``: the
+    native build owns their names) and is only called through its module."""
     from torch.utils.cpp_extension import load
 
-    where = folder(source)
+    where = folder(source, march)
     where.mkdir(parents=True, exist_ok=True)
     # Always the same ninja (the wheel's, beside this interpreter, when there is one): two
     # ninja versions hash a command line differently, so a process that found the
@@ -144,7 +151,9 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Any:
     flags = ["-O3", "-std=c++17", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
         # the CPU's own instructions; with AVX-512, its full-width registers too
-        flags += ["-march=native", "-mprefer-vector-width=512"]
+        flags += [f"-march={march}", "-mprefer-vector-width=512"]
+    if march != "native":
+        flags.append("-DPIE_CTX_NO_DISPATCHER_OPS")
     if source == BLOCK_SOURCE:  # a * b + c as one fma (exact where it matters there)
         flags.append("-ffp-contract=fast")
     elif source in (SAMPLING_SOURCE, KQUANT_SOURCE):  # every rounding as written

@@ -1,4 +1,5 @@
-// pie-ctx CPU kernels for weights kept in a GGUF file's own block formats (Q4_0, Q4_1, Q8_0).
+// pie-ctx CPU kernels for weights kept in a GGUF file's own block formats (Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0).
 //
 // Built at first use by runtime/model/kernels/__init__.py (block_ops()), like cpu_ops.cpp.
 // Layouts (runtime/model/blocks.py makes them from the file's blocks, byte for byte):
@@ -7,11 +8,16 @@
 //     qs[n, 16 b:]: byte j holds element 32 b + j in its low nibble and 32 b + j + 16 in its
 //     high nibble (ggml's order); d, m float16 [N, nb]: the weight is q * d + m (Q4_0 is
 //     stored with m = -8 d, which is the same value as ggml's (q - 8) * d).
+//   5-bit (Q5_0, Q5_1): qs uint8 [N, nb * 20]: block b of row n is the 20 bytes at
+//     qs[n, 20 b:]: ggml's qh (4 bytes, a little-endian uint32 whose bit j is the 5th bit of
+//     element 32 b + j) then its 16 bytes of low nibbles in the 4-bit order; d float16
+//     [N, nb]; m float16 [N, nb] (Q5_1: the weight is q * d + m) or empty (Q5_0: the weight
+//     is (q - 16) * d, formed as q * d + m with m = -16 d, exact in fp32 and the same value).
 //   8-bit (Q8_0): qs int8 [N, nb * 32], element 32 b + j at qs[n, 32 b + j]; d float16
 //     [N, nb]; the weight is q * d.
 //
 // Every weight is formed in fp32 as q * d + m with one rounding, which is exactly ggml's
-// dequantized value (q * d is exact in fp32: an 11-bit mantissa times a 4- or 8-bit integer),
+// dequantized value (q * d is exact in fp32: an 11-bit mantissa times a 4- to 8-bit integer),
 // then multiplied with fp32 activations: no activation rounding at all. A row's result
 // depends only on that row (the sums run in a fixed order whatever the batch).
 //
@@ -72,6 +78,23 @@ struct Q4 {
     const v16i qi = widen_bytes<false>(q);
     lo = __builtin_convertvector(qi & 15, v16) * d + m;
     hi = __builtin_convertvector(qi >> 4, v16) * d + m;
+  }
+};
+
+// 5 bits: the 4-bit nibbles with their 5th bits (bit j of the block's qh) put back.
+struct Q5 {
+  static constexpr int64_t BYTES = 20;
+  static inline void weights(const uint8_t* q, float d, float m, v16& lo, v16& hi) {
+    typedef uint32_t v16u __attribute__((vector_size(64)));
+    uint32_t h;
+    std::memcpy(&h, q, 4);
+    const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16u hv = v16u{} + h;
+    const v16i h_lo = (v16i)(((hv >> lane) & 1) << 4);
+    const v16i h_hi = (v16i)(((hv >> (lane + 16)) & 1) << 4);
+    const v16i qi = widen_bytes<false>(q + 4);
+    lo = __builtin_convertvector((qi & 15) | h_lo, v16) * d + m;
+    hi = __builtin_convertvector((qi >> 4) | h_hi, v16) * d + m;
   }
 };
 
@@ -150,18 +173,32 @@ inline void rows_of(const float* x, int64_t M, int64_t xs, const uint8_t* q, int
   }
 }
 
+// The minimums of `n` blocks into dst: the stored ones (mp), or `offset` * d (Q5_0's -16 d,
+// exact in fp32), or none (nullptr: Q8_0).
+inline const float* minimums(const _Float16* mp, float offset, const float* d, float* dst,
+                             int64_t n) {
+  if (mp) {
+    widen(mp, dst, n);
+    return dst;
+  }
+  if (offset == 0.f) return nullptr;
+  for (int64_t i = 0; i < n; ++i) dst[i] = offset * d[i];
+  return dst;
+}
+
 template <class F>
 void block_mm_impl(const float* x, int64_t M, int64_t xs, const uint8_t* qs,
-                   const _Float16* dp, const _Float16* mp, int64_t N, int64_t nb, float* out) {
+                   const _Float16* dp, const _Float16* mp, float offset, int64_t N, int64_t nb,
+                   float* out) {
   const int64_t qrow = nb * F::BYTES;
   const bool wide = M < 4;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> dbuf(WIDE * nb), mbuf(mp ? WIDE * nb : 0);
+    std::vector<float> dbuf(WIDE * nb), mbuf(mp || offset != 0.f ? WIDE * nb : 0);
     for (int64_t n = begin; n < end;) {
       const int64_t no = wide && n + WIDE <= end ? WIDE : 1;
       widen(dp + n * nb, dbuf.data(), no * nb);
-      if (mp) widen(mp + n * nb, mbuf.data(), no * nb);
-      const float* m = mp ? mbuf.data() : nullptr;
+      const float* m = minimums(mp ? mp + n * nb : nullptr, offset, dbuf.data(), mbuf.data(),
+                                no * nb);
       if (no == WIDE)
         rows_of<F, WIDE>(x, M, xs, qs + n * qrow, qrow, dbuf.data(), m, nb, out + n, N);
       else
@@ -171,16 +208,31 @@ void block_mm_impl(const float* x, int64_t M, int64_t xs, const uint8_t* qs,
   });
 }
 
+// Bytes of a block of 32 for `bits` (4, 5 or 8) in the layouts above.
+inline int64_t block_bytes(int64_t bits) {
+  return bits == 4 ? Q4::BYTES : bits == 5 ? Q5::BYTES : Q8::BYTES;
+}
+
 void check(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
            int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_mm: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "block_mm: bits must be 4, 5 or 8");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.element_size() == 1,
               "block_mm: qs [N, bytes] of 1-byte elements");
   TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 2 && d.is_contiguous() &&
               d.size(0) == qs.size(0), "block_mm: d float16 [N, nb]");
-  TORCH_CHECK(qs.size(1) == d.size(1) * (bits == 4 ? 16 : 32), "block_mm: qs/d sizes");
-  TORCH_CHECK(bits == 8 || (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 &&
-                            m.is_contiguous()), "block_mm: m float16 [N, nb] for 4 bits");
+  TORCH_CHECK(qs.size(1) == d.size(1) * block_bytes(bits), "block_mm: qs/d sizes");
+  TORCH_CHECK((bits == 8 && m.numel() == 0) || (bits == 5 && m.numel() == 0) ||
+                  (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 && m.is_contiguous()),
+              "block_mm: m float16 [N, nb] for 4 bits and Q5_1, empty for Q5_0 and 8 bits");
+}
+
+// The stored minimums, or none; and the offset that stands for them when none are stored
+// (Q5_0's m = -16 d).
+inline const _Float16* min_ptr(const torch::Tensor& m) {
+  return m.numel() ? reinterpret_cast<const _Float16*>(m.data_ptr()) : nullptr;
+}
+inline float min_offset(int64_t bits, const torch::Tensor& m) {
+  return bits == 5 && m.numel() == 0 ? -16.f : 0.f;
 }
 
 }  // namespace
@@ -196,13 +248,15 @@ torch::Tensor block_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch
   auto out = torch::empty({M, N}, x.options());
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
+  const _Float16* mp = min_ptr(m);
+  const float off = min_offset(bits, m);
+  float* op = out.data_ptr<float>();
   if (bits == 4)
-    block_mm_impl<Q4>(x.data_ptr<float>(), M, x.stride(0), q, dp,
-                      reinterpret_cast<const _Float16*>(m.data_ptr()), N, nb,
-                      out.data_ptr<float>());
+    block_mm_impl<Q4>(x.data_ptr<float>(), M, x.stride(0), q, dp, mp, off, N, nb, op);
+  else if (bits == 5)
+    block_mm_impl<Q5>(x.data_ptr<float>(), M, x.stride(0), q, dp, mp, off, N, nb, op);
   else
-    block_mm_impl<Q8>(x.data_ptr<float>(), M, x.stride(0), q, dp, nullptr, N, nb,
-                      out.data_ptr<float>());
+    block_mm_impl<Q8>(x.data_ptr<float>(), M, x.stride(0), q, dp, nullptr, 0.f, N, nb, op);
   return out;
 }
 
@@ -215,8 +269,9 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
   auto out = torch::empty({R, nb * 32}, d.options().dtype(torch::kFloat32));
   const auto* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
-  const auto* mp = bits == 4 ? reinterpret_cast<const _Float16*>(m.data_ptr()) : nullptr;
-  const int64_t bytes = bits == 4 ? Q4::BYTES : Q8::BYTES;
+  const _Float16* mp = min_ptr(m);
+  const float off = min_offset(bits, m);
+  const int64_t bytes = block_bytes(bits);
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "block_rows: row ", rp[i], " out of range");
@@ -226,9 +281,10 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
       const int64_t n = rp[i];
       for (int64_t b = 0; b < nb; ++b) {
         const float db = static_cast<float>(dp[n * nb + b]);
-        const float mb = mp ? static_cast<float>(mp[n * nb + b]) : 0.f;
+        const float mb = mp ? static_cast<float>(mp[n * nb + b]) : off * db;
         v16 lo, hi;
         if (bits == 4) Q4::weights(q + (n * nb + b) * bytes, db, mb, lo, hi);
+        else if (bits == 5) Q5::weights(q + (n * nb + b) * bytes, db, mb, lo, hi);
         else Q8::weights(q + (n * nb + b) * bytes, db, mb, lo, hi);
         std::memcpy(op + i * nb * 32 + b * 32, &lo, sizeof lo);
         std::memcpy(op + i * nb * 32 + b * 32 + 16, &hi, sizeof hi);
@@ -239,13 +295,13 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
 }
 
 // ---------------------------------------------------------------------------------------
-// int8 activations ("blocks_q8"): llama.cpp's way of multiplying 4- and 8-bit blocks.
+// int8 activations ("blocks_q8"): llama.cpp's way of multiplying 4-, 5- and 8-bit blocks.
 //
 // Each activation row is quantized per group of 32 as llama.cpp's Q8_0 / Q8_1 blocks do:
 // d_a = max|x| / 127, q_a = round(x * (1 / d_a)) (to nearest, ties to even), s_a = d_a *
 // sum(q_a). A block's product is then an integer dot of the weight's quants with q_a (exact,
-// int32), combined in fp32: d_w * d_a * isum (+ m_w * s_a for 4 bits, m the minimum). The
-// weights are the file's, unchanged; only the activations are rounded.
+// int32), combined in fp32: d_w * d_a * isum (+ m_w * s_a with a minimum m: Q4_0, Q4_1,
+// Q5_1). The weights are the file's, unchanged; only the activations are rounded.
 //
 // Layout (runtime/model/blocks.py's StripBlocks makes it from the file's blocks): output
 // rows in strips of 16 (the last one padded with zero rows), S strips, nb blocks a row;
@@ -253,12 +309,18 @@ torch::Tensor block_rows(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int
 // one 64-byte vector holds 4 consecutive quant bytes of each of the 16 rows (lane l = row l):
 //   4-bit: qs uint8 [S, nb, 4, 16, 4]: [s, b, k, l, t] = ggml's byte 4k + t of row 16s + l's
 //     block b (low nibble: element 4k + t, high nibble: element 16 + 4k + t);
+//   5-bit: qs uint8 [S, nb, 320]: the 4-bit layout's 256 bytes of low nibbles, then the 5th
+//     bits as 8 little-endian uint64 masks, mask (k, h) at byte 256 + 16 k + 8 h: its bit
+//     4 l + t is the 5th bit of element 16 h + 4 k + t of row 16 s + l (the byte 4 l + t of
+//     vector k holds that element's nibble): a masked byte add puts them back;
 //   8-bit: qs uint8 [S, nb, 8, 16, 4]: q + 128 of element 4k + t;
-//   d, m: float16 [S, nb, 16] (m: 4 bits only; Q4_0 has m = -8 d).
+//   d, m: float16 [S, nb, 16] (m: Q4_0 / Q4_1 / Q5_1; Q4_0 has m = -8 d; none for Q5_0 and
+//     Q8_0).
 // vpdpbusd (unsigned weight bytes x signed activation bytes, four products summed a lane)
 // with 4 activation bytes broadcast then gives each row's block dot in its own int32 lane;
 // 8 of them cover a block. The 8-bit weights are biased by 128 to be unsigned; the sum
-// starts at -128 * (the block's activation sum), which cancels it exactly. Each lane is
+// starts at -128 * (the block's activation sum), which cancels it exactly; Q5_0's q is its
+// weight + 16 and starts at -16 * that sum (llama.cpp's integer dot of q - 16). Each lane is
 // scaled per block in fp32 (a multiply and one or two fmas) into the row's accumulator:
 // no horizontal sums.
 //
@@ -285,11 +347,11 @@ struct Acts {
   const int8_t* q = nullptr;      // [M, nb * 32]
   const float* d = nullptr;       // [M, nb]
   const float* s = nullptr;       // [M, nb]: d * sum(q) (+ d2 * sum(q2)) per block
-  const int32_t* corr = nullptr;  // [M, nb]: -128 * sum(q) per block (8-bit weights)
+  const int32_t* corr = nullptr;  // [M, nb]: -offset * sum(q) per block (Q8_0: 128, Q5_0: 16)
   const float* xo = nullptr;      // [M, K]: x[r, idx[k]] (the outlier split's inputs)
   const int8_t* q2 = nullptr;     // two levels: [M, nb * 32], the error's quants, or null
   const float* d2 = nullptr;      // [M, nb]
-  const int32_t* corr2 = nullptr; // [M, nb]: -128 * sum(q2) (8-bit weights)
+  const int32_t* corr2 = nullptr; // [M, nb]: -offset * sum(q2)
 };
 
 // One group of 32: q = round(x / d), d = max|x| / 127; returns sum(q). With `err`, also
@@ -332,20 +394,20 @@ inline int32_t quantize_group(const float* xb, int8_t* qb, float& d_out, float* 
 
 // A row's nb groups; with q2 (two levels) also the groups of its first level's error.
 inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* dd, float* ss,
-                         int32_t* cr, int8_t* q2, float* dd2, int32_t* cr2) {
+                         int32_t* cr, int8_t* q2, float* dd2, int32_t* cr2, int32_t offset) {
   alignas(64) float err[32];
   for (int64_t b = 0; b < nb; ++b) {
     float d;
     const int32_t sum = quantize_group(x + b * 32, q + b * 32, d, q2 ? err : nullptr);
     dd[b] = d;
     ss[b] = d * static_cast<float>(sum);
-    if (cr) cr[b] = -128 * sum;
+    if (cr) cr[b] = -offset * sum;
     if (q2) {
       float d2;
       const int32_t sum2 = quantize_group(err, q2 + b * 32, d2, nullptr);
       dd2[b] = d2;
       ss[b] = std::fma(d2, static_cast<float>(sum2), ss[b]);
-      if (cr2) cr2[b] = -128 * sum2;
+      if (cr2) cr2[b] = -offset * sum2;
     }
   }
 }
@@ -362,9 +424,12 @@ struct Scratch {
 // The rows are few in a decode (<= 8): one thread quantizes them (waking the pool costs
 // more); a prefill chunk's rows are split between the threads. Either way each row is the
 // same instructions: its bits do not depend on its batch.
-Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
+// `offset`: the weights' quants are their values + offset (Q8_0: 128, Q5_0: 16), whose
+// corrections -offset * sum(q) are kept; 0: none.
+Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, int32_t offset,
               const int64_t* idx, int64_t K, bool two) {
   thread_local Scratch t;
+  const bool corr = offset != 0;
   const int64_t k32 = nb * 32;
   t.q.resize(std::max<size_t>(t.q.size(), M * k32));
   t.d.resize(std::max<size_t>(t.d.size(), M * nb));
@@ -406,7 +471,7 @@ Acts quantize(const float* x, int64_t M, int64_t xs, int64_t nb, bool corr,
       }
       quantize_row(src, nb, q + r * k32, dd + r * nb, ss + r * nb, cr ? cr + r * nb : nullptr,
                    q2 ? q2 + r * k32 : nullptr, q2 ? dd2 + r * nb : nullptr,
-                   cr2 ? cr2 + r * nb : nullptr);
+                   cr2 ? cr2 + r * nb : nullptr, offset);
     }
   };
   if (M <= 16) {
@@ -443,36 +508,49 @@ struct Dest {
 // outliers, v = v + (the fma chain over k of x[r, idx[k]] * side[k, j], from 0, in k
 // order): exactly the two-pass form's bits (block_mm_q8's product, then its side product
 // added); then v = v + bias[j]; then out = out + v with `acc`.
-template <int BITS, int LV, int R, int NS>
+// Bytes of a block of a strip for 4-, 5- and 8-bit weights.
+constexpr int64_t strip_block(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : 512; }
+
+// BITS: 4, 5 or 8; MIN: the weights have minimums (m) to add, else an offset (corr) or none.
+template <int BITS, bool MIN, int LV, int R, int NS>
 inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
                        const _Float16* dp, const _Float16* mp, int64_t sd, const Dest& o,
                        int64_t col0, int64_t cols) {
   const int64_t nb = a.nb, K = a.K;
-  constexpr int64_t BLK = BITS == 4 ? 256 : 512;  // bytes of a block of a strip
+  constexpr int64_t BLK = strip_block(BITS);
+  constexpr bool NIB = BITS != 8;  // nibbles: 4 vectors a block, two elements a byte
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R][NS];
   for (int r = 0; r < R; ++r)
     for (int s = 0; s < NS; ++s) acc[r][s] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[R][NS], isum2[LV == 2 ? R : 1][NS];
     for (int r = 0; r < R; ++r)
       for (int s = 0; s < NS; ++s) {
-        isum[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr[(r0 + r) * nb + b])
-                               : _mm512_setzero_si512();
+        isum[r][s] = MIN ? _mm512_setzero_si512()
+                         : _mm512_set1_epi32(a.corr[(r0 + r) * nb + b]);
         if (LV == 2)
-          isum2[r][s] = BITS == 8 ? _mm512_set1_epi32(a.corr2[(r0 + r) * nb + b])
-                                  : _mm512_setzero_si512();
+          isum2[r][s] = MIN ? _mm512_setzero_si512()
+                            : _mm512_set1_epi32(a.corr2[(r0 + r) * nb + b]);
       }
     // k outer, strips inner: each activation broadcast feeds every strip at once (with the
     // strips outer the compiler hoisted all R x 8 broadcasts of a block and spilled them)
     const int64_t i0 = (r0 * nb + b) * 32;
-    for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k) {
+    for (int k = 0; k < (NIB ? 4 : 8); ++k) {
       __m512i lo[NS], hi[NS];
       for (int s = 0; s < NS; ++s) {
-        const __m512i v = _mm512_loadu_si512(w + s * sw + b * BLK + 64 * k);
-        lo[s] = BITS == 4 ? _mm512_and_si512(v, low) : v;
-        if (BITS == 4) hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const uint8_t* wk = w + s * sw + b * BLK;
+        const __m512i v = _mm512_loadu_si512(wk + 64 * k);
+        lo[s] = NIB ? _mm512_and_si512(v, low) : v;
+        if (NIB) hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (BITS == 5) {  // the 5th bits: + 16 in the bytes their masks name
+          uint64_t h0, h1;
+          std::memcpy(&h0, wk + 256 + 16 * k, 8);
+          std::memcpy(&h1, wk + 256 + 16 * k + 8, 8);
+          lo[s] = _mm512_mask_add_epi8(lo[s], _cvtu64_mask64(h0), lo[s], sixteen);
+          hi[s] = _mm512_mask_add_epi8(hi[s], _cvtu64_mask64(h1), hi[s], sixteen);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int64_t i = i0 + r * nb * 32 + 4 * k;
@@ -480,12 +558,12 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           const int8_t* q = lv ? a.q2 : a.q;
           int32_t a0, a1 = 0;
           std::memcpy(&a0, q + i, 4);
-          if (BITS == 4) std::memcpy(&a1, q + i + 16, 4);
+          if (NIB) std::memcpy(&a1, q + i + 16, 4);
           const __m512i b0 = _mm512_set1_epi32(a0), b1 = _mm512_set1_epi32(a1);
           for (int s = 0; s < NS; ++s) {
             __m512i& acc_i = lv ? isum2[LV == 2 ? r : 0][s] : isum[r][s];
             acc_i = _mm512_dpbusd_epi32(acc_i, lo[s], b0);
-            if (BITS == 4) acc_i = _mm512_dpbusd_epi32(acc_i, hi[s], b1);
+            if (NIB) acc_i = _mm512_dpbusd_epi32(acc_i, hi[s], b1);
           }
         }
       }
@@ -494,7 +572,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
       const __m512 dw = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + s * sd + b * L)));
       __m512 mw = _mm512_setzero_ps();
-      if (BITS == 4)
+      if (MIN)
         mw = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + s * sd + b * L)));
       for (int r = 0; r < R; ++r) {
@@ -504,7 +582,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
         if (LV == 2)
           acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r][s]),
                                       _mm512_mul_ps(dw, _mm512_set1_ps(a.d2[i])), acc[r][s]);
-        if (BITS == 4) acc[r][s] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r][s]);
+        if (MIN) acc[r][s] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r][s]);
       }
     }
   }
@@ -548,13 +626,19 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           int32_t isum[2] = {0, 0};
           for (int lv = 0; lv < LV; ++lv) {
             const int8_t* aq = (lv ? a.q2 : a.q) + i * 32;
-            isum[lv] = BITS == 8 ? (lv ? a.corr2 : a.corr)[i] : 0;
-            for (int k = 0; k < (BITS == 4 ? 4 : 8); ++k)
+            isum[lv] = MIN ? 0 : (lv ? a.corr2 : a.corr)[i];
+            for (int k = 0; k < (NIB ? 4 : 8); ++k)
               for (int t = 0; t < 4; ++t) {
                 const uint8_t q = wb[64 * k + 4 * l + t];
-                if (BITS == 4)
-                  isum[lv] += int32_t{q & 15} * aq[4 * k + t] +
-                              int32_t{q >> 4} * aq[16 + 4 * k + t];
+                int32_t h0 = 0, h1 = 0;  // the 5th bits (16 or 0)
+                if (BITS == 5) {
+                  const int bit = 4 * l + t;
+                  h0 = ((wb[256 + 16 * k + bit / 8] >> (bit % 8)) & 1) << 4;
+                  h1 = ((wb[256 + 16 * k + 8 + bit / 8] >> (bit % 8)) & 1) << 4;
+                }
+                if (NIB)
+                  isum[lv] += (int32_t{q & 15} | h0) * aq[4 * k + t] +
+                              (int32_t{q >> 4} | h1) * aq[16 + 4 * k + t];
                 else
                   isum[lv] += int32_t{q} * aq[4 * k + t];
               }
@@ -563,7 +647,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
           acc[r][s][l] = std::fma(static_cast<float>(isum[0]), dw * a.d[i], acc[r][s][l]);
           if (LV == 2)
             acc[r][s][l] = std::fma(static_cast<float>(isum[1]), dw * a.d2[i], acc[r][s][l]);
-          if (BITS == 4)
+          if (MIN)
             acc[r][s][l] = std::fma(h2f(mp[s * sd + b * L + l]), a.s[i], acc[r][s][l]);
         }
       }
@@ -587,7 +671,7 @@ inline void strip_tile(const Acts& a, int64_t r0, const uint8_t* w, int64_t sw,
 #endif
 }
 
-template <int BITS, int LV, int NS>
+template <int BITS, bool MIN, int LV, int NS>
 void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _Float16* dp,
                  const _Float16* mp, int64_t sd, const Dest& o, int64_t col0, int64_t cols) {
   // two levels hold twice the integer sums: tiles of 2 rows keep them in registers
@@ -595,34 +679,34 @@ void strips_rows(const Acts& a, int64_t M, const uint8_t* w, int64_t sw, const _
   constexpr int RT = LV == 2 ? 2 : 4;
   int64_t r = 0;
   for (; r + RT <= M; r += RT)
-    strip_tile<BITS, LV, RT, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
+    strip_tile<BITS, MIN, LV, RT, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols);
   switch (M - r) {
     case 0: break;
-    case 1: strip_tile<BITS, LV, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
-    case 2: strip_tile<BITS, LV, 2, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
-    default: strip_tile<BITS, LV, 3, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    case 1: strip_tile<BITS, MIN, LV, 1, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    case 2: strip_tile<BITS, MIN, LV, 2, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
+    default: strip_tile<BITS, MIN, LV, 3, NS>(a, r, w, sw, dp, mp, sd, o, col0, cols); break;
   }
 }
 
 // One parallel region a call: threads split the strips; each tile adds its outlier
 // product, bias and residual while its accumulators are in registers.
-template <int BITS, int LV>
+template <int BITS, bool MIN, int LV>
 void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _Float16* mp,
         int64_t N, const Dest& o) {
   const int64_t nb = a.nb, strips = (N + L - 1) / L;
-  const int64_t sw = nb * (BITS == 4 ? 256 : 512), sd = nb * L;
+  const int64_t sw = nb * strip_block(BITS), sd = nb * L;
   const int64_t group = M <= 2 ? 4 : 2;  // strips a tile: independent chains for few rows
   at::parallel_for(0, strips, group, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end;) {
       const int64_t ns = s + group <= end ? group : 1;
-      const _Float16* m = BITS == 4 ? mp + s * sd : nullptr;
+      const _Float16* m = MIN ? mp + s * sd : nullptr;
       const int64_t col0 = s * L, cols = N - col0;
       if (ns == 4)
-        strips_rows<BITS, LV, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, MIN, LV, 4>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else if (ns == 2)
-        strips_rows<BITS, LV, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, MIN, LV, 2>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       else
-        strips_rows<BITS, LV, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
+        strips_rows<BITS, MIN, LV, 1>(a, M, qs + s * sw, sw, dp + s * sd, m, sd, o, col0, cols);
       s += ns;
     }
   });
@@ -640,23 +724,28 @@ void mm(const Acts& a, int64_t M, const uint8_t* qs, const _Float16* dp, const _
 // dequantized weights of those columns), one fma chain a value in k order, added to the
 // value's block sum in the tile that computes it: a row's bits do not depend on its batch.
 //
-// `bits`: the weights' 4 or 8, plus TWO_LEVELS (256) for activations in two levels (Acts).
+// `bits`: the weights' 4, 5 or 8, plus TWO_LEVELS (256) for activations in two levels (Acts);
+// 5 bits with m empty is Q5_0 (its quants are the weight + 16).
 void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                      const torch::Tensor& m, int64_t code, int64_t n, const torch::Tensor& idx,
                      const torch::Tensor& side, const torch::Tensor& bias,
                      const torch::Tensor& out, bool accumulate) {
   const bool two = (code & q8::TWO_LEVELS) != 0;
   const int64_t bits = code & ~q8::TWO_LEVELS;
-  TORCH_CHECK(bits == 4 || bits == 8, "block_mm_q8: bits must be 4 or 8 (+ 256: two levels)");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8,
+              "block_mm_q8: bits must be 4, 5 or 8 (+ 256: two levels)");
   TORCH_CHECK(d.dtype() == torch::kFloat16 && d.dim() == 3 && d.is_contiguous() &&
               d.size(2) == q8::L, "block_mm_q8: d float16 [strips, nb, 16]");
   const int64_t strips = d.size(0), nb = d.size(1);
   TORCH_CHECK(n > (strips - 1) * q8::L && n <= strips * q8::L, "block_mm_q8: ", n,
               " output rows in ", strips, " strips of 16");
   TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 &&
-              qs.numel() == strips * nb * (bits == 4 ? 256 : 512), "block_mm_q8: qs sizes");
-  TORCH_CHECK(bits == 8 || (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 &&
-                            m.is_contiguous()), "block_mm_q8: m float16 like d for 4 bits");
+              qs.numel() == strips * nb * q8::strip_block(bits), "block_mm_q8: qs sizes");
+  const bool has_min = m.numel() != 0;
+  TORCH_CHECK((bits == 4 ? has_min : bits == 8 ? !has_min : true) &&
+                  (!has_min || (m.sizes() == d.sizes() && m.dtype() == torch::kFloat16 &&
+                                m.is_contiguous())),
+              "block_mm_q8: m float16 like d for 4 bits and Q5_1, empty for Q5_0 and 8 bits");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "block_mm_q8: x float32 [M, K]");
   TORCH_CHECK(x.size(1) == nb * 32, "block_mm_q8: x has ", x.size(1), " columns, weight ",
@@ -678,7 +767,8 @@ void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torc
   for (int64_t k = 0; k < K; ++k)
     TORCH_CHECK(ip[k] >= 0 && ip[k] < nb * 32, "block_mm_q8: outlier channel out of range");
   const q8::Acts a =
-      q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb, bits == 8, ip, K, two);
+      q8::quantize(x.data_ptr<float>(), M, x.stride(0), nb,
+                   has_min ? 0 : bits == 8 ? 128 : 16, ip, K, two);
   const q8::Dest o{out.data_ptr<float>(), out.stride(0), accumulate,
                    bias.numel() ? bias.data_ptr<float>() : nullptr,
                    K ? side.data_ptr<float>() : nullptr, n};
@@ -686,9 +776,15 @@ void block_mm_q8_out(const torch::Tensor& x, const torch::Tensor& qs, const torc
   const auto* dp = reinterpret_cast<const _Float16*>(d.data_ptr());
   const auto* mp = reinterpret_cast<const _Float16*>(m.data_ptr());
   if (bits == 4)
-    two ? q8::mm<4, 2>(a, M, q, dp, mp, n, o) : q8::mm<4, 1>(a, M, q, dp, mp, n, o);
+    two ? q8::mm<4, true, 2>(a, M, q, dp, mp, n, o) : q8::mm<4, true, 1>(a, M, q, dp, mp, n, o);
+  else if (bits == 5 && has_min)
+    two ? q8::mm<5, true, 2>(a, M, q, dp, mp, n, o) : q8::mm<5, true, 1>(a, M, q, dp, mp, n, o);
+  else if (bits == 5)
+    two ? q8::mm<5, false, 2>(a, M, q, dp, nullptr, n, o)
+        : q8::mm<5, false, 1>(a, M, q, dp, nullptr, n, o);
   else
-    two ? q8::mm<8, 2>(a, M, q, dp, nullptr, n, o) : q8::mm<8, 1>(a, M, q, dp, nullptr, n, o);
+    two ? q8::mm<8, false, 2>(a, M, q, dp, nullptr, n, o)
+        : q8::mm<8, false, 1>(a, M, q, dp, nullptr, n, o);
 }
 
 // The same into a new [M, n] (no bias: Python adds it).
@@ -703,7 +799,9 @@ torch::Tensor block_mm_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor d, to
 // Also a dispatcher op, for C++ callers in other extensions (a fused decode step):
 // c10::Dispatcher::singleton().findSchemaOrThrow("pie_ctx_blocks::block_mm", "") or, from
 // Python, torch.ops.pie_ctx_blocks.block_mm(x, qs, d, m, bits). block_mm_q8_out's C++
-// signature is decode_step.cpp's typed call: keep the two alike.
+// signature is decode_step.cpp's typed call: keep the two alike. (A build for another
+// instruction set, kernels.build(march=...), leaves the names to the native build.)
+#ifndef PIE_CTX_NO_DISPATCHER_OPS
 TORCH_LIBRARY(pie_ctx_blocks, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor m, int bits) -> Tensor", &block_mm);
   m.def("block_mm_q8(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, int n, Tensor idx, "
@@ -713,9 +811,10 @@ TORCH_LIBRARY(pie_ctx_blocks, m) {
         "Tensor idx, Tensor side, Tensor bias, Tensor(a!) out, bool accumulate) -> ()",
         &block_mm_q8_out);
 }
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q8_0)");
+  m.def("block_mm", &block_mm, "x @ W.T for W in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)");
   m.def("block_mm_q8", &block_mm_q8,
         "x @ W.T for W in strips of GGUF blocks, on int8-quantized activations (VNNI)");
   m.def("block_mm_q8_out", &block_mm_q8_out,

@@ -95,8 +95,8 @@ struct Kernel {
   torch::Tensor w;      // the weight in the layout the kernel reads
   torch::Tensor scale;  // int8: per output row; int4: scales_and_zeros; blocks: d
   torch::Tensor bias;   // or undefined
-  c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the 4-bit minimums)
-  int64_t group = 0;    // int4: group size; blocks: bits (4 or 8)
+  c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the minimums, or empty)
+  int64_t group = 0;    // int4: group size; blocks: bits (4, 5 or 8)
   int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
   int64_t pad = 1;      // matmul.py's "name@p" (deterministic): calls of fewer rows padded
   torch::Tensor idx, side;  // blocks_q8: its outlier channels and their exact weights
