@@ -4,7 +4,7 @@ Owner: the one table from a GGUF tensor type to the family that computes it and 
 family's kernels. Two families compute a file's blocks as they are stored:
 
 * ``legacy`` (``runtime.model.blocks``): 32-weight blocks, :data:`BLOCK_FORMATS`
-  (Q4_0, Q4_1, Q8_0, ...), kernels ``blocks`` (exact) and ``blocks_q8`` (int8 activations);
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), kernels ``blocks`` (exact) and ``blocks_q8`` (int8 activations);
 * ``kquant`` (``runtime.model.kquants``): 256-weight super-blocks, :data:`KQUANT_FORMATS`
   (Q4_K, Q5_K, Q6_K), kernels ``kquant`` (exact) and ``kquant_q8`` (``q8_K`` activations).
 

@@ -44,8 +44,8 @@ from runtime.model.matmul import Int8Weight, Projection, choose_kernels
 __all__ = ["ALPHA", "CALIBRATION", "WEIGHT_FORMATS", "QuantEmbedding", "calibrate",
            "calibration_tokens", "quantize_int8"]
 
-# fp32: unquantized, in the compute dtype; gguf: a GGUF's own Q4_0/Q4_1/Q8_0 blocks
-# (runtime.model.gguf_weights)
+# fp32: unquantized, in the compute dtype; gguf: a GGUF's own blocks (the formats of
+# runtime.model.formats; runtime.model.gguf_weights)
 WEIGHT_FORMATS = ("fp32", "int8", "gguf")
 
 ALPHA = 0.5  # SmoothQuant's migration strength (0.3-0.8 measured; 0.5 was best)

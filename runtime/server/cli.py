@@ -49,7 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): gguf for a model read from a GGUF on CPU, else "
                              "fp32; fp32: unquantized weights (in --dtype); int8: smoothed int8 "
                              "weights, CPU only (docs/models.md); gguf: the GGUF's own "
-                             "Q4_0/Q4_1/Q8_0 blocks, bit for bit the file's weights, CPU only "
+                             "blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; other formats "
+                             "dequantized), bit for bit the file's weights, CPU only "
                              "(an HF folder gets Q4_1 blocks made at load; "
                              "docs/performance.md)")
     parser.add_argument("--kv-dtype", choices=("auto", "fp32", "int8", "bf16"), default="auto",
