@@ -55,6 +55,7 @@ KEYS = {
                  "fleet_failover_recomputed_saved_tokens", "fleet_start_vs_serve",
                  "fleet_replace_s", "serve_start_s", "fleet_start_s",
                  "fleet_temp_folders_left"},
+    "gguf_mixes.py": {"tokens"},
     "http_api.py": {"http_over_inprocess_wall", "cached_token_fraction"},
     "kquant_kernels.py": {"gbs_kquant_q8_1", "roofline_kquant_q8_1", "gbs_read_1",
                           "ms_kquant_1", "ms_kquant_q8_64"},
@@ -126,6 +127,9 @@ def test_benchmark_smoke(name: str):
         assert result["snapshots_saved"] == result["snapshots_reopened"]
     if name == "agents.py":
         check_agents(result)
+    if name == "gguf_mixes.py":  # every mix ran on the file's own blocks, by default
+        weights = {k: v for k, v in result.items() if k.endswith("_weights")}
+        assert weights and set(weights.values()) == {"gguf"}, weights
     if name == "fleet.py":  # (figures of a smoke mean little; these hold at any size)
         assert result["fleet_failover_recomputed_saved_tokens"] == 0
         assert result["computed_session"] <= result["computed_round_robin"]
