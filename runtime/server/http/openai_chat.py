@@ -270,13 +270,20 @@ def plain_history(turns: list[Turn]) -> list[Turn]:
     """``turns`` with their tool calls and results as plain text, for a request without
     tools: an assistant turn's calls become sentences after its text (``Called get_weather
     with {"city": "Paris"}.``), each run of tool results one user turn (``Result of
-    get_weather: ...``). A conversation without calls comes back as it is."""
-    names = {c.id: c.name for t in turns for c in t.calls}
+    get_weather: ...``). A conversation without calls comes back as it is.
+
+    Raises:
+        ApiError: a result whose id names no earlier call.
+    """
+    names: dict[str, str] = {}  # the calls made so far: id -> tool name
     out: list[Turn] = []
     results: Turn | None = None  # the user turn the current run of results goes into
     for turn in turns:
         if turn.role == "tool":
-            line = f"Result of {names.get(turn.call_id, 'a tool')}: {turn.text}"
+            if turn.call_id not in names:
+                raise ApiError(400, f"messages[{turn.index}]: no tool call with id "
+                                    f"{turn.call_id!r} awaits a result", param="messages")
+            line = f"Result of {names[turn.call_id]}: {turn.text}"
             if results is None:
                 results = Turn(turn.index, "user", line)
                 out.append(results)
@@ -285,6 +292,7 @@ def plain_history(turns: list[Turn]) -> list[Turn]:
             continue
         results = None
         if turn.calls:
+            names.update((c.id, c.name) for c in turn.calls)
             said = [turn.text] if turn.text else []
             said += [f"Called {c.name} with {json.dumps(c.arguments, ensure_ascii=False)}."
                      for c in turn.calls]
