@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-benchmarks test-tp test-backend test-slow test-determinism lint gpu-check test-flex test-fleet
+.PHONY: setup demo test test-benchmarks test-tp test-backend test-slow test-determinism lint gpu-check test-flex test-fleet test-install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,20 @@ test-determinism: $(STAMP)
 
 test-slow: $(STAMP)
 	PIE_CTX_SLOW=1 $(BIN)/python -m pytest -q
+
+# A plain install: a fresh venv with pie-ctx and its declared dependencies only (no
+# extras), the demo and one served chat completion (scripts/install_check.py), then the venv
+# removed. Reuses pip's cache and the model and kernel cache (PIE_CTX_CACHE, else
+# ~/.cache/pie-ctx) of the other targets.
+INSTALL_VENV ?= $(or $(TMPDIR),/tmp)/pie-ctx-install-check
+test-install:
+	rm -rf $(INSTALL_VENV)
+	$(PY) -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/pip install -q torch==2.13.0 || $(INSTALL_VENV)/bin/pip install -q torch
+	mkdir $(INSTALL_VENV)/src  # a copy: building in place would leave build/ here
+	cp -r pyproject.toml README.md pie_ctx runtime $(INSTALL_VENV)/src/
+	$(INSTALL_VENV)/bin/pip install -q $(INSTALL_VENV)/src
+	$(INSTALL_VENV)/bin/python scripts/install_check.py; rc=$$?; rm -rf $(INSTALL_VENV); exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check pie_ctx runtime tests benchmarks examples scripts

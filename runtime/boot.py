@@ -223,12 +223,14 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise InvalidArgument(f"disk_cache_gb must be >= 0, got {disk_cache_gb!r}")
 
     kind = choose_backend(backend, model, progress=progress)
+    # One line each, whether chosen or given (`-v` shows what the engine runs on).
+    asked_weights, asked_kv = weights, kv_dtype
     if weights == "auto":
         weights = default_weights(kind, model, device, tp, progress=progress)
-        log.info("weights: %s (weights='auto')", weights)
     if kv_dtype == "auto":
         kv_dtype = default_kv_dtype(weights)
-        log.info("KV pages: %s (kv_dtype='auto')", kv_dtype)
+    log.info("weights: %s%s", weights, " (weights='auto')" if asked_weights == "auto" else "")
+    log.info("KV pages: %s%s", kv_dtype, " (kv_dtype='auto')" if asked_kv == "auto" else "")
     if kind == "transformers" and weights != "fp32":
         raise InvalidArgument(
             f"weights={weights!r} is a format of the native runner; the transformers backend "

@@ -21,6 +21,7 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import ConstraintSpec, SamplerSpec, TopLogprobs
+from runtime.engine.regex_classes import ascii_classes
 from runtime.sampling import draw, sample_rows, top_k
 
 __all__ = ["Grammars", "adjust", "probes", "verify", "JSON_STYLE"]
@@ -100,11 +101,12 @@ def _grammar(spec: ConstraintSpec) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
 
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "regex":  # \d \w \s as vLLM's backends read them (regex_classes)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.source))
     if spec.kind == "json_schema":
         try:  # one line, with json.dumps's separators; a schema's "x-guidance" overrides it
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_STYLE)
+            schema = _ascii_patterns(json.loads(spec.source))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
         except ValueError as err:
             raise InvalidArgument(f"the JSON schema is not valid: {err}") from None
     if spec.kind == "lark":
@@ -117,6 +119,23 @@ def _grammar(spec: ConstraintSpec) -> str:
     options = json.loads(spec.source)  # "choice": one literal per option
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+
+
+def _ascii_patterns(schema: Any) -> Any:
+    """``schema`` with every ``pattern`` and ``patternProperties`` regex read through
+    :func:`ascii_classes`, as a ``Regex`` constraint's is."""
+    if isinstance(schema, list):
+        return [_ascii_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _ascii_patterns(v) for k, v in schema.items()}
+    if isinstance(schema.get("pattern"), str):
+        out["pattern"] = ascii_classes(schema["pattern"])
+    props = schema.get("patternProperties")
+    if isinstance(props, dict):
+        out["patternProperties"] = {ascii_classes(k): _ascii_patterns(v)
+                                    for k, v in props.items()}
+    return out
 
 
 def adjust(logits: torch.Tensor, rows: Sequence[Any]) -> tuple[torch.Tensor, list[int]]:

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-import sniffio
 
 from pie_ctx.proto import messages as P
 from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
@@ -79,6 +78,15 @@ DEFAULT_MAX_REPLY_BYTES = 16 * 2**20
 DEFAULT_MAX_MASK_ENTRIES = 2**26
 # Room a channel request or reply needs around its payload (a 256-char name is <= 1 KiB).
 _MESSAGE_ENVELOPE = 2048
+
+
+def _on_asyncio() -> bool:
+    """Whether this thread runs an asyncio event loop (else trio, through anyio)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(slots=True)
@@ -410,7 +418,7 @@ class Engine:
 
     async def _run_step(self, plan: StepPlan) -> list[RowResult]:
         step = self._model_thread.submit(self.executor.run, plan)
-        if sniffio.current_async_library() == "asyncio":
+        if _on_asyncio():
             # The model thread's done-callback wakes the loop itself: no waiting thread to
             # hand the result over (one thread wake-up and a lock handoff less a step, on
             # cores the model's OpenMP team is using). Shielded like the thread path: a

@@ -179,6 +179,10 @@ def register(subparsers: Any) -> None:
                             "run inside the server ({\"type\": \"mcp\", \"server_label\": "
                             "NAME}): a command started over stdio, or a streamable-HTTP URL "
                             "(repeatable; needs --http; docs/http.md)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for "
+                            "any) call the HTTP API: CORS preflights are answered and replies "
+                            "carry Access-Control-Allow-Origin (repeatable; needs --http)")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
@@ -262,6 +266,8 @@ def serve_main(args: argparse.Namespace) -> int:
             raise PieError("--mcp names must differ")
         if mcp and http is None:
             raise PieError("--mcp needs --http (its tools serve /v1/responses)")
+        if args.cors_origin and http is None:
+            raise PieError("--cors-origin needs --http")
         folder = None if args.inferlets is None else InferletFolder(args.inferlets)
         if args.kv_events_replay is not None and args.kv_events is None:
             raise PieError("--kv-events-replay needs --kv-events")
@@ -307,7 +313,7 @@ def serve_main(args: argparse.Namespace) -> int:
         anyio.run(lambda: run_server(engine, address, token=token,
                                      max_frame_bytes=args.max_frame_bytes, ready=ready,
                                      http=http, api_key=api_key, http_ready=http_ready,
-                                     mcp=mcp))
+                                     mcp=mcp, cors_origins=args.cors_origin))
     except PieError as err:
         _say(f"error: {err}")
         return 2

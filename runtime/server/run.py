@@ -100,7 +100,8 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                      handle_signals: bool = True, http: Any = None,
                      api_key: str | None = None,
                      http_ready: Callable[[Any], None] | None = None,
-                     mcp: dict[str, str] | None = None) -> None:
+                     mcp: dict[str, str] | None = None,
+                     cors_origins: list[str] | None = None) -> None:
     """Run ``engine`` behind a server on ``address`` until SIGINT/SIGTERM (or cancellation).
 
     On a signal the server stops accepting, cancels every running request (each client's
@@ -118,6 +119,7 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         api_key: required by the HTTP API if given; mandatory off loopback.
         http_ready: called with the bound HTTP address once HTTP clients can connect.
         mcp: MCP servers for the HTTP API's server-side tools, name -> command or URL.
+        cors_origins: the browser origins the HTTP API answers CORS requests from.
 
     If the engine's runner is lost (a tensor-parallel rank died), every pending request
     gets the ``ModelError``, then the server stops and raises it.
@@ -149,7 +151,9 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                 if http_sock is not None:
                     from runtime.server.http.app import create_app, serve_http
 
-                    await tg.start(serve_http, create_app(engine, api_key=api_key, mcp=mcp), http_sock)
+                    app = create_app(engine, api_key=api_key, mcp=mcp,
+                                     cors_origins=cors_origins)
+                    await tg.start(serve_http, app, http_sock)
                     if http_ready is not None:
                         http_ready(http)
                 if handle_signals:

@@ -4,6 +4,8 @@ for KV pages, tests/model/test_attention.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -118,3 +120,16 @@ async def _continuations_agree(rt, engine, forks: int) -> None:
     opened = await continuation(await Context.open(rt, "prompt"))
     assert all(out == fresh for out in outs) and fresh == opened and len(fresh) == 8
     engine.store.check_invariants()
+
+
+@pytest.mark.no_tp("GGUF block weights run on one device")
+@pytest.mark.native_only("GGUF block weights are a format of the native runner")
+@pytest.mark.parametrize(("weights", "line"), [("gguf", "weights: gguf"),
+                                               ("fp32", "weights: fp32"),
+                                               ("auto", "weights: fp32 (weights='auto')")])
+def test_the_weights_line_is_logged_whether_given_or_chosen(tiny_folder, caplog, weights,
+                                                            line):
+    """``-v`` shows the weight format an engine runs on, given explicitly or chosen."""
+    with caplog.at_level(logging.INFO, logger="pie_ctx.engine"):
+        boot_engine(str(tiny_folder), weights=weights, num_pages=8, progress=False)
+    assert line in [r.getMessage() for r in caplog.records]

@@ -45,6 +45,7 @@ from runtime.server.http.anthropic_schema import (
     tools_of,
     turns_of,
 )
+from runtime.server.http.disconnect import NO_RESPONSE, ClientGone, unless_disconnected
 from runtime.server.http.openai_api import Observer, as_api_error
 from runtime.server.http.openai_chat import Rendering, build_context
 from runtime.server.http.openai_schema import ApiError, decode_body
@@ -99,6 +100,8 @@ class MessagesService:
         async def guarded(request: Any) -> Any:
             try:
                 return await handler(request)
+            except ClientGone:  # no one to answer (logged and counted as 499)
+                return NO_RESPONSE
             except Exception as err:  # noqa: BLE001 - every error gets a body, none a crash
                 e = as_api_error(err)
                 return anthropic_error(e.status, e.message)
@@ -135,19 +138,23 @@ class MessagesService:
         req = await decode_body(request, MessagesRequest, ACCEPTS)
         ctx, choice, parallel = await self._build(req)
         turn = _Turn(self, req, ctx, choice, parallel)
-        try:
-            await turn.prefill()
-        except BaseException:
-            await turn.close()
-            raise
         if not req.stream:
-            try:
+            async def answer() -> None:
+                await turn.prefill()
                 await turn.run(None)
+
+            try:
+                await unless_disconnected(request, answer)
             finally:
                 await turn.close()
             from starlette.responses import JSONResponse
 
             return JSONResponse(turn.message(final=True))
+        try:
+            await turn.prefill()
+        except BaseException:
+            await turn.close()
+            raise
         from sse_starlette.sse import EventSourceResponse
 
         return EventSourceResponse(turn.events(), ping=15)

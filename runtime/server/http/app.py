@@ -9,6 +9,7 @@ mandatory (``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's c
 send it, on every request but the live view's static page, which holds no data and sends
 the key from its URL fragment on its own requests, and ``/health`` and ``/version``).
 
+Browser pages from the origins ``serve --cors-origin`` lists may call the API (CORS).
 Every unknown path (404) and method (405) is answered with OpenAI's error body (Anthropic's
 on ``/v1/messages``), and every request writes one access-log line (``access_log``).
 """
@@ -130,7 +131,8 @@ async def _not_found(request: Any, exc: Any) -> Any:
 
 
 def create_app(engine: Any, *, api_key: str | None = None,
-               mcp: dict[str, str] | None = None) -> Any:
+               mcp: dict[str, str] | None = None,
+               cors_origins: list[str] | None = None) -> Any:
     """The Starlette app for ``engine`` (already running, or started by the caller before
     the app's lifespan begins).
 
@@ -139,6 +141,9 @@ def create_app(engine: Any, *, api_key: str | None = None,
         api_key: required as ``Authorization: Bearer`` on every data endpoint if given.
         mcp: the MCP servers ``/v1/responses`` may run tools on, name -> command or URL
             (``serve --mcp``).
+        cors_origins: browser origins allowed to call the API (``serve --cors-origin``;
+            ``*`` for any): Starlette's ``CORSMiddleware`` answers their preflights
+            (before the key check: a preflight carries no key) and marks the replies.
     """
     from starlette.applications import Starlette
 
@@ -184,6 +189,11 @@ def create_app(engine: Any, *, api_key: str | None = None,
                          exception_handlers={404: _not_found, 405: _not_found})
     app.state.metrics = metrics
     asgi: Any = _KeyCheck(app, api_key) if api_key else app
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        asgi = CORSMiddleware(asgi, allow_origins=list(cors_origins), allow_methods=["*"],
+                              allow_headers=["*"], expose_headers=["*"])
     # Refused requests are counted and logged too.
     return _WithLifespan(access_log(metrics.middleware(asgi)), app)
 

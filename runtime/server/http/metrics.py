@@ -18,6 +18,7 @@ Metric names start with ``pie_ctx_``; see docs/http.md for the list.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -91,10 +92,22 @@ class _EngineCollector:
                                   value=s.model_seconds)
 
 
-# Routes with a path parameter, counted under one label each.
-_PATTERNS = (("/v1/models/", "/v1/models/{model}"),
-             ("/v1/pie/channels/", "/v1/pie/channels/{name}"),
-             ("/v1/pie/topics/", "/v1/pie/topics/{name}"))
+# The served routes, each its own label (a path outside them is "other": the label's values
+# stay bounded whatever clients send).
+_PATHS = frozenset({
+    "/", "/metrics", "/health", "/version", "/tokenize", "/detokenize",
+    "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+    "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+    "/v1/messages/count_tokens", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/v1/pie/state"})
+# Routes with a path parameter, counted under one label each (the first match).
+_PATTERNS = ((re.compile(r"/v1/models/.+"), "/v1/models/{model}"),
+             (re.compile(r"/v1/responses/[^/]+/input_items"),
+              "/v1/responses/{id}/input_items"),
+             (re.compile(r"/v1/responses/[^/]+"), "/v1/responses/{id}"),
+             (re.compile(r"/v1/pie/channels/.+"), "/v1/pie/channels/{name}"),
+             (re.compile(r"/v1/pie/topics/.+"), "/v1/pie/topics/{name}"),
+             (re.compile(r"/v1/pie/inferlets/.+"), "/v1/pie/inferlets/{name}"))
 
 
 class Metrics:
@@ -126,8 +139,6 @@ class Metrics:
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
         self.routes = [Route("/metrics", scrape, methods=["GET"])]
-        self._paths = {"/metrics", "/", "/v1/models", "/v1/chat/completions",
-                       "/v1/completions", "/v1/pie/state"}
 
     # ------------------------------------------------------------- Observer (openai_api)
 
@@ -155,10 +166,10 @@ class Metrics:
 
     def endpoint(self, path: str) -> str:
         """The label of ``path``: a known route, or "other" (bounded label values)."""
-        if path in self._paths:
+        if path in _PATHS:
             return path
-        for prefix, label in _PATTERNS:
-            if path.startswith(prefix):
+        for pattern, label in _PATTERNS:
+            if pattern.fullmatch(path):
                 return label
         return "other"
 

@@ -47,6 +47,8 @@ from pie_ctx.proto.errors import (
 )
 from pie_ctx.tools import ToolCall
 from runtime.server.http.access_log import note_tokens
+from runtime.server.http.disconnect import NO_RESPONSE, ClientGone, unless_disconnected
+from runtime.server.http.limits import output_limit
 from runtime.server.http.openai_chat import (
     build_context,
     openai_call,
@@ -145,7 +147,9 @@ class _Request:
         hears each delta (``delta.content``: the text for the client; ``delta.tool_calls``:
         the calls it completed)."""
         d, choice = self.d, _Choice(i)
-        gen = ctx.generate(d.sampler(i), max_tokens=d.max_tokens, stop=d.stop or None,
+        limit = output_limit(d.max_tokens, self.rt.info.max_seq_len,
+                             ctx.seq_len + len(ctx.pending_tokens))
+        gen = ctx.generate(d.sampler(i), max_tokens=limit, stop=d.stop or None,
                            constrain=d.constrain, logit_bias=d.logit_bias,
                            top_logprobs=d.top_logprobs, cue=False, min_tokens=d.min_tokens,
                            ignore_eos=d.ignore_eos, **d.tool_options())
@@ -175,6 +179,11 @@ class _Request:
         if tail:
             choice.text.append(tail)
             await on_delta(choice, Delta(tokens=[], text="", logprobs=[], content=tail),
+                           len(choice.tokens))
+        stop = _matched_stop(self.rt, gen, d) if d.include_stop_str else ""
+        if stop:  # vLLM's include_stop_str_in_output: the text ends with the stop string
+            choice.text.append(stop)
+            await on_delta(choice, Delta(tokens=[], text=stop, logprobs=[], content=stop),
                            len(choice.tokens))
         choice.finish_reason = _FINISH.get(gen.finish_reason or "", "stop")
         return choice
@@ -227,6 +236,8 @@ class OpenAIService:
         async def guarded(request: Any) -> Any:
             try:
                 return await handler(request)
+            except ClientGone:  # no one to answer (logged and counted as 499)
+                return NO_RESPONSE
             except Exception as err:  # noqa: BLE001 - every error gets a body, none a crash
                 e = as_api_error(err)
                 return error_response(e.status, e.message, e.type, e.param, e.code)
@@ -284,7 +295,7 @@ class OpenAIService:
             return await build_context(rt, turns, decoding.tools, req.snapshot, adapter,
                                        rendering)
 
-        return await self._respond(req, decoding, build, chat=True)
+        return await self._respond(request, req, decoding, build, chat=True)
 
     async def completions(self, request: Any) -> Any:
         req = await decode_body(request, CompletionRequest)
@@ -305,10 +316,10 @@ class OpenAIService:
                    else Context(rt, adapter=adapter))
             return ctx.append(prompt)
 
-        return await self._respond(req, decoding, build, chat=False)
+        return await self._respond(request, req, decoding, build, chat=False)
 
-    async def _respond(self, body: ChatRequest | CompletionRequest, d: Decoding,
-                       build: Callable[[Runtime], Any], *, chat: bool) -> Any:
+    async def _respond(self, request: Any, body: ChatRequest | CompletionRequest,
+                       d: Decoding, build: Callable[[Runtime], Any], *, chat: bool) -> Any:
         stream = bool(body.stream)
         include_usage = body.stream_options is not None and \
             body.stream_options.include_usage is True
@@ -319,13 +330,16 @@ class OpenAIService:
                 "created": int(time.time()), "model": body.model}  # base or adapter
         if not stream:
             choices: list[_Choice] = []
-            try:
+
+            async def quiet(choice: _Choice, delta: Delta, start: int) -> None:
+                return None
+
+            async def answer() -> list[_Choice]:
                 contexts = await req.prefill(await build(rt))
+                return await gather(*(req.run(i, c, quiet) for i, c in enumerate(contexts)))
 
-                async def quiet(choice: _Choice, delta: Delta, start: int) -> None:
-                    return None
-
-                choices = await gather(*(req.run(i, c, quiet) for i, c in enumerate(contexts)))
+            try:
+                choices = await unless_disconnected(request, answer)
             finally:
                 await req.close(choices)
             from starlette.responses import JSONResponse
@@ -447,6 +461,16 @@ class OpenAIService:
         return {"tokens": texts, "token_logprobs": lps,
                 "top_logprobs": [{piece(a): b for a, b in top} for top in tops] if c.top
                 else None, "text_offset": offsets}
+
+
+def _matched_stop(rt: Runtime, gen: Any, d: Decoding) -> str:
+    """The stop string that ended ``gen`` (the first in its text; the longest of those
+    starting there), or "" when none did."""
+    if gen.finish_reason != "stop_string":
+        return ""
+    full = rt.tokenizer.decode(gen.tokens_out, skip_special_tokens=True)
+    hits = [(full.find(s), -len(s), s) for s in d.stop if s and s in full]
+    return min(hits)[2] if hits else ""
 
 
 def _new_id() -> str:

@@ -9,6 +9,8 @@ How a conversation is built (docs/http.md):
 
 * the tools are declared at the start of the context: ``system(text, tools=...)`` when the
   first message is a system (or developer) message, else ``declare_tools(tools)``;
+* without tools, past calls and results are plain text (``plain_history``): call markup in
+  the prompt would be copied into answers where nothing reads it as a call;
 * every turn goes through the SDK's chat fillers: ``system``, ``user``, ``assistant(text,
   tool_calls=...)`` (a past call, with the client's id, written as the model would have
   written it) and ``tool_result(id, text)``, then ``cue()``. The context then holds what
@@ -38,7 +40,7 @@ from runtime.server.http.openai_schema import (
 )
 
 __all__ = ["Turn", "Rendering", "turns_of", "tools_of", "tool_choice_of", "rendering_of",
-           "build_context", "openai_call"]
+           "build_context", "fill_turns", "plain_history", "openai_call"]
 
 _CHOICES = ("auto", "none", "required")
 
@@ -243,7 +245,14 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
 
 
 def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
-    rest = _declare(ctx, turns, tools) if tools else turns
+    """Fill ``turns`` into ``ctx`` (declaring ``tools`` first) and open the assistant turn.
+    Without tools (none given, none declared by a snapshot), past calls and their results
+    are written as plain text (:func:`plain_history`): no call markup the model could copy
+    into an answer that no parser would read."""
+    if tools:
+        rest = _declare(ctx, turns, tools)
+    else:
+        rest = turns if ctx.tools else plain_history(turns)
     for turn in rest:
         try:
             if turn.role == "tool":
@@ -255,6 +264,41 @@ def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
         except InvalidArgument as err:
             raise ApiError(400, f"messages[{turn.index}]: {err}", param="messages") from None
     ctx.cue()
+
+
+def plain_history(turns: list[Turn]) -> list[Turn]:
+    """``turns`` with their tool calls and results as plain text, for a request without
+    tools: an assistant turn's calls become sentences after its text (``Called get_weather
+    with {"city": "Paris"}.``), each run of tool results one user turn (``Result of
+    get_weather: ...``). A conversation without calls comes back as it is.
+
+    Raises:
+        ApiError: a result whose id names no earlier call.
+    """
+    names: dict[str, str] = {}  # the calls made so far: id -> tool name
+    out: list[Turn] = []
+    results: Turn | None = None  # the user turn the current run of results goes into
+    for turn in turns:
+        if turn.role == "tool":
+            if turn.call_id not in names:
+                raise ApiError(400, f"messages[{turn.index}]: no tool call with id "
+                                    f"{turn.call_id!r} awaits a result", param="messages")
+            line = f"Result of {names[turn.call_id]}: {turn.text}"
+            if results is None:
+                results = Turn(turn.index, "user", line)
+                out.append(results)
+            else:
+                results.text += "\n" + line
+            continue
+        results = None
+        if turn.calls:
+            names.update((c.id, c.name) for c in turn.calls)
+            said = [turn.text] if turn.text else []
+            said += [f"Called {c.name} with {json.dumps(c.arguments, ensure_ascii=False)}."
+                     for c in turn.calls]
+            turn = Turn(turn.index, "assistant", "\n".join(said))
+        out.append(turn)
+    return out
 
 
 def _declare(ctx: Context, turns: list[Turn], tools: list[Tool]) -> list[Turn]:

@@ -4,7 +4,7 @@ Owner: the mapping from a decoded request (``openai_schema``) to ``generate()``'
 arguments, checking what the schema cannot say (one field against another): the sampler of
 each choice (its seed derived from the request's alone), the one constraint a request asks
 for (``response_format``, or vLLM's ``guided_*`` / ``structured_outputs``), the tools and
-their choice, vLLM's ``skip_special_tokens``. Written against the public SDK only.
+their choice, vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``. Written against the public SDK only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pie_ctx.constrain import Choice, Grammar, JsonSchema, Regex
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool
+from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
 from runtime.server.http.openai_chat import tool_choice_of, tools_of
 from runtime.server.http.openai_schema import (
     ApiError,
@@ -25,9 +26,7 @@ from runtime.server.http.openai_schema import (
     ResponseFormat,
 )
 
-__all__ = ["DEFAULT_MAX_TOKENS", "Decoding", "decoding_of"]
-
-DEFAULT_MAX_TOKENS = 512
+__all__ = ["Decoding", "decoding_of"]
 
 
 @dataclass(slots=True)
@@ -35,7 +34,7 @@ class Decoding:
     """What every choice of one request generates with."""
 
     n: int
-    max_tokens: int
+    max_tokens: int | None  # None: the default output limit (``limits.output_limit``)
     temperature: float
     top_p: float
     top_k: int
@@ -52,6 +51,7 @@ class Decoding:
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
     skip_special_tokens: bool = True
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
 
     def sampler(self, choice: int) -> SamplerSpec:
         """Choice ``choice``'s sampler: its seed is derived from the request's alone (the
@@ -74,8 +74,7 @@ def decoding_of(req: ChatRequest | CompletionRequest) -> Decoding:
     """The decoding settings of a request the schema accepted (what it cannot check: one
     field against another)."""
     chat = isinstance(req, ChatRequest)
-    max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens \
-        or DEFAULT_MAX_TOKENS
+    max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if chat:
         logprobs, top = bool(req.logprobs), req.top_logprobs or 0
@@ -89,9 +88,10 @@ def decoding_of(req: ChatRequest | CompletionRequest) -> Decoding:
         raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in "
                             "[-100, 100]", param="logit_bias") from None
     min_tokens = req.min_tokens or 0
-    if min_tokens > max_tokens:
+    if min_tokens > (max_tokens or DEFAULT_MAX_OUTPUT_TOKENS):
         raise ApiError(400, f"'min_tokens' ({min_tokens}) is over the most tokens to "
-                            f"generate ({max_tokens})", param="min_tokens")
+                            f"generate ({max_tokens or DEFAULT_MAX_OUTPUT_TOKENS})",
+                       param="min_tokens")
     d = Decoding(
         n=req.n or 1, max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -101,6 +101,7 @@ def decoding_of(req: ChatRequest | CompletionRequest) -> Decoding:
         ignore_eos=bool(req.ignore_eos))
     d.constrain = _constraint(req)
     d.skip_special_tokens = req.skip_special_tokens is not False
+    d.include_stop_str = bool(req.include_stop_str_in_output)
     if chat:
         d.tools = tools_of(req)
         d.tool_choice = tool_choice_of(req, d.tools)

@@ -135,6 +135,9 @@ class AssistantMessage(_Body, kw_only=True, tag_field="role", tag="assistant"):
     name: str | None = None  # ignored
     refusal: str | None = None  # ignored (what a response's message carries back)
     annotations: list[Any] | None = None  # ignored (likewise)
+    # ignored, as vLLM ignores them: a reasoning model's thinking stays out of the prompt
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     audio: Any = None  # refused unless null
     function_call: Any = None  # refused unless null
 
@@ -238,6 +241,7 @@ class _Request(_Body, kw_only=True):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None  # the matched stop string ends the text
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None  # only 1
     guided_decoding_backend: str | None = None  # ignored: llguidance is the one backend
 
@@ -405,6 +409,7 @@ ACCEPTS: dict[str, str] = {
     "structured_outputs.grammar": "a grammar in llama.cpp's GBNF (a string), or null",
     "structured_outputs.json_object": "true or false, or null",
     "skip_special_tokens": "true or false, or null",
+    "include_stop_str_in_output": "true or false, or null",
     "repetition_penalty": "a number above 0, at most 10 (only 1 is served), or null",
     "chat_template_kwargs": "an object of extra variables for the chat template, or null",
     "continue_final_message": "true or false, or null",

@@ -1,5 +1,6 @@
 """OpenAI's Responses API as an inferlet: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST
+/v1/responses/input_tokens``.
 
 Owner: the routes and the context a response starts from. Written against the public SDK
 only, like the chat API (``openai_api``), whose conversation builder it reuses
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -39,16 +41,14 @@ from pie_ctx.constrain import JsonSchema
 from pie_ctx.proto.errors import InvalidArgument, PieError, SnapshotNotFound
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
+from runtime.server.http.access_log import note_tokens
+from runtime.server.http.disconnect import unless_disconnected
+from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
 from runtime.server.http.openai_api import Observer, OpenAIService, as_api_error
 from runtime.server.http.openai_chat import Turn, fill_turns, make_tools
 from runtime.server.http.openai_schema import ApiError, read_body
 from runtime.server.http.responses_mcp import McpServers, ServerTools
-from runtime.server.http.responses_run import (
-    DEFAULT_MAX_OUTPUT,
-    DEFAULT_MAX_TOOL_CALLS,
-    Plan,
-    Run,
-)
+from runtime.server.http.responses_run import DEFAULT_MAX_TOOL_CALLS, Plan, Run
 from runtime.server.http.responses_schema import (
     FunctionTool,
     McpTool,
@@ -68,6 +68,21 @@ from runtime.server.http.responses_store import (
 __all__ = ["ResponsesService", "turns_of_items"]
 
 MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy decoding
+
+
+@dataclass(slots=True)
+class _Setup:
+    """A request's checked parts that its conversation is built from."""
+
+    adapter: str | None
+    items: list[dict[str, Any]]
+    records: Records
+    prev: Record | None
+    tools: list[Tool]
+    mcp_names: dict[str, str]  # tool name -> MCP server label
+    servers: list[ServerTools]
+    header: dict[str, Any]
+    continued: bool  # the previous response's snapshot is used as it is
 
 
 class ResponsesService:
@@ -91,6 +106,8 @@ class ResponsesService:
         self.mcp = McpServers(mcp or {}, get_runtime)
         self.routes = [
             Route("/v1/responses", self.chat.guard(self.create), methods=["POST"]),
+            Route("/v1/responses/input_tokens", self.chat.guard(self.count_input_tokens),
+                  methods=["POST"]),
             Route("/v1/responses/{rid}", self.chat.guard(self.get), methods=["GET"]),
             Route("/v1/responses/{rid}", self.chat.guard(self.delete), methods=["DELETE"]),
             Route("/v1/responses/{rid}/input_items", self.chat.guard(self.input_items),
@@ -157,8 +174,8 @@ class ResponsesService:
 
     # ----------------------------------------------------------------------- create
 
-    async def create(self, request: Any) -> Any:
-        req = decode_request(await read_body(request))
+    async def _setup(self, request: Any, req: ResponsesRequest) -> _Setup:
+        """What a request's conversation is built from (checked; no context yet)."""
         adapter = self.chat.check_model(req.model)
         items = input_items(req.input)
         records = await self._records(request)
@@ -171,19 +188,51 @@ class ResponsesService:
         header = {"model": req.model, "instructions": req.instructions,
                   "tools": [t.to_openai() for t in tools]}
         continued = prev is not None and prev.header == header
-        plan = Plan(tools=tools, mcp=mcp_names, listed=[] if continued else servers,
-                    choice=_choice(req, tools, mcp_names), parallel=req.parallel_tool_calls
+        return _Setup(adapter, items, records, prev, tools, mcp_names, servers, header,
+                      continued)
+
+    async def count_input_tokens(self, request: Any) -> Any:
+        """``POST /v1/responses/input_tokens``: the input tokens a response to this body
+        would start from (its whole context: a previous response's tokens included), as
+        OpenAI's ``client.responses.input_tokens.count`` reads it. Nothing is computed;
+        ``model`` and ``input`` may be left out, as OpenAI allows."""
+        from starlette.responses import JSONResponse
+
+        raw = await read_body(request)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if isinstance(body, dict):
+            body.setdefault("model", self.chat.model_name)
+            body.setdefault("input", [])
+        req = decode_request(json.dumps(body).encode())
+        s = await self._setup(request, req)
+        ctx = await self._context(s.records, s.prev, s.continued, req, s.items, s.tools,
+                                  s.adapter)
+        try:
+            count = ctx.seq_len + len(ctx.pending_tokens)
+        finally:
+            await _release(ctx)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+    async def create(self, request: Any) -> Any:
+        req = decode_request(await read_body(request))
+        s = await self._setup(request, req)
+        records, prev, tools, continued = s.records, s.prev, s.tools, s.continued
+        plan = Plan(tools=tools, mcp=s.mcp_names, listed=[] if continued else s.servers,
+                    choice=_choice(req, tools, s.mcp_names), parallel=req.parallel_tool_calls
                     is not False, constrain=_constraint(req), sampler=_sampler(req),
-                    max_output=req.max_output_tokens or DEFAULT_MAX_OUTPUT,
+                    max_output=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                     max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
                     max_seq_len=records.rt.info.max_seq_len,
                     ignore_eos=bool(req.ignore_eos))
         rid = new_response_id()
-        ctx = await self._context(records, prev, continued, req, items, tools, adapter)
+        ctx = await self._context(records, prev, continued, req, s.items, tools, s.adapter)
         response = self._body(rid, req, tools)
         store = req.store is not False
-        record = Record(id=rid, response=response, input_items=items,
-                        previous=req.previous_response_id, header=header,
+        record = Record(id=rid, response=response, input_items=s.items,
+                        previous=req.previous_response_id, header=s.header,
                         created=time.time())
         arrived = time.perf_counter()
         if req.stream:
@@ -192,11 +241,15 @@ class ResponsesService:
             return EventSourceResponse(self._stream(ctx, plan, record, records, store,
                                                     arrived), ping=15)
         run = Run(ctx, plan, self.mcp)
-        try:
+
+        async def answer() -> None:
             await run.go()
             self._finish(run, record)
             if store:
                 await records.save(ctx, record)
+
+        try:
+            await unless_disconnected(request, answer)
         finally:
             await _release(ctx)
             self._observe(run, arrived)
@@ -243,6 +296,7 @@ class ResponsesService:
             self._observe(run, arrived)
 
     def _observe(self, run: Run, arrived: float) -> None:
+        note_tokens(run.usage.input, run.usage.output)  # the access log's counts
         if self.observer is None or run.usage.output == 0:
             return
         if run.first_token is not None:

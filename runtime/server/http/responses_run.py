@@ -23,6 +23,7 @@ stream) or nothing (a plain response).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,9 +39,10 @@ from runtime.server.http.openai_schema import ApiError
 from runtime.server.http.responses_mcp import McpServers, ServerTools
 from runtime.server.http.responses_schema import item_id
 
-__all__ = ["Plan", "Run", "DEFAULT_MAX_OUTPUT", "DEFAULT_MAX_TOOL_CALLS"]
+__all__ = ["Plan", "Run", "DEFAULT_MAX_TOOL_CALLS"]
 
-DEFAULT_MAX_OUTPUT = 4096  # output tokens of a response when max_output_tokens is not given
+log = logging.getLogger("pie_ctx.http")
+
 DEFAULT_MAX_TOOL_CALLS = 16  # server-side calls of one response when max_tool_calls is not
 
 
@@ -55,7 +57,7 @@ class Plan:
     parallel: bool
     constrain: Any  # text.format's constraint, or None
     sampler: SamplerSpec
-    max_output: int
+    max_output: int  # every generation of the response together
     max_calls: int
     max_seq_len: int  # the model's context: no generation runs past it
     ignore_eos: bool = False
@@ -144,6 +146,11 @@ class Run:
             server_calls, client_calls, finish = await self._round(may_call)
             if finish == "length":
                 self.status, self.incomplete = "incomplete", "max_output_tokens"
+                if calls_made:
+                    log.warning("a response ran out of max_output_tokens after %d "
+                                "server-side tool calls (max_tool_calls %d): pass a smaller "
+                                "max_tool_calls, so that the model must answer once they "
+                                "are spent", calls_made, self.plan.max_calls)
                 break
             if client_calls or not server_calls:
                 break
