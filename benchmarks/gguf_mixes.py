@@ -128,7 +128,7 @@ def theirs(lib: Any, path: Path, prompts: list[list[int]], n: int) -> list[list[
 def leading_run(a: list[int], b: list[int], n: int) -> int:
     """Tokens the two agree on from the start; ``n`` when they agree to the end or stop
     together."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # (they may stop apart)
         if x != y:
             return i
     return n if len(a) == len(b) else min(len(a), len(b))
