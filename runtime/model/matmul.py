@@ -10,8 +10,10 @@ oneDNN rank differently on an AVX2 EPYC and an AVX-512 Xeon), so nothing is deci
 
 Float candidates on CPU: ``mkl`` (``F.linear``), ``mm`` (``W @ x.T``, good for few rows on
 some CPUs) and ``onednn`` (a oneDNN-packed copy of W, only for models whose weights take at
-most ``PACK_MAX_BYTES``; ``PIE_CTX_PACKED_WEIGHTS=0/1`` forces it off/on). Other devices:
-``F.linear``.
+most ``PACK_MAX_BYTES``; ``PIE_CTX_PACKED_WEIGHTS=0/1`` forces it off/on), and for bf16 /
+fp16 weights ``f32`` (fp32 GEMM on the weight widened once, rounded back: a row-count-
+invariant class where the half-precision GEMMs are not, as oneDNN's on AMX cores). Other
+devices: ``F.linear``.
 
 Int8 candidates (CPU): activations are quantized per row, symmetric (scale = max|row|/127),
 so a row's result never depends on the other rows of its batch; the integer products are
@@ -301,6 +303,11 @@ class Projection:
         names = ["mkl", "mm"]
         if self.pack and _packing_ops() is not None:
             names.append("onednn")
+        if self.weight.dtype in (torch.bfloat16, torch.float16):  # type: ignore[union-attr]
+            # where the half-precision GEMMs round a row by its batch (oneDNN on AMX
+            # cores), deterministic numerics still have an invariant kernel: fp32 GEMM on
+            # the weight widened once, its result rounded back
+            names.append("f32")
         return names
 
     def allowed(self, name: str, bucket: int) -> bool:
@@ -324,6 +331,17 @@ class Projection:
             if b is None:
                 return lambda x: torch.mm(w, x.t()).t().contiguous()
             return lambda x: torch.mm(w, x.t()).t().contiguous().add_(b)
+        if name == "f32":
+            assert isinstance(w, torch.Tensor)
+            ops = _packing_ops()
+            wide = self._layouts.get(name)
+            if wide is None:  # oneDNN's packed fp32 weight where torch has it (as onednn)
+                wide = w.float() if ops is None else ops[0](w.float(), _PACK_HINT)
+                self._layouts[name] = wide
+            wide_b = None if b is None else b.float()
+            if ops is None:
+                return lambda x: F.linear(x.float(), wide, wide_b).to(x.dtype)
+            return lambda x: ops[1](x.float(), wide, wide_b, "none", [], "").to(x.dtype)
         if name == "onednn":
             reorder, linear = _packing_ops()  # type: ignore[misc]
             packed = self._layouts.get(name)
