@@ -117,7 +117,8 @@ def test_serve_http_options(tmp_path, monkeypatch) -> None:
 
 def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
     """The front door's APIs (OpenAI's, Anthropic's, vLLM's serving endpoints, and their
-    helpers: the request schemas, the chat mapping, the decoding settings, the access log)
+    helpers: the request schemas, the chat mapping, the decoding settings, the access log,
+    the disconnect watcher and the output limit)
     import the SDK (pie_ctx) and web libraries, never the engine: the only runtime modules
     they name are their own."""
     import ast
@@ -127,6 +128,8 @@ def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
         access_log,
         anthropic_api,
         anthropic_schema,
+        disconnect,
+        limits,
         openai_api,
         openai_chat,
         openai_decoding,
@@ -135,7 +138,7 @@ def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
     )
 
     modules = (openai_api, openai_chat, openai_schema, openai_decoding, access_log,
-               anthropic_api, anthropic_schema, serving_api)
+               anthropic_api, anthropic_schema, serving_api, disconnect, limits)
     own = {m.__name__ for m in modules}
     every: set[str] = set()
     for module in modules:
