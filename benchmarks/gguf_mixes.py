@@ -27,7 +27,6 @@ Last line, JSON: ``mix_<MIX>_runs`` (the three leading runs), ``mix_<MIX>_median
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import tempfile
 from collections import Counter
@@ -37,6 +36,7 @@ from typing import Any
 import anyio
 import gguf
 from common import emit, parse_args, table
+from scale_models import quantize
 
 from pie_ctx import Context, Runtime, Sampler
 from runtime.boot import boot_engine
@@ -47,21 +47,6 @@ PROMPTS = ("What is the capital of France? Answer in one sentence.",
            "Explain what a hash table is to a child.")
 MIXES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "Q5_1",
          "Q3_K_M", "IQ4_XS")
-
-
-def quantize(lib: Any, source: Path, path: Path, mix: str) -> None:
-    """``source`` re-quantized by llama.cpp into ``mix`` at ``path`` (written once)."""
-    if path.is_file():
-        return
-    params = lib.llama_model_quantize_default_params()
-    params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{mix}")
-    params.allow_requantize = True
-    params.nthread = 2
-    part = path.with_suffix(".part")
-    if lib.llama_model_quantize(str(source).encode(), str(part).encode(),
-                                ctypes.byref(params)) != 0:
-        raise SystemExit(f"llama_model_quantize failed for {mix}")
-    part.rename(path)
 
 
 def gguf_q8_0(source: Path, path: Path) -> None:
@@ -171,7 +156,8 @@ def main() -> None:
         if lib is None:
             gguf_q8_0(source, path)
         else:
-            quantize(lib, source, path, mix)
+            if not path.is_file():
+                quantize(lib, source, path, mix, threads=2, requantize=True)
         types = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
         # llama.cpp first: once the engine's model thread has run torch's OpenMP team,
         # ggml's parallel regions on another thread crash (the two share libgomp)

@@ -235,19 +235,30 @@ def build(shape: Shape, folder: Path, ftype: str, lib: object | None,
     print(f"building {path.name}: writing F16 ({shape.title} shape, random weights)",
           flush=True)
     _write(shape, f16, None)
+    print(f"building {path.name}: quantizing with llama.cpp", flush=True)
+    try:
+        quantize(lib, f16, path, ftype, threads)
+    finally:
+        f16.unlink()
+    return path
+
+
+def quantize(lib: object, source: Path, path: Path, ftype: str, threads: int,
+             requantize: bool = False) -> None:
+    """``source`` quantized by llama.cpp (``lib``: the ``llama_cpp`` module) into ``ftype``
+    at ``path``, written whole or not at all; ``requantize``: ``source`` is quantized
+    already (llama.cpp's ``allow_requantize``)."""
     params = lib.llama_model_quantize_default_params()  # type: ignore[attr-defined]
     params.ftype = ftype_id(lib, ftype)
     params.nthread = threads
+    params.allow_requantize = requantize
     part = path.with_suffix(".part")
-    print(f"building {path.name}: quantizing with llama.cpp", flush=True)
-    rc = lib.llama_model_quantize(str(f16).encode(), str(part).encode(),  # type: ignore[attr-defined]
+    rc = lib.llama_model_quantize(str(source).encode(), str(part).encode(),  # type: ignore[attr-defined]
                                   params)
-    f16.unlink()
     if rc != 0:
         part.unlink(missing_ok=True)
         raise SystemExit(f"llama_model_quantize failed ({rc}) for {path.name}")
     part.rename(path)
-    return path
 
 
 def bytes_per_token(path: Path, context: int) -> int:
