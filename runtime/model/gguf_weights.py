@@ -4,21 +4,34 @@ Owner: the model runner, once at load, on a model built in float. With the block
 GGUF the model was converted from (``runtime.model.loader.load_blocks``) every matrix the
 file stores in Q4_0, Q4_1 or Q8_0 runs on those blocks as they are (a fused qkv or gate_up
 stacks its parts' blocks; parts of different bit widths, and matrices the file stores as
-floats, stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
-Face folder) the float weights are quantized here as llama.cpp's Q4_1 files are: the
-projections to Q4_1, the embedding table (and lm_head) to Q8_0.
+floats, stay float). A model loaded with ``load_model(..., blocks=True)`` already holds
+those block weights (its projections were built on them, never in float); they are kept.
+Without a GGUF (a Hugging Face folder) the float weights are quantized here as llama.cpp's
+Q4_1 files are: the projections to Q4_1, the embedding table (and lm_head) to Q8_0.
+
+:data:`FORMAT_CONSTRUCTORS` is the one table of GGUF tensor types computed as stored: type
+name -> ``constructor(raw, kind, shape)``, where ``raw`` is a uint8 numpy view of the
+memory-mapped file, ``[rows, row bytes]``, ``kind`` the type name and ``shape`` ``(out,
+in)``. A constructor keeps a view of ``raw`` where its kernel reads the file's layout as
+it is (the weights then stay in the page cache, shared with every process mapping the
+file) and copies only what it must regroup. The weight it returns has ``out_features``,
+``in_features``, ``nbytes``, ``dequantize()``, ``take_rows(index)`` and a static
+``cat(parts)`` (None when the parts cannot be stacked).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.kv import hugepages
 from runtime.model.blocks import (
+    BLOCK_FORMATS,
     GROUP,
     BlockEmbedding,
     BlockWeight,
@@ -29,7 +42,23 @@ from runtime.model.blocks import (
 from runtime.model.matmul import Projection, choose_kernels
 from runtime.model.quant import calibrate
 
-__all__ = ["use_blocks", "quantize_q8_0"]
+__all__ = ["use_blocks", "quantize_q8_0", "FORMAT_CONSTRUCTORS", "weight_from_gguf"]
+
+# GGUF tensor type -> constructor(raw uint8 [rows, row bytes], kind, (out, in)) -> weight
+FORMAT_CONSTRUCTORS: dict[str, Callable[[np.ndarray, str, tuple[int, int]], Any]] = {
+    kind: BlockWeight.from_gguf for kind in BLOCK_FORMATS}
+
+
+def weight_from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Any | None:
+    """The block weight of a GGUF tensor of type ``kind`` computed as stored, built on the
+    file's bytes ``raw`` (see :data:`FORMAT_CONSTRUCTORS`); None: this type is not (the
+    loader dequantizes it).
+
+    Raises:
+        ModelError: the bytes do not fit the shape (a corrupt file).
+    """
+    make = FORMAT_CONSTRUCTORS.get(kind)
+    return None if make is None else make(raw, kind, shape)
 
 # projections whose blocks_q8 activations are rounded in two levels (StripBlocks.levels)
 TWO_LEVEL_KINDS = {"down": 2}
@@ -68,7 +97,8 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
 
     Args:
         model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
-        blocks: HF-named block weights of its GGUF; None: quantize the float weights now.
+        blocks: HF-named block weights of its GGUF (``{}`` when the model was built on
+            them already); None: quantize the float weights now.
         calibration: token ids (``runtime.model.quant.calibration_tokens``) whose dense pass
             picks the input channels ``blocks_q8`` keeps out of its rounding (every
             projection and the lm_head); None, or ``blocks_q8`` off: no pass, no split.
@@ -87,8 +117,11 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
     for i, lw in enumerate(model.layers):
         for kind in _PARTS:
             proj: Projection = getattr(lw, kind)
-            w = (_fused(blocks, i, kind) if blocks is not None
-                 else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
+            if proj.is_blocks:  # built on the file's blocks (load_model(blocks=True))
+                w = proj.weight
+            else:
+                w = (_fused(blocks, i, kind) if blocks is not None
+                     else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
             if w is not None:
                 # blocks_q8 keeps every projection's (and the lm_head's) largest input
                 # channels out of its rounding: qkv and gate_up alone reached greedy
@@ -99,10 +132,13 @@ def use_blocks(model: Any, blocks: dict[str, BlockWeight] | None,
                 # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md, issue 40)
                 setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
                                              act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
-    tied = model.lm_head.weight is model.embed
+    built = model.embed.table if isinstance(model.embed, BlockEmbedding) else None
+    tied = model.lm_head.weight is model.embed or (
+        built is not None and model.lm_head.weight is built)
     if blocks is not None:
-        table = blocks.get("model.embed_tokens.weight")
-        head = table if tied else blocks.get("lm_head.weight")
+        table = built if built is not None else blocks.get("model.embed_tokens.weight")
+        head = (table if tied else model.lm_head.weight if model.lm_head.is_blocks
+                else blocks.get("lm_head.weight"))
     else:
         table = quantize_q8_0(model.embed)
         head = table if tied else quantize_q8_0(model.lm_head.weight)

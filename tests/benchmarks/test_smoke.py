@@ -23,9 +23,11 @@ HELPERS = {
     "agent_client.py": "one agent process of agents.py",
     "agent_inferlet.py": "one agent inferlet of agents.py",
     "agent_mcp.py": "the ReAct tools as an MCP server (agents.py, system e)",
+    "scale_models.py": "the random-weight GGUF models of scale.py",
 }
 # Benchmarks whose smoke runs without the default model.
-NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py"}
+NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py",
+                    "scale.py"}
 # Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
 FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
@@ -59,6 +61,11 @@ KEYS = {
     "pages.py": {"alloc_free_ops_per_s", "ratio_fork_8192_over_64"},
     "prefix_reuse.py": {"ttft_hit_over_miss"},
     "quality.py": {"greedy_agreement", "ppl_delta"},
+    "scale.py": {"scale_tiny_decode_vs_llamacpp", "scale_tiny_prefill_vs_llamacpp",
+                 "scale_tiny_decode8_vs_llamacpp", "scale_tiny_bon_vs_llamacpp",
+                 "scale_tiny_decode_8k_vs_llamacpp", "scale_tiny_rss_vs_llamacpp",
+                 "scale_tiny_load_s_vs_llamacpp", "scale_tiny_decode_roofline_frac",
+                 "scale_tiny_ours_decode_tok_s", "scale_tiny_ours_rss_mb"},
     "server.py": {"overhead_ratio", "noop_rtt_median_us"},
     "snapshots.py": {"reopen_after_restart_over_recompute", "reopen_mb_s", "disk_read_mb_s",
                      "save_mb_s", "disk_write_mb_s", "snapshots_saved"},

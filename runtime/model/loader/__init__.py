@@ -6,13 +6,16 @@ Owner: this package owns the on-disk model cache (see :mod:`.cache`) and produce
     loaded = load_model()                       # the default SmolLM2-135M-Instruct
     loaded = load_model("smollm2-135m")         # a known short name
     loaded = load_model("/path/to/hf-folder")   # config.json + *.safetensors + tokenizer.json
-    loaded = load_model("/path/to/model.gguf")  # converted once into the cache, then loaded
+    loaded = load_model("/path/to/model.gguf")  # read in place (config/tokenizer cached)
     loaded.config, loaded.weights["model.embed_tokens.weight"], loaded.tokenizer.encode("hi")
 
-A GGUF is dequantized to float32 once, at conversion; the requested dtype is applied when
-the converted folder is loaded (float32 on CPU, bfloat16 on CUDA, unless ``dtype`` says).
-:func:`load_blocks` reads the same GGUF's block-format matrices as they are stored, for
-``weights="gguf"`` (``runtime.model.blocks``).
+A GGUF is read in place, as llama.cpp reads it: the file is memory-mapped and its tensors
+are taken from the mapping at every start; the cache holds only its config and tokenizer
+(:mod:`.convert`). ``load_model(..., blocks=True)`` keeps the matrices stored in a type the
+block kernels compute as block weights on the file's bytes (``weights="gguf"``; see
+``runtime.model.gguf_weights``); otherwise every tensor is dequantized in memory, to
+float32, then the requested dtype (float32 on CPU, bfloat16 on CUDA, unless ``dtype``
+says).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument, ModelError
@@ -37,7 +41,7 @@ __all__ = [
     "LoadedModel", "CachedModel", "load_model", "resolve_model", "resolve_device",
     "resolve_dtype", "list_cached_models",
     "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
-    "load_blocks", "gguf_source",
+    "load_blocks", "gguf_source", "gguf_weights", "dense_folder",
 ]
 
 # Short names -> cache entry of a model pie-ctx knows how to fetch.
@@ -64,6 +68,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: Path
+    dtype: torch.dtype = torch.float32  # of the float weights (block weights keep theirs)
+    device: torch.device = torch.device("cpu")
 
 
 @dataclass(slots=True)
@@ -97,13 +103,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     raise InvalidArgument(f"dtype {dtype!r} is unsupported; use float32, bfloat16 or float16")
 
 
-def resolve_model(ref: str | Path | None = None, *, progress: bool = True) -> tuple[str, Path]:
+def resolve_model(ref: str | Path | None = None, *, progress: bool = True,
+                  dense: bool = False) -> tuple[str, Path]:
     """Turn a model reference into ``(name, HF-layout folder)``, fetching/converting if needed.
 
     Args:
         ref: None or ``"default"`` (the default model), a known short name (see
             :data:`KNOWN_MODELS`), a checkpoint folder, or a ``.gguf`` file.
         progress: show fetch/convert progress on stderr.
+        dense: for a GGUF, the folder that also holds its weights dequantized to float32
+            safetensors (for loaders that read only those: the transformers backend).
 
     Returns:
         The model's display name and the folder to load.
@@ -113,12 +122,17 @@ def resolve_model(ref: str | Path | None = None, *, progress: bool = True) -> tu
     """
     if ref is None or (isinstance(ref, str) and ref.lower() in KNOWN_MODELS):
         name = KNOWN_MODELS[(ref or "default").lower()]
-        return name, ensure_default(progress=progress)
+        folder = ensure_default(progress=progress)
+        if dense:
+            folder = ensure_converted(default_gguf_path(), DEFAULT_NAME, progress=progress,
+                                      dense=True)
+        return name, folder
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.name, path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.stem, ensure_converted(path, gguf_cache_name(path), progress=progress)
+        return path.stem, ensure_converted(path, gguf_cache_name(path), progress=progress,
+                                           dense=dense)
     if path.is_file():
         raise ModelError(f"model file {path} is not a .gguf; pass a GGUF file or an HF folder")
     raise ModelError(f"model {str(ref)!r} not found: not a known name "
@@ -131,6 +145,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
+    blocks: bool = False,
 ) -> LoadedModel:
     """Load a model's config, weights and tokenizer.
 
@@ -139,6 +154,8 @@ def load_model(
         dtype: weight dtype; default float32 on CPU, bfloat16 on CUDA.
         device: where weights go; default CUDA when available, else CPU.
         progress: show fetch/convert progress bars on stderr.
+        blocks: for a GGUF, keep each matrix the block kernels compute as a block weight
+            on the memory-mapped file (``weights="gguf"``); an HF folder ignores it.
 
     Returns:
         The :class:`LoadedModel`.
@@ -153,17 +170,21 @@ def load_model(
     name, folder = resolve_model(ref, progress=progress)
     config_dict = read_config(folder)
     config = ModelConfig.from_hf_config(config_dict)
-    weights = load_weights(folder, dt, dev)
+    source = gguf_source(folder)
+    weights = (load_weights(folder, dt, dev) if source is None
+               else gguf_weights(source, dt, dev, blocks=blocks))
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelError(f"model {folder} has no model.embed_tokens.weight; is it a causal LM?")
-    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
-        raise ModelError(f"model {folder}: embedding shape {tuple(embed.shape)} does not match "
+    shape = ((embed.out_features, embed.in_features) if not isinstance(embed, torch.Tensor)
+             else tuple(embed.shape))
+    if shape != (config.vocab_size, config.hidden_size):
+        raise ModelError(f"model {folder}: embedding shape {shape} does not match "
                          f"config.json (vocab_size={config.vocab_size}, "
                          f"hidden_size={config.hidden_size}); the folder mixes two checkpoints")
     tokenizer = load_tokenizer(folder, config_dict)
     return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
-                       tokenizer=tokenizer, path=folder)
+                       tokenizer=tokenizer, path=folder, dtype=dt, device=dev)
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -184,19 +205,54 @@ def gguf_source(folder: Path) -> Path | None:
     return path
 
 
-def load_blocks(folder: Path) -> dict[str, Any] | None:
-    """The block-format matrices of the GGUF ``folder`` was converted from, by HF name
-    (``runtime.model.blocks.BlockWeight``), or None for an HF folder.
+def dense_folder(folder: Path, *, progress: bool = False) -> Path:
+    """``folder`` as a complete HF checkpoint (with safetensors weights), for loaders that
+    read only those (transformers' ``from_pretrained``): a GGUF's dense cache entry
+    (written on first use, float32), else ``folder`` itself.
 
     Raises:
-        ModelError: the GGUF is gone, or uses a block format weights='gguf' does not run.
+        ModelError: the GGUF is gone or unreadable, or the cache is not writable.
+    """
+    path = gguf_source(Path(folder))
+    if path is None:
+        return Path(folder)
+    return ensure_converted(path, Path(folder).name, progress=progress, dense=True)
+
+
+def gguf_weights(path: Path, dtype: torch.dtype, device: torch.device, *,
+                 blocks: bool) -> dict[str, Any]:
+    """The weights of the GGUF ``path`` by HF name, read in place: block weights on the
+    memory-mapped file (with ``blocks``, where a block kernel computes the type), every
+    other tensor as a ``dtype`` tensor on ``device`` (``GGUFModel.iter_weights``).
+
+    Raises:
+        ModelError: the file is unreadable or describes an unsupported model.
+    """
+    from .gguf_file import GGUFModel
+
+    out: dict[str, Any] = {}
+    for name, w in GGUFModel(path).iter_weights(blocks=blocks):
+        # (a float32 tensor may be a view of the read-only mapping: tensors get their own)
+        out[name] = (torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+                     .to(device=device, dtype=dtype)
+                     if isinstance(w, np.ndarray) else w)
+    return out
+
+
+def load_blocks(folder: Path) -> dict[str, Any] | None:
+    """The matrices of the GGUF ``folder`` describes that the block kernels compute, as
+    block weights by HF name (``runtime.model.gguf_weights``), or None for an HF folder.
+
+    Raises:
+        ModelError: the GGUF is gone or unreadable.
     """
     from .gguf_file import GGUFModel
 
     path = gguf_source(folder)
     if path is None:
         return None
-    return dict(GGUFModel(path).iter_blocks())
+    return {name: w for name, w in GGUFModel(path).iter_weights(blocks=True)
+            if not isinstance(w, np.ndarray)}
 
 
 def pull_default(*, force: bool = False, progress: bool = True) -> Path:

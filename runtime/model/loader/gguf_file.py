@@ -7,12 +7,18 @@ llama.cpp names (``blk.0.attn_q.weight``) to Hugging Face names
 permuted the rows of Q and K (it stores each head's rotary halves interleaved, for its
 "normal" RoPE); :func:`unpermute_qk` restores HF's layout. Qwen2/Qwen3 are stored unpermuted.
 
-:meth:`GGUFModel.iter_blocks` reads the matrices stored in a block format as they are
-(``runtime.model.blocks.BlockWeight``), for ``weights="gguf"``.
+:meth:`GGUFModel.iter_weights` is how a model is loaded from its GGUF, in place: the file
+stays memory-mapped and each matrix stored in a type the block kernels compute
+(``runtime.model.gguf_weights.FORMAT_CONSTRUCTORS``) is handed to its constructor as a
+uint8 view of the mapping, ``[rows, row bytes]``, with no copy on the way; only what must
+be converted is: Q/K rows of the Llama family (the rotary layout), float tensors (norms,
+biases, F16/BF16 matrices) to float32, and the types no kernel computes, dequantized (one
+log line names them).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -23,8 +29,12 @@ import numpy as np
 
 from pie_ctx.proto.errors import ModelError
 
+log = logging.getLogger("pie_ctx.engine")
+
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
 __all__ = [
-    "GGUFModel", "hf_tensor_name", "permute_qk", "unpermute_qk", "gguf_config_dict",
+    "GGUFModel", "FLOAT_TYPES", "hf_tensor_name", "permute_qk", "unpermute_qk", "gguf_config_dict",
     "SUPPORTED_GGUF_ARCHS",
 ]
 
@@ -250,50 +260,57 @@ class GGUFModel:
         """How many tensors :meth:`iter_tensors` yields (at most)."""
         return len(self._reader.tensors)
 
-    def iter_blocks(self) -> Iterator[tuple[str, Any]]:
-        """Yield ``(hf_name, BlockWeight)`` for every weight matrix stored in a block format,
-        Q/K rows un-permuted where needed. Float tensors (F32, F16, BF16) are skipped: the
-        converted folder holds them exactly.
+    def iter_weights(self, *, blocks: bool) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, weight)`` in file order, read in place.
+
+        Args:
+            blocks: keep each matrix stored in a type the block kernels compute as a block
+                weight built on the file's bytes (``runtime.model.gguf_weights``); False:
+                every tensor dequantized.
+
+        Yields:
+            A block weight (Q/K rows un-permuted where needed), or a float32 array: norms,
+            biases, float matrices and the types no block kernel computes (dequantized;
+            one log line names those types).
 
         Raises:
-            ModelError: a matrix uses a block format ``weights="gguf"`` does not run
-                (K-quants, IQ formats), or an unknown tensor name.
+            ModelError: an unknown tensor name, or bytes that do not fit a tensor's shape.
         """
-        from runtime.model.blocks import BlockWeight
+        from runtime.model.gguf_weights import weight_from_gguf
 
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
-        for t in self._reader.tensors:
-            name = hf_tensor_name(t.name)
-            kind = t.tensor_type.name
-            if name is None or kind in ("F32", "F16", "BF16") or len(t.shape) != 2:
-                continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            w = BlockWeight.from_gguf(t.data, kind, shape)  # (refuses other formats)
-            if self.arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
-                n = heads if ".attn_q." in t.name else kv_heads
-                rows = unpermute_qk(np.arange(shape[0]), n)
-                import torch
-
-                w = w.take_rows(torch.from_numpy(rows))
-            yield name, w
-
-    def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed.
-
-        Raises:
-            ModelError: an unknown tensor name or an unsupported quantization.
-        """
-        heads = self.config["num_attention_heads"]
-        kv_heads = self.config["num_key_value_heads"]
+        dequantized: dict[str, int] = {}
         for t in self._reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
+            kind = t.tensor_type.name
+            n = (heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name
+                 else 0) if self.arch in _PERMUTED_ARCHS else 0
+            if blocks and kind not in FLOAT_TYPES and len(t.shape) == 2:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                w = weight_from_gguf(t.data, kind, shape)  # t.data: a view of the mapping
+                if w is not None:
+                    if n:
+                        import torch
+
+                        w = w.take_rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), n)))
+                    yield name, w
+                    continue
+                dequantized[kind] = dequantized.get(kind, 0) + 1
             w = self._dequantize(t)
-            if self.arch in _PERMUTED_ARCHS:
-                if ".attn_q." in t.name:
-                    w = unpermute_qk(w, heads)
-                elif ".attn_k." in t.name:
-                    w = unpermute_qk(w, kv_heads)
-            yield name, w
+            yield name, unpermute_qk(w, n) if n else w
+        if dequantized:
+            log.info("GGUF %s: %s computed in float32 (dequantized at load: no block kernel "
+                     "for that type)", self.path.name,
+                     ", ".join(f"{k} ({v} tensors)" for k, v in sorted(dequantized.items())))
+
+    def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed
+        (:meth:`iter_weights` with every tensor dequantized).
+
+        Raises:
+            ModelError: an unknown tensor name or an unsupported quantization.
+        """
+        yield from self.iter_weights(blocks=False)
