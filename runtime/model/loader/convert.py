@@ -8,9 +8,10 @@ vocabulary and merges: seconds for a 150k-token vocabulary), ``tokenizer_config.
 weights stay in the GGUF: the native runner reads them from it in place at every start
 (``GGUFModel.iter_weights``), so the cache never holds a second copy.
 
-The one exception is a dense entry (``dense=True``, the folder's name ending in ``-f32``):
-``model.safetensors`` with every tensor dequantized to float32, written on first use for
-the transformers backend, whose loader reads safetensors folders only.
+The one exception is a dense entry (``dense=True``, ``dense/<name>/`` beside
+``models/<name>/``, same name so that the folder's last component is still the model's
+name): ``model.safetensors`` with every tensor dequantized to float32, written on first
+use for the transformers backend, whose loader reads safetensors folders only.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from . import cache
 from .gguf_file import GGUFModel
 from .gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer
 
-__all__ = ["CONVERTER_VERSION", "DENSE_SUFFIX", "convert_gguf", "gguf_cache_name",
+__all__ = ["CONVERTER_VERSION", "convert_gguf", "gguf_cache_name",
            "ensure_converted", "is_current"]
 
 # Bump when the converted layout changes; folders of another version are rebuilt.
 # 2: the weights stay in the GGUF (1 held a float32 copy in model.safetensors).
 CONVERTER_VERSION = 2
-DENSE_SUFFIX = "-f32"  # the entry of a dense folder (model.safetensors), beside the plain one
 
 
 def gguf_cache_name(gguf_path: Path) -> str:
@@ -117,8 +117,8 @@ def _write_dense(model: GGUFModel, out_dir: Path, progress: bool) -> None:
 
 def ensure_converted(gguf_path: Path, name: str, *, progress: bool = True,
                      force: bool = False, dense: bool = False) -> Path:
-    """The converted cache folder of ``gguf_path`` under entry ``name`` (``name`` +
-    :data:`DENSE_SUFFIX` with ``dense``), converting if needed.
+    """The converted cache folder of ``gguf_path`` under entry ``name`` (under
+    ``dense/`` with ``dense``), converting if needed.
 
     Safe under concurrency: conversion runs under the entry lock into a staging folder that
     is renamed into place, so readers see a complete folder or none.
@@ -136,11 +136,10 @@ def ensure_converted(gguf_path: Path, name: str, *, progress: bool = True,
     Raises:
         ModelError: as :func:`convert_gguf`, or the cache is not writable.
     """
-    name = name + DENSE_SUFFIX if dense else name
-    final = cache.models_dir() / name
+    final = (cache.dense_dir() if dense else cache.models_dir()) / name
     if not force and is_current(final):
         return final
-    with cache.entry_lock(name):
+    with cache.entry_lock(f"{name}.dense" if dense else name):
         if not force and is_current(final):  # another process converted it meanwhile
             return final
         tmp = cache.staging_dir(final)
