@@ -245,8 +245,8 @@ async def measure(args: argparse.Namespace, shape: Shape, gguf: Path,
                 rows["llamacpp"]["bon"] = on_model(llama.best_of, bon, args.n, sz["bon_new"], 0)
         res["rows"] = rows
     finally:
-        if llama is not None:
-            on_model(llama.close)
+        if llama is not None:  # (the engine's thread is gone once it has exited)
+            llama.close()
     del engine, on_model
     model_thread.join(timeout=60)
     return res
