@@ -142,14 +142,14 @@ def _timed(step: Any, first: torch.Tensor, n: int) -> tuple[float, list[int], to
 def main_async(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    from runtime.model.loader import load_tokenizer, resolve_model
+    from runtime.model.loader import dense_folder, load_tokenizer, resolve_model
     from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
 
     torch.set_grad_enabled(False)
     folder = resolve_model(None, progress=False)[1]
     tokenizer = load_tokenizer(folder)
     hooked = load_transformers_model(None, dtype=torch.float32, progress=False)
-    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+    plain = AutoModelForCausalLM.from_pretrained(dense_folder(folder), dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     contexts = [int(c) for c in args.contexts.split(",")]
     pages = -(-(max(contexts) + args.tokens) // PAGE)

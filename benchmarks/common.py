@@ -25,10 +25,13 @@ TEXT = ("Paged attention stores the key and value vectors of every token in fixe
 
 
 def load_hf(folder: Path, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """transformers' own model on the converted folder: the same weights as ours."""
+    """transformers' own model on the model's folder (a GGUF's dense cache entry: its
+    weights dequantized, ``runtime.model.loader.dense_folder``): the same weights as ours."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    from runtime.model.loader import dense_folder
+
+    model = AutoModelForCausalLM.from_pretrained(str(dense_folder(folder)), dtype=dtype)
     model.to(device).eval()
     return model
 
@@ -44,18 +47,21 @@ class Ours:
                  weights: str = "fp32", kv_dtype: str = "fp32",
                  deterministic: bool = False) -> None:
         from runtime.kv.pool import PagePool, PoolShape
+        from runtime.model.layers import is_block_weight
         from runtime.model.loader import load_blocks
         from runtime.model.quant import calibration_tokens
         from runtime.model.runner import ModelRunner
 
         c = loaded.config
         num_pages = max_tokens // page_size + 2
-        w = loaded.weights["model.embed_tokens.weight"]
+        w = loaded  # (its dtype and device: those of the float weights)
         pool = PagePool(PoolShape(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
                         dtype=w.dtype, device=w.device, kv_dtype=kv_dtype))
         calibration = (calibration_tokens(loaded.tokenizer) if weights in ("int8", "gguf")
                        else None)
-        blocks = load_blocks(loaded.path) if weights == "gguf" else None
+        in_place = any(is_block_weight(t) for t in loaded.weights.values())
+        blocks = (({} if in_place else load_blocks(loaded.path)) if weights == "gguf"
+                  else None)  # {}: loaded with blocks=True, the file's blocks in place
         self.runner = ModelRunner(c, loaded.weights, pool.kv, page_size, weight_format=weights,
                                   calibration=calibration, dtype=w.dtype, blocks=blocks,
                                   deterministic=deterministic)

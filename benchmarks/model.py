@@ -34,7 +34,7 @@ import torch
 from common import Ours, parse_args
 from quality import agreement, perplexity, text_ids
 
-from runtime.model.loader import default_gguf_path, load_model
+from runtime.model.loader import default_gguf_path, dense_folder, load_model
 
 
 def sync(device: torch.device) -> None:
@@ -69,7 +69,8 @@ class HF:
             self.source = "gguf"
         except (ValueError, ImportError, OSError) as e:
             print(f"HF cannot load the GGUF ({e}); using the converted folder", file=sys.stderr)
-            self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_pretrained(str(dense_folder(folder)),
+                                                              dtype=torch.float32)
             self.source = "converted folder"
         self.model.to(device=device, dtype=dtype).eval()
         self.device = device

@@ -30,6 +30,7 @@ from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig
 from runtime.model.loader import (
     gguf_blocks_source,
+    gguf_source,
     load_blocks,
     load_model,
     resolve_device,
@@ -92,7 +93,8 @@ def fingerprint(name: str, folder: Path, dtype: torch.dtype, shape: Any, page_si
         shape: has ``num_layers``, ``num_kv_heads`` and ``head_dim`` (a model config).
     """
     digest = xxhash.xxh3_128()
-    for path in sorted(Path(folder).iterdir()):
+    source = gguf_source(Path(folder))  # a GGUF's weights are read from the file itself
+    for path in sorted(Path(folder).iterdir()) + ([source] if source is not None else []):
         if path.suffix in (".safetensors", ".gguf", ".bin") or path.name == "config.json":
             digest.update(path.name.encode())
             with open(path, "rb") as f:
@@ -259,8 +261,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     def build() -> tuple[_Model, Any, Any]:
         if tp != 1:  # rank 0 of tp ranks, pages sharded by KV head (runtime.distributed)
             return _build_rank0()
-        m, make_runner = _load(kind, model, deterministic, dtype=dtype, device=device,
-                               progress=progress)
+        m, make_runner = _load(kind, model, deterministic, weights, dtype=dtype,
+                               device=device, progress=progress)
         pages = num_pages or pool_pages_for(m.shape, page_size, m.dtype, kv_memory_gb, kv_dtype)
         files = files_for(m, kind)
         try:
@@ -328,8 +330,7 @@ class _Model:
     def native(cls, loaded: Any) -> _Model:
         """The facts of a ``LoadedModel`` (the native loader's)."""
         cfg = loaded.config
-        weight = loaded.weights["model.embed_tokens.weight"]
-        return cls(loaded.name, loaded.path, loaded.tokenizer, cfg, weight.dtype, weight.device,
+        return cls(loaded.name, loaded.path, loaded.tokenizer, cfg, loaded.dtype, loaded.device,
                    cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings)
 
 
@@ -337,10 +338,13 @@ class _Model:
 MakeRunner = Callable[[torch.Tensor, int, str], Any]
 
 
-def _load(kind: str, model: str | None, deterministic: bool,
+def _load(kind: str, model: str | None, deterministic: bool, weights: str,
           **load_kw: Any) -> tuple[_Model, MakeRunner]:
     """Load ``model`` for the ``kind`` backend (on the model thread); returns its facts and
-    how to build its runner over a pool (``deterministic``: see ``boot_engine``)."""
+    how to build its runner over a pool (``deterministic``, ``weights``: see
+    ``boot_engine``). With ``weights="gguf"`` a GGUF's matrices are read in place, as
+    block weights on the memory-mapped file (``load_model(blocks=True)``): no float copy
+    of them is ever made."""
     if kind == "transformers":
         if deterministic:
             log.info("model %s: the transformers backend runs transformers' kernels; "
@@ -350,13 +354,15 @@ def _load(kind: str, model: str | None, deterministic: bool,
         return (_Model(hf.name, hf.path, hf.tokenizer, hf, hf.dtype, hf.device, hf.vocab_size,
                        hf.hidden_size, hf.max_positions),
                 lambda pool, page_size, _weights: TransformersRunner(hf, pool, page_size))
-    loaded = load_model(model, **load_kw)
+    loaded = load_model(model, blocks=weights == "gguf", **load_kw)
     m = _Model.native(loaded)
+    in_place = weights == "gguf" and gguf_blocks_source(loaded.path) is not None
 
     def make_runner(pool: torch.Tensor, page_size: int, weights: str) -> ModelRunner:
         calibration = (calibration_tokens(loaded.tokenizer) if weights in ("int8", "gguf")
                        else None)  # gguf: blocks_q8's outlier channels
-        blocks = load_blocks(loaded.path) if weights == "gguf" else None
+        # {}: the weights hold the file's blocks already; None: an HF folder, quantized now
+        blocks = ({} if in_place else load_blocks(loaded.path)) if weights == "gguf" else None
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
                            weight_format=weights, calibration=calibration, dtype=m.dtype,
                            blocks=blocks, deterministic=deterministic)

@@ -5,9 +5,11 @@ GGUF the model was converted from (``runtime.model.loader.load_blocks``) every m
 file stores in a format computed as stored (``runtime.model.formats``: Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) runs on those blocks as they are (a fused qkv or gate_up
 stacks its parts' blocks; parts no one weight holds together, other formats and matrices
-the file stores as floats stay float: the converted folder holds them exactly). Without a GGUF (a Hugging
-Face folder) the float weights are quantized here as llama.cpp's Q4_1 files are: the
-projections to Q4_1, the embedding table (and lm_head) to Q8_0.
+the file stores as floats stay float). A model loaded with ``load_model(..., blocks=True)``
+already holds those weights (its projections were built on them, never in float); they are
+kept. Without a GGUF (a Hugging Face folder) the float weights are quantized here as
+llama.cpp's Q4_1 files are: the projections to Q4_1, the embedding table (and lm_head) to
+Q8_0.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
 
     Args:
         model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
-        blocks: HF-named block weights of its GGUF; None: quantize the float weights now.
+        blocks: HF-named block weights of its GGUF (``{}`` when the model was built on
+            them already); None: quantize the float weights now.
         calibration: token ids (``runtime.model.quant.calibration_tokens``) whose dense pass
             picks the input channels ``blocks_q8`` keeps out of its rounding (every
             projection and the lm_head); None, or ``blocks_q8`` off: no pass, no split.
@@ -89,8 +92,11 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
     for i, lw in enumerate(model.layers):
         for kind in _PARTS:
             proj: Projection = getattr(lw, kind)
-            w = (_fused(blocks, i, kind) if blocks is not None
-                 else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
+            if proj.is_blocks:  # built on the file's blocks (load_model(blocks=True))
+                w = proj.weight
+            else:
+                w = (_fused(blocks, i, kind) if blocks is not None
+                     else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
             if w is not None:
                 # blocks_q8 keeps every projection's (and the lm_head's) largest input
                 # channels out of its rounding: qkv and gate_up alone reached greedy
@@ -101,10 +107,13 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
                 # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md)
                 setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
                                              act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
-    tied = model.lm_head.weight is model.embed
+    built = model.embed.table if isinstance(model.embed, BlockEmbedding) else None
+    tied = model.lm_head.weight is model.embed or (
+        built is not None and model.lm_head.weight is built)
     if blocks is not None:
-        table = blocks.get("model.embed_tokens.weight")
-        head = table if tied else blocks.get("lm_head.weight")
+        table = built if built is not None else blocks.get("model.embed_tokens.weight")
+        head = (table if tied else model.lm_head.weight if model.lm_head.is_blocks
+                else blocks.get("lm_head.weight"))
     else:
         table = quantize_q8_0(model.embed)
         head = table if tied else quantize_q8_0(model.lm_head.weight)

@@ -4,15 +4,21 @@ Owner: the model runner. Weights arrive as ``dict[str, Tensor]`` in Hugging Face
 (``model.layers.{i}.self_attn.q_proj.weight`` ...). At load they are fused so that a
 layer runs one q/k/v matmul and one gate/up matmul; the originals are not kept.
 
-Invariants: every tensor in a :class:`LayerWeights` lives on the runner's device in the
-compute dtype; the fused q/k/v weight stacks rows as ``[q (H*D); k (KVH*D); v (KVH*D)]``,
+A matrix may also arrive as a GGUF block weight (``runtime.model.gguf_weights``, from
+``load_model(..., blocks=True)``): a fused projection whose parts are all block weights
+that stack (:meth:`cat`) is built on them, never in float; parts that do not stack (mixed
+formats) are dequantized and fused in float.
+
+Invariants: every float tensor in a :class:`LayerWeights` lives on the runner's device in
+the compute dtype; the fused q/k/v weight stacks rows as ``[q (H*D); k (KVH*D); v (KVH*D)]``,
 and the fused gate/up weight as ``[gate (I); up (I)]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +26,11 @@ import torch.nn.functional as F
 from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 from runtime.model.config import ModelConfig
+from runtime.model.formats import cat_weights
 from runtime.model.matmul import Projection
 
-__all__ = ["LayerWeights", "fuse_layer", "rms_norm", "swiglu_mlp", "take_weight"]
+__all__ = ["LayerWeights", "fuse_layer", "is_block_weight", "rms_norm", "swiglu_mlp",
+           "take_weight"]
 
 
 @dataclass(slots=True)
@@ -46,8 +54,13 @@ class LayerWeights:
                 if t is not None]
 
 
+def is_block_weight(t: object) -> bool:
+    """Whether a checkpoint entry is a GGUF block weight rather than a float tensor."""
+    return t is not None and not isinstance(t, torch.Tensor)
+
+
 def take_weight(
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Any],
     name: str,
     shape: tuple[int, ...],
     device: torch.device,
@@ -61,21 +74,36 @@ def take_weight(
     t = weights.get(name)
     if t is None:
         raise ModelError(f"checkpoint is missing tensor {name!r}")
+    if is_block_weight(t):  # a block weight wanted in float: the file's values exactly
+        t = t.dequantize()
     if tuple(t.shape) != shape:
         raise ModelError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
     return t.detach().to(device=device, dtype=dtype)
 
 
 def _optional(
-    weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
+    weights: Mapping[str, Any], name: str, shape: tuple[int, ...],
     device: torch.device, dtype: torch.dtype,
 ) -> torch.Tensor | None:
     return take_weight(weights, name, shape, device, dtype) if name in weights else None
 
 
+def _stacked(weights: Mapping[str, Any], parts: list[tuple[str, tuple[int, int]]]) -> Any:
+    """The block weights ``parts`` (name, shape) stacked along their rows, or None unless
+    every part is a block weight of its shape and they stack."""
+    got = [weights.get(name) for name, _ in parts]
+    if not all(is_block_weight(w) for w in got):
+        return None
+    for w, (name, shape) in zip(got, parts, strict=True):
+        if (w.out_features, w.in_features) != shape:
+            raise ModelError(f"checkpoint tensor {name!r} has shape "
+                             f"{(w.out_features, w.in_features)}, expected {shape}")
+    return got[0] if len(got) == 1 else cat_weights(got)
+
+
 def fuse_layer(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Any],
     index: int,
     device: torch.device,
     dtype: torch.dtype,
@@ -95,11 +123,15 @@ def fuse_layer(
     def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return take_weight(weights, p + name, shape, device, dtype)
 
-    qkv = torch.cat([
-        w("self_attn.q_proj.weight", (qd, hd)),
-        w("self_attn.k_proj.weight", (kvd, hd)),
-        w("self_attn.v_proj.weight", (kvd, hd)),
-    ]).contiguous()
+    def matrix(parts: list[tuple[str, tuple[int, int]]]) -> Any:
+        """The fused weight of ``parts``: on their blocks when they stack, else float."""
+        blocks = _stacked(weights, [(p + name, shape) for name, shape in parts])
+        if blocks is not None:
+            return blocks
+        return torch.cat([w(name, shape) for name, shape in parts]).contiguous()
+
+    qkv = matrix([("self_attn.q_proj.weight", (qd, hd)), ("self_attn.k_proj.weight", (kvd, hd)),
+                  ("self_attn.v_proj.weight", (kvd, hd))])
     qkv_bias = None
     if c.attention_bias:
         qkv_bias = torch.cat([
@@ -111,21 +143,19 @@ def fuse_layer(
     if c.qk_norm:
         q_norm = w("self_attn.q_norm.weight", (c.head_dim,))
         k_norm = w("self_attn.k_norm.weight", (c.head_dim,))
-    gate_up = torch.cat([
-        w("mlp.gate_proj.weight", (c.intermediate_size, hd)),
-        w("mlp.up_proj.weight", (c.intermediate_size, hd)),
-    ]).contiguous()
+    gate_up = matrix([("mlp.gate_proj.weight", (c.intermediate_size, hd)),
+                      ("mlp.up_proj.weight", (c.intermediate_size, hd))])
     return LayerWeights(
         input_norm=w("input_layernorm.weight", (hd,)),
         qkv=Projection(qkv, qkv_bias, pack=pack),
-        o_proj=Projection(w("self_attn.o_proj.weight", (hd, qd)).contiguous(),
+        o_proj=Projection(matrix([("self_attn.o_proj.weight", (hd, qd))]),
                           _optional(weights, p + "self_attn.o_proj.bias", (hd,), device, dtype),
                           pack=pack),
         q_norm=q_norm,
         k_norm=k_norm,
         post_norm=w("post_attention_layernorm.weight", (hd,)),
         gate_up=Projection(gate_up, pack=pack),
-        down=Projection(w("mlp.down_proj.weight", (hd, c.intermediate_size)).contiguous(),
+        down=Projection(matrix([("mlp.down_proj.weight", (hd, c.intermediate_size))]),
                         pack=pack),
     )
 

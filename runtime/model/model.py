@@ -20,12 +20,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pie_ctx.proto.errors import ModelError
 from runtime.model import kernels
 from runtime.model.adapters.delta import LoraBatch
-from runtime.model.blocks import BlockWeight
+from runtime.model.blocks import BlockEmbedding, BlockWeight
 from runtime.model.config import ModelConfig
 from runtime.model.kquants import KQuantWeight
-from runtime.model.layers import LayerWeights, fuse_layer, rms_norm, swiglu_mlp, take_weight
+from runtime.model.layers import (
+    LayerWeights,
+    fuse_layer,
+    is_block_weight,
+    rms_norm,
+    swiglu_mlp,
+    take_weight,
+)
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary
 
@@ -41,7 +49,8 @@ class Transformer:
     Args:
         config: the model config.
         weights: HF-named tensors (``model.embed_tokens.weight``, ``model.layers.{i}...``,
-            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
+            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied); a matrix
+            may be a GGUF block weight instead (see ``runtime.model.layers``).
         device: where to run.
         dtype: compute dtype (weights are cast to it).
         pack: allow oneDNN-packed weight copies (default: decided on the model's size).
@@ -58,7 +67,7 @@ class Transformer:
         ModelError: a tensor is missing or mis-shaped.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: dict[str, Any],
                  device: torch.device, dtype: torch.dtype, pack: bool | None = None, *,
                  choose: bool = True, deterministic: bool = False) -> None:
         c = config
@@ -68,17 +77,27 @@ class Transformer:
         self.dtype = dtype
         if pack is None:  # decided on the checkpoint's size (see runtime.model.matmul)
             size = sum(t.numel() * torch.empty((), dtype=dtype).element_size()
-                       for t in weights.values())
+                       if isinstance(t, torch.Tensor) else t.nbytes for t in weights.values())
             pack = should_pack(device, dtype, size)
         self.packed = pack
-        self.embed = take_weight(weights, "model.embed_tokens.weight",
-                                 (c.vocab_size, c.hidden_size), device, dtype)
+        table = weights.get("model.embed_tokens.weight")
+        if is_block_weight(table):  # on the GGUF's blocks: rows dequantized when looked up
+            if (table.out_features, table.in_features) != (c.vocab_size, c.hidden_size):
+                raise ModelError(f"checkpoint tensor 'model.embed_tokens.weight' has shape "
+                                 f"{(table.out_features, table.in_features)}, expected "
+                                 f"{(c.vocab_size, c.hidden_size)}")
+            self.embed: Any = BlockEmbedding(table, dtype)
+        else:
+            self.embed = take_weight(weights, "model.embed_tokens.weight",
+                                     (c.vocab_size, c.hidden_size), device, dtype)
         self.layers: list[LayerWeights] = [
             fuse_layer(c, weights, i, device, dtype, pack) for i in range(c.num_layers)
         ]
         self.final_norm = take_weight(weights, "model.norm.weight", (c.hidden_size,), device, dtype)
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            head = self.embed
+            head = self.embed.table if isinstance(self.embed, BlockEmbedding) else self.embed
+        elif is_block_weight(weights["lm_head.weight"]):
+            head = weights["lm_head.weight"]
         else:
             head = take_weight(weights, "lm_head.weight", (c.vocab_size, c.hidden_size), device,
                                dtype)

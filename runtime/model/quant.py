@@ -27,6 +27,7 @@ activations +33%.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import zlib
 from array import array
@@ -38,6 +39,7 @@ import torch
 
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.model import machine_cache
+from runtime.model.blocks import BlockEmbedding
 from runtime.model.layers import LayerWeights
 from runtime.model.matmul import Int8Weight, Projection, choose_kernels
 
@@ -139,7 +141,8 @@ def calibrate(model: Any, tokens: list[int]) -> tuple[list[dict[str, torch.Tenso
     the pass; a hit returns the same bits the pass would.
 
     Args:
-        model: a :class:`runtime.model.model.Transformer` with float weights, on CPU.
+        model: a :class:`runtime.model.model.Transformer` with float weights (or built on
+            a GGUF's block weights, whose exact kernel the pass runs), on CPU.
         tokens: the token ids to run (:func:`calibration_tokens`).
 
     Returns:
@@ -173,10 +176,20 @@ def _weights_digest(model: Any) -> str:
             proj = getattr(lw, n)
             parts += [(f"{i}.{n}", proj.weight), (f"{i}.{n}.bias", proj.bias)]
     h = hashlib.blake2b(digest_size=16)
+    if isinstance(model.embed, BlockEmbedding):  # the lookups read the table's blocks
+        parts[0] = ("embed", model.embed.table)
+    for name, t in list(parts):
+        if t is not None and dataclasses.is_dataclass(t) and not isinstance(t, torch.Tensor):
+            # a GGUF block weight the model was built on: its arrays (the pass reads them)
+            parts += [(f"{name}.{f.name}", getattr(t, f.name)) for f in dataclasses.fields(t)
+                      if isinstance(getattr(t, f.name), torch.Tensor)]
+            h.update(f"{name}:{type(t).__name__};".encode())
     for name, t in parts:
         if t is None:
             h.update(f"{name}:none;".encode())
             continue
+        if dataclasses.is_dataclass(t) and not isinstance(t, torch.Tensor):
+            continue  # digested by its arrays above
         if not isinstance(t, torch.Tensor):
             raise InvalidArgument(f"calibration runs on a float model; {name} is "
                                   f"{type(t).__name__}")

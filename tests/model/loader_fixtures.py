@@ -205,16 +205,17 @@ def write_tiny_hf_folder(folder: Path, hf: dict[str, np.ndarray], shards: int = 
 def hf_default_model(folder: Path) -> Any:
     """transformers' own model of the default SmolLM2, fp32 and in eval mode: loaded from the
     same GGUF by transformers' dequantization when it can (needs ``accelerate``), else from
-    the converted ``folder`` our loader produced (the real-model oracle)."""
+    the dense entry of the ``folder`` our loader produced (the real-model oracle)."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.model.loader import default_gguf_path
+    from runtime.model.loader import default_gguf_path, dense_folder
 
     gguf = Path(default_gguf_path())
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
     except (ValueError, ImportError, OSError):
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(dense_folder(folder)),
+                                                     dtype=torch.float32)
     return model.eval()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.kv.pool import PagePool, PoolShape
-from runtime.model.loader import load_model
+from runtime.model.loader import dense_folder, load_model
 from runtime.model.runner import ModelRunner, SeqInput
 from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
 
@@ -46,7 +46,8 @@ def test_native_and_transformers_backends_agree_on_the_default_model() -> None:
         tokens.append(greedy)
     from transformers import AutoModelForCausalLM
 
-    oracle = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32).eval()
+    oracle = AutoModelForCausalLM.from_pretrained(str(dense_folder(loaded.path)),
+                                                  dtype=torch.float32).eval()
     with torch.inference_mode():
         want = oracle(torch.tensor([ids])).logits[0]
     diff = (outs[0] - outs[1]).abs().max().item()

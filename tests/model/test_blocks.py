@@ -190,6 +190,42 @@ def _assert_agree(fp32: ModelRunner, ours: ModelRunner, tol: float) -> None:
     assert (got_logits - want_logits).abs().max().item() <= tol * scale
 
 
+def test_a_gguf_read_in_place_computes_what_the_converted_path_computes(
+        tmp_path: Path, exact: None) -> None:
+    """load_model(blocks=True): the matrices arrive as block weights on the file (never in
+    float), the cache folder holds no weights, and the runner built on them gives the same
+    tokens and logits as the runner built in float and then put on the same blocks."""
+    hf = hf_reference_weights(seed=5, scaled=True)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf,
+                           formats={"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_0",
+                                    "attn_v.weight": "Q8_0", "attn_output.weight": "Q4_1",
+                                    "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1",
+                                    "ffn_down.weight": "Q8_0", "token_embd.weight": "Q8_0"})
+    in_place = load_model(path, device="cpu", progress=False, blocks=True)
+    assert not list(in_place.path.glob("*.safetensors"))  # the weights stay in the GGUF
+    kinds = {n: type(w).__name__ for n, w in in_place.weights.items()}
+    assert kinds["model.layers.0.mlp.up_proj.weight"] == "BlockWeight"
+    assert kinds["model.embed_tokens.weight"] == "BlockWeight"
+    assert kinds["model.layers.0.input_layernorm.weight"] == "Tensor"
+    dense = load_model(path, device="cpu", progress=False)
+    c = dense.config
+    ours = ModelRunner(c, in_place.weights, _pool(c), 16, weight_format="gguf", blocks={})
+    twin = ModelRunner(c, dense.weights, _pool(c), 16, weight_format="gguf",
+                       blocks=load_blocks(dense.path))
+    # qkv mixes Q4_0 and Q8_0 (float, dequantized), the rest stays on its blocks
+    def on_blocks(runner: ModelRunner) -> list[bool]:
+        lw = runner.model.layers[0]
+        return [p.is_blocks for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+
+    assert on_blocks(ours) == on_blocks(twin) == [False, True, True, True]
+    assert ours.weight_bytes == twin.weight_bytes
+    ids = [3, 7, 1, 9, 4, 4, 12, 5, 8, 2, 6, 11]
+    want, want_logits = _greedy(twin, ids, 6)
+    got, got_logits = _greedy(ours, ids, 6)
+    assert got == want
+    assert torch.equal(got_logits, want_logits)
+
+
 def test_an_hf_folder_runs_on_q4_1_blocks_made_at_load(exact: None) -> None:
     hf_model = make_hf_model("llama3", seed=7, num_layers=2)
     base = make_runner(hf_model)

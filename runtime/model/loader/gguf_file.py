@@ -7,8 +7,13 @@ llama.cpp names (``blk.0.attn_q.weight``) to Hugging Face names
 permuted the rows of Q and K (it stores each head's rotary halves interleaved, for its
 "normal" RoPE); :func:`unpermute_qk` restores HF's layout. Qwen2/Qwen3 are stored unpermuted.
 
-:meth:`GGUFModel.iter_blocks` reads the matrices stored in a block format as they are
-(``runtime.model.blocks.BlockWeight``), for ``weights="gguf"``.
+:meth:`GGUFModel.iter_weights` is how a model is loaded from its GGUF, in place: the file
+stays memory-mapped and each matrix stored in a type the block kernels compute
+(``runtime.model.formats``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is handed to
+its family's constructor as a uint8 view of the mapping, ``[rows, row bytes]``, with no copy on the way; only what must
+be converted is: Q/K rows of the Llama family (the rotary layout), float tensors (norms,
+biases, F16/BF16 matrices) to float32, and the types no kernel computes, dequantized (one
+log line names them).
 """
 
 from __future__ import annotations
@@ -250,14 +255,23 @@ class GGUFModel:
         """How many tensors :meth:`iter_tensors` yields (at most)."""
         return len(self._reader.tensors)
 
-    def iter_blocks(self) -> Iterator[tuple[str, Any]]:
-        """Yield ``(hf_name, weight)`` for every weight matrix stored in a format computed as
-        stored (``runtime.model.formats``: the bytes in place, a view of the file), Q/K rows
-        un-permuted where needed (a copy). Float tensors (F32, F16, BF16) are skipped, and
-        so are other formats (logged once): the converted folder holds their exact values.
+    def iter_weights(self, *, blocks: bool, floats: bool = True) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, weight)`` in file order, read in place.
+
+        Args:
+            blocks: keep each matrix stored in a format computed as stored
+                (``runtime.model.formats.weight_from_gguf``) as that family's weight built
+                on the file's bytes, a view of the mapping; False: every tensor dequantized.
+            floats: also yield the float32 arrays (norms, biases, float matrices and the
+                formats no family computes, dequantized); False: only the block weights.
+
+        Yields:
+            A block weight (Q/K rows un-permuted where needed, a copy), or a float32 array.
+            The formats dequantized although ``blocks`` asked for blocks are logged once
+            (``runtime.model.formats.note_dequantized``).
 
         Raises:
-            ModelError: an unknown tensor name, or bytes that do not fit a shape.
+            ModelError: an unknown tensor name, or bytes that do not fit a tensor's shape.
         """
         from collections import Counter
 
@@ -268,39 +282,41 @@ class GGUFModel:
         dequantized: Counter[str] = Counter()
         for t in self._reader.tensors:
             name = hf_tensor_name(t.name)
+            if name is None:
+                continue
             kind = t.tensor_type.name
-            if name is None or kind in FLOAT_FORMATS or len(t.shape) != 2:
-                continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            w = weight_from_gguf(t.data, kind, shape)
-            if w is None:
-                dequantized[kind] += 1
-                continue
-            if self.arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
-                n = heads if ".attn_q." in t.name else kv_heads
-                rows = unpermute_qk(np.arange(shape[0]), n)
-                import torch
+            n = (heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name
+                 else 0) if self.arch in _PERMUTED_ARCHS else 0
+            if blocks and kind not in FLOAT_FORMATS and len(t.shape) == 2:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                w = weight_from_gguf(t.data, kind, shape)  # t.data: a view of the mapping
+                if w is not None:
+                    if n:
+                        import torch
 
-                w = w.take_rows(torch.from_numpy(rows))
-            yield name, w
+                        w = w.take_rows(torch.from_numpy(unpermute_qk(np.arange(shape[0]), n)))
+                    yield name, w
+                    continue
+                dequantized[kind] += 1
+            if floats:
+                w = self._dequantize(t)
+                yield name, unpermute_qk(w, n) if n else w
         note_dequantized(dequantized, self.path)
 
+    def iter_blocks(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, weight)`` for every matrix stored in a format computed as stored
+        (:meth:`iter_weights` without the float tensors).
+
+        Raises:
+            ModelError: an unknown tensor name, or bytes that do not fit a shape.
+        """
+        yield from self.iter_weights(blocks=True, floats=False)
+
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed.
+        """Yield ``(hf_name, float32 array)`` in file order, Q/K un-permuted where needed
+        (:meth:`iter_weights` with every tensor dequantized).
 
         Raises:
             ModelError: an unknown tensor name or an unsupported quantization.
         """
-        heads = self.config["num_attention_heads"]
-        kv_heads = self.config["num_key_value_heads"]
-        for t in self._reader.tensors:
-            name = hf_tensor_name(t.name)
-            if name is None:
-                continue
-            w = self._dequantize(t)
-            if self.arch in _PERMUTED_ARCHS:
-                if ".attn_q." in t.name:
-                    w = unpermute_qk(w, heads)
-                elif ".attn_k." in t.name:
-                    w = unpermute_qk(w, kv_heads)
-            yield name, w
+        yield from self.iter_weights(blocks=False)

@@ -87,7 +87,7 @@ def load_transformers_model(ref: str | Path | None = None, *, dtype: Any = None,
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    name, folder = resolve_model(ref, progress=progress)
+    name, folder = resolve_model(ref, progress=progress, dense=True)  # safetensors
     config_dict = read_config(folder)
     register()
     bars = hf_logging.is_progress_bar_enabled()
