@@ -5,8 +5,8 @@ their eager PyTorch code when it returns None. The C++ source is compiled once p
 (``-O3 -march=native``: the flags of the CPU that runs it) into
 ``~/.cache/pie-ctx/kernels/<digest>/`` by ``torch.utils.cpp_extension`` under an flock
 (two processes never build at once; a build killed half-way blocks nobody); the digest
-covers the sources and their header, the compiler flags, torch's version and the CPU's flags, so a cache
-shared between different machines never loads a foreign build.
+covers the sources, their folder and header, the compiler flags, torch's version and the
+CPU's flags, so a cache shared between machines or checkouts never loads a foreign build.
 
 They are on by default; ``PIE_CTX_KERNELS=0`` turns them off (the eager code runs). A
 build that fails (no C++ compiler) is logged once and the eager code runs; nothing else
@@ -119,6 +119,9 @@ def folder(source: Path = SOURCE, march: str = "native") -> Path:
     digest = hashlib.blake2b(digest_size=8)
     if march != "native":
         digest.update(march.encode())
+    # the checkout's own folder: ninja's build files name the sources by absolute path, so
+    # two checkouts sharing one build would each rebuild it for the other at every start
+    digest.update(str(source.resolve().parent).encode())
     # (this file too: it holds the compiler flags)
     for part in (*(s.read_bytes() for s in SOURCES[source]), HEADER.read_bytes(),
                  Path(__file__).read_bytes(),
