@@ -9,6 +9,7 @@ import pytest
 
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool
+from runtime.fleet.ingress import session_of
 from runtime.server.http.anthropic.schema import MessagesRequest
 from runtime.server.http.anthropic.schema import tool_choice_of as anthropic_choice
 from runtime.server.http.conversation.body import decode
@@ -74,9 +75,12 @@ def test_one_tool_choice_rule() -> None:
     assert anthropic_choice(req, tools) == ("required", False)
 
 
-def test_one_key_scope() -> None:
+def test_one_key_scope_for_the_store_and_the_fleet() -> None:
     a = {"authorization": "Bearer sekrit"}
     assert key_scope(a) == key_scope({"authorization": "bearer  sekrit "})
     assert key_scope(a).startswith("http-") and "sekrit" not in key_scope(a)
     assert key_scope(a) != key_scope({"authorization": "Bearer other"})
     assert key_scope({}) == key_scope({"authorization": "Basic xyz"}) == ANONYMOUS
+    # the fleet's sessions are scoped by the same function
+    assert session_of("POST", "/v1/chat/completions", {**a, "x-session-id": "u7"}, {}) == \
+        f"s:{key_scope(a)}:u7"
