@@ -188,22 +188,23 @@ def test_the_sdk_reaches_the_runtime_only_through_its_entry_point():
 
 
 # The one place the runtime uses the SDK itself: the HTTP server hosts an inferlet, the
-# OpenAI-compatible API, written over the public SDK (docs/http.md): it may use the SDK's
-# constraint and tool modules.
-ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.openai_api": {"pie_ctx.constrain",
-                                                             "pie_ctx.tools"},
-                          "runtime.server.http.openai_chat": {"pie_ctx.tools"},
-                          "runtime.server.http.openai_decoding": {"pie_ctx.constrain",
+# chat-shaped APIs over one conversation pipeline, written over the public SDK
+# (docs/http.md): it may use the SDK's constraint and tool modules.
+ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.conversation.turns": {"pie_ctx.tools"},
+                          "runtime.server.http.conversation.decoding": {"pie_ctx.constrain",
+                                                                        "pie_ctx.tools"},
+                          "runtime.server.http.openai.api": {"pie_ctx.tools"},
+                          "runtime.server.http.openai.chat": {"pie_ctx.tools"},
+                          "runtime.server.http.openai.decoding": {"pie_ctx.constrain",
                                                                   "pie_ctx.tools"},
-                          "runtime.server.http.anthropic_api": {"pie_ctx.constrain"},
-                          "runtime.server.http.anthropic_schema": {"pie_ctx.tools"},
-                          "runtime.server.http.responses_api": {"pie_ctx.constrain",
-                                                                "pie_ctx.tools"},
-                          "runtime.server.http.responses_run": {"pie_ctx.tools"},
-                          "runtime.server.http.responses_mcp": {"pie_ctx.tools",
+                          "runtime.server.http.anthropic.api": {"pie_ctx.tools"},
+                          "runtime.server.http.anthropic.schema": {"pie_ctx.tools"},
+                          "runtime.server.http.responses.api": {"pie_ctx.tools"},
+                          "runtime.server.http.responses.run": {"pie_ctx.tools"},
+                          "runtime.server.http.responses.mcp": {"pie_ctx.tools",
                                                                 "pie_ctx.tools.mcp"},
                           # a runtime per API key, each in its own snapshot namespace
-                          "runtime.server.http.responses_store": {"pie_ctx.transport"},
+                          "runtime.server.http.responses.store": {"pie_ctx.transport"},
                           # a hosted inferlet is loaded and run as ``pie-ctx run`` does
                           "runtime.hosted.host": {"pie_ctx.loading", "pie_ctx.runtime"},
                           # one in-process transport: the bridge is a LocalTransport whose

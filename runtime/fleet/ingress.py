@@ -30,7 +30,6 @@ is every replica's, each sample labelled with its ``replica``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
@@ -48,6 +47,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from runtime.fleet import view
 from runtime.fleet.prompt import PromptTokens
 from runtime.fleet.replica import Call, ReplicaUnavailable
+from runtime.server.http.conversation.keys import key_scope
 
 __all__ = ["FleetIngress", "session_of", "merge_metrics", "replica_error", "failed_replica"]
 
@@ -65,20 +65,14 @@ _STOPPED = ("The fleet replica serving this request stopped while it replied; re
             "request, another replica takes it (a stored conversation continues there).")
 
 
-def _key_scope(headers: Any) -> str:
-    """A digest of the caller's API key: sessions named by clients are per key."""
-    auth = headers.get("authorization", "")
-    return hashlib.blake2b(auth.encode(), digest_size=6).hexdigest()
-
-
 def session_of(method: str, path: str, headers: Any, body: Any) -> str | None:
     """The session a request names (see the module docstring), or None."""
     if sid := headers.get("x-session-id"):
-        return f"s:{_key_scope(headers)}:{sid}"
+        return f"s:{key_scope(headers)}:{sid}"
     if m := re.match(r"^/v1/responses/(resp_[0-9a-f]{32})", path):
         return f"r:{m.group(1)}"
     if m := re.match(r"^/v1/pie/(channels|topics)/(.+)$", path):
-        return f"{m.group(1)}:{_key_scope(headers)}:{m.group(2)}"
+        return f"{m.group(1)}:{key_scope(headers)}:{m.group(2)}"
     if isinstance(body, dict):
         prev = body.get("previous_response_id")
         if isinstance(prev, str) and prev:
@@ -87,10 +81,10 @@ def session_of(method: str, path: str, headers: Any, body: Any) -> str | None:
         if isinstance(conv, dict):
             conv = conv.get("id")
         if isinstance(conv, str) and conv:
-            return f"c:{_key_scope(headers)}:{conv}"
+            return f"c:{key_scope(headers)}:{conv}"
         snap = body.get("snapshot")
         if isinstance(snap, str) and snap:
-            return f"snap:{_key_scope(headers)}:{snap}"
+            return f"snap:{key_scope(headers)}:{snap}"
     return None
 
 

@@ -99,7 +99,7 @@ def _adapter_option(value: str) -> tuple[str, str]:
 
 
 def _mcp_option(value: str) -> tuple[str, str]:
-    from runtime.server.http.responses_mcp import parse_mcp_option
+    from runtime.server.http.responses.mcp import parse_mcp_option
 
     try:
         return parse_mcp_option(value)

@@ -116,29 +116,41 @@ def test_serve_http_options(tmp_path, monkeypatch) -> None:
 
 
 def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
-    """The front door's APIs (OpenAI's, Anthropic's, vLLM's serving endpoints, and their
-    helpers: the request schemas, the chat mapping, the decoding settings, the access log,
+    """The front door's APIs (OpenAI's, Anthropic's, the Responses API, vLLM's serving
+    endpoints, the conversation pipeline they share, and their helpers: the access log,
     the disconnect watcher and the output limit)
     import the SDK (pie_ctx) and web libraries, never the engine: the only runtime modules
     they name are their own."""
     import ast
     from pathlib import Path
 
-    from runtime.server.http import (
-        access_log,
-        anthropic_api,
-        anthropic_schema,
-        disconnect,
-        limits,
-        openai_api,
-        openai_chat,
-        openai_decoding,
-        openai_schema,
-        serving_api,
+    from runtime.server.http import access_log, disconnect, limits, serving_api
+    from runtime.server.http.anthropic import api as anthropic_api
+    from runtime.server.http.anthropic import schema as anthropic_schema
+    from runtime.server.http.conversation import (
+        body,
+        decoding,
+        errors,
+        generation,
+        keys,
+        sse,
+        turns,
     )
+    from runtime.server.http.openai import api as openai_api
+    from runtime.server.http.openai import chat as openai_chat
+    from runtime.server.http.openai import decoding as openai_decoding
+    from runtime.server.http.openai import schema as openai_schema
+    from runtime.server.http.responses import api as responses_api
+    from runtime.server.http.responses import mcp as responses_mcp
+    from runtime.server.http.responses import run as responses_run
+    from runtime.server.http.responses import schema as responses_schema
+    from runtime.server.http.responses import store as responses_store
 
     modules = (openai_api, openai_chat, openai_schema, openai_decoding, access_log,
-               anthropic_api, anthropic_schema, serving_api, disconnect, limits)
+               anthropic_api, anthropic_schema, serving_api, disconnect, limits,
+               body, decoding, errors, generation, keys, sse, turns,
+               responses_api, responses_mcp, responses_run, responses_schema,
+               responses_store)
     own = {m.__name__ for m in modules}
     every: set[str] = set()
     for module in modules:

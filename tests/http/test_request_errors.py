@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import pytest
 
-from runtime.server.http.openai_schema import (
+from runtime.server.http.openai.schema import (
     ACCEPTS,
     COMPLETION_ACCEPTS,
     ApiError,

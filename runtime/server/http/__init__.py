@@ -3,8 +3,10 @@ metrics and a live view of the page store, served beside the socket server on on
 
 Owner: the server process. Pieces, each in its own module:
 
-* ``openai_api``: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, written as
-  an inferlet over the public ``pie_ctx`` SDK (it never touches the engine);
+* ``openai``, ``anthropic``, ``responses``: OpenAI's chat and text completions, Anthropic's
+  Messages API and OpenAI's Responses API, one folder each (its schema, its mapping, its
+  rendering), written as inferlets over the public ``pie_ctx`` SDK (they never touch the
+  engine) and over one conversation pipeline (``conversation``);
 * ``metrics``: ``/metrics`` (prometheus-client) and the request counters;
 * ``state``: ``/v1/pie/state`` (the engine's contexts, pages and snapshots as JSON) and
   ``/`` (a page that draws it live).

@@ -28,7 +28,7 @@ from typing import Any
 
 from pie_ctx import Runtime
 from pie_ctx.proto.errors import AdapterInUse, AdapterNotFound, InvalidArgument, ModelError
-from runtime.server.http.openai_schema import error_response
+from runtime.server.http.conversation.errors import error_response
 
 __all__ = ["AdapterRoutes"]
 

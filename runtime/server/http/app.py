@@ -104,8 +104,8 @@ class _KeyCheck:
 def _error(path: str, status: int, message: str, code: str | None = None) -> Any:
     """The error response of ``path``'s API: Anthropic's shape on its routes, else
     OpenAI's."""
-    from runtime.server.http.anthropic_api import anthropic_error, is_anthropic_path
-    from runtime.server.http.openai_api import error_response
+    from runtime.server.http.anthropic.api import anthropic_error, is_anthropic_path
+    from runtime.server.http.conversation.errors import error_response
 
     if is_anthropic_path(path):
         return anthropic_error(status, message)
@@ -149,13 +149,13 @@ def create_app(engine: Any, *, api_key: str | None = None,
 
     from runtime.server.http.access_log import access_log
     from runtime.server.http.adapters_api import AdapterRoutes
-    from runtime.server.http.anthropic_api import MessagesService
+    from runtime.server.http.anthropic.api import MessagesService
     from runtime.server.http.channels_api import ChannelRoutes
     from runtime.server.http.embeddings_api import EmbeddingRoutes
     from runtime.server.http.inferlets_api import InferletRoutes
     from runtime.server.http.metrics import Metrics
-    from runtime.server.http.openai_api import OpenAIService
-    from runtime.server.http.responses_api import ResponsesService
+    from runtime.server.http.openai.api import OpenAIService
+    from runtime.server.http.responses.api import ResponsesService
     from runtime.server.http.serving_api import ServingRoutes
     from runtime.server.http.state import state_routes
 
@@ -176,10 +176,10 @@ def create_app(engine: Any, *, api_key: str | None = None,
 
     channels = ChannelRoutes(lambda: holder["rt"])
     inferlets = InferletRoutes(lambda: holder["rt"])
-    serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model,
-                            service.guard)
+    serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model)
     messages = MessagesService(lambda: holder["rt"], service.check_model, metrics)
-    responses = ResponsesService(engine, lambda: holder["rt"], service, metrics, mcp)
+    responses = ResponsesService(engine, lambda: holder["rt"], engine.model_name,
+                                 service.check_model, metrics, mcp)
     embeddings = EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
                                  lambda: engine.info().adapters)
     routes = [*service.routes, *responses.routes, *messages.routes, *serving.routes,

@@ -46,7 +46,7 @@ from pie_ctx.proto.errors import (
     SubscriptionLagged,
     TooManyChannels,
 )
-from runtime.server.http.openai_schema import error_response
+from runtime.server.http.conversation.errors import error_response
 
 __all__ = ["ChannelRoutes", "DEFAULT_TIMEOUT", "MAX_TIMEOUT"]
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from pie_ctx import Context, Runtime, gather
 from pie_ctx.proto.errors import PieError
-from runtime.server.http.openai_schema import error_response
+from runtime.server.http.conversation.errors import error_response
 
 __all__ = ["EmbeddingRoutes", "CHUNK", "MAX_INPUTS"]
 

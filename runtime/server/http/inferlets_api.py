@@ -37,7 +37,7 @@ from pie_ctx.proto.errors import (
     InvalidArgument,
     PieError,
 )
-from runtime.server.http.openai_schema import error_response
+from runtime.server.http.conversation.errors import error_response
 
 __all__ = ["InferletRoutes"]
 

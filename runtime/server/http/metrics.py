@@ -10,8 +10,8 @@ one process never mix their series). Two kinds of series:
   report (``pie_ctx_disk_io`` alone counts disk reads as they happen);
 * recorded as requests are served: requests by endpoint and status (an ASGI middleware),
   time to first token and inter-token latency histograms, prompt / cached / completion
-  tokens (the OpenAI inferlet reports them through the ``Observer`` protocol of
-  ``openai_api``).
+  tokens (the HTTP APIs report them through the ``Observer`` protocol of
+  ``conversation.generation``).
 
 Metric names start with ``pie_ctx_``; see docs/http.md for the list.
 """
@@ -140,7 +140,7 @@ class Metrics:
 
         self.routes = [Route("/metrics", scrape, methods=["GET"])]
 
-    # ------------------------------------------------------------- Observer (openai_api)
+    # ---------------------------------------------- Observer (conversation.generation)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

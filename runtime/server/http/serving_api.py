@@ -3,8 +3,8 @@
 
 Owner: these four routes. Written against the public SDK only, like the rest of the front
 door: ``/tokenize`` with ``messages`` builds the conversation exactly as a chat request
-does (``openai_chat.build_context``, never flushed, so it computes nothing) and returns the
-tokens the chat request would have prefilled. The request and response shapes are vLLM's
+does (``conversation.turns.build_context``, never flushed, so it computes nothing) and
+returns the tokens the chat request would have prefilled. The request and response shapes are vLLM's
 (docs/http.md, "vLLM's serving endpoints"); errors are OpenAI's error body.
 """
 
@@ -16,8 +16,10 @@ from typing import Any
 import msgspec
 
 from pie_ctx import Runtime
-from runtime.server.http.openai_chat import build_context, rendering_of, tools_of, turns_of
-from runtime.server.http.openai_schema import ApiError, Message, ToolSpec, decode_body
+from runtime.server.http.conversation.errors import ApiError, guard
+from runtime.server.http.conversation.turns import build_context
+from runtime.server.http.openai.chat import rendering_of, tools_of, turns_of
+from runtime.server.http.openai.schema import Message, ToolSpec, decode_body
 
 __all__ = ["ServingRoutes", "TokenizeRequest", "DetokenizeRequest"]
 
@@ -63,7 +65,7 @@ class ServingRoutes:
     """The four routes over one runtime (``get_runtime()`` is called per request)."""
 
     def __init__(self, get_runtime: Callable[[], Runtime], model_name: str,
-                 check_model: Callable[[Any], Any], guard: Callable[[Any], Any]) -> None:
+                 check_model: Callable[[Any], Any]) -> None:
         from starlette.routing import Route
 
         self.get_runtime, self.model_name, self.check_model = (

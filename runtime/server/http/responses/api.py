@@ -3,11 +3,11 @@
 /v1/responses/input_tokens``.
 
 Owner: the routes and the context a response starts from. Written against the public SDK
-only, like the chat API (``openai_api``), whose conversation builder it reuses
-(``openai_chat``): the items become chat turns, filled with the SDK's chat fillers.
+only, over the conversation pipeline every API shares (``conversation``): the items become
+its turns, filled with the SDK's chat fillers.
 
 **The KV cache is the state.** A stored response is a snapshot of its context after the
-answer (``responses_store``). A request with ``previous_response_id`` opens that snapshot
+answer (``store``). A request with ``previous_response_id`` opens that snapshot
 (``Context.open``: no token computed, the pages shared) and fills only its new items, so
 it computes only their tokens, across restarts too; any older id works the same (a
 fork). The snapshot is used when the request's header (model, ``instructions`` and tools)
@@ -16,8 +16,7 @@ items under the new header (as OpenAI, instructions are not carried over), and t
 engine's prefix cache finds what it can.
 
 Server-side tools (``{"type": "mcp", "server_label": ...}``) run inside the request
-(``responses_run``); the servers are those of ``pie-ctx serve --mcp``
-(``responses_mcp``).
+(``run``); the servers are those of ``pie-ctx serve --mcp`` (``mcp``).
 
 Errors are OpenAI's JSON body: 400 for a bad request, 404 for an unknown model or a
 response id this key cannot see, 424 when a configured MCP server cannot be reached, 503
@@ -29,27 +28,31 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import msgspec
 
 from pie_ctx import Context, Runtime
-from pie_ctx.constrain import JsonSchema
-from pie_ctx.proto.errors import InvalidArgument, PieError, SnapshotNotFound
-from pie_ctx.proto.messages import SamplerSpec
+from pie_ctx.proto.errors import PieError, SnapshotNotFound
 from pie_ctx.tools import Tool, ToolCall
-from runtime.server.http.access_log import note_tokens
+from runtime.server.http.conversation.body import read_body
+from runtime.server.http.conversation.decoding import (
+    json_constraint,
+    sampler_of,
+    tool_choice_of,
+)
+from runtime.server.http.conversation.errors import ApiError, guard
+from runtime.server.http.conversation.generation import Exchange, Observer, release
+from runtime.server.http.conversation.keys import key_scope
+from runtime.server.http.conversation.sse import event_stream, sse_response
+from runtime.server.http.conversation.turns import Turn, fill_turns, join_text, make_tools
 from runtime.server.http.disconnect import unless_disconnected
 from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
-from runtime.server.http.openai_api import Observer, OpenAIService, as_api_error
-from runtime.server.http.openai_chat import Turn, fill_turns, make_tools
-from runtime.server.http.openai_schema import ApiError, read_body
-from runtime.server.http.responses_mcp import McpServers, ServerTools
-from runtime.server.http.responses_run import DEFAULT_MAX_TOOL_CALLS, Plan, Run
-from runtime.server.http.responses_schema import (
+from runtime.server.http.responses.mcp import McpServers, ServerTools
+from runtime.server.http.responses.run import DEFAULT_MAX_TOOL_CALLS, Plan, Run, usage_body
+from runtime.server.http.responses.schema import (
     FunctionTool,
     McpTool,
     NamedFunctionChoice,
@@ -57,7 +60,7 @@ from runtime.server.http.responses_schema import (
     decode_request,
     input_items,
 )
-from runtime.server.http.responses_store import (
+from runtime.server.http.responses.store import (
     Namespaces,
     Record,
     Records,
@@ -67,21 +70,19 @@ from runtime.server.http.responses_store import (
 
 __all__ = ["ResponsesService", "turns_of_items"]
 
-MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy decoding
-
 
 @dataclass(slots=True)
 class _Setup:
     """A request's checked parts that its conversation is built from."""
 
-    adapter: str | None
-    items: list[dict[str, Any]]
-    records: Records
-    prev: Record | None
-    tools: list[Tool]
+    adapter: str | None  # the LoRA adapter ``model`` names (None: the base model)
+    items: list[dict[str, Any]]  # the request's input items, in their stored shape
+    records: Records  # the stored responses of the caller's key
+    prev: Record | None  # the response it continues
+    tools: list[Tool]  # the client's functions, then the MCP servers' tools
     mcp_names: dict[str, str]  # tool name -> MCP server label
-    servers: list[ServerTools]
-    header: dict[str, Any]
+    servers: list[ServerTools]  # the MCP servers the request names
+    header: dict[str, Any]  # model, instructions and tools: the snapshot's key
     continued: bool  # the previous response's snapshot is used as it is
 
 
@@ -92,25 +93,28 @@ class ResponsesService:
         engine: the running engine (each API key gets a runtime of its own over it).
         get_runtime: the app's runtime (its task group holds the per-key runtimes and the
             MCP connections).
-        chat: the chat API's service (model names and adapters, body reading).
+        model_name: the base model's name (a count of input tokens may leave it out).
+        check_model: the LoRA adapter a request's ``model`` names (None: the base model).
         mcp: the configured MCP servers, name -> command or URL (``serve --mcp``).
     """
 
-    def __init__(self, engine: Any, get_runtime: Callable[[], Runtime], chat: OpenAIService,
-                 observer: Observer | None = None, mcp: Mapping[str, str] | None = None
-                 ) -> None:
+    def __init__(self, engine: Any, get_runtime: Callable[[], Runtime], model_name: str,
+                 check_model: Callable[[Any], str | None], observer: Observer | None = None,
+                 mcp: Mapping[str, str] | None = None) -> None:
         from starlette.routing import Route
 
-        self.chat, self.observer = chat, observer
+        self.get_runtime, self.model_name, self.check_model = (
+            get_runtime, model_name, check_model)
+        self.observer = observer
         self.namespaces = Namespaces(engine, get_runtime)
         self.mcp = McpServers(mcp or {}, get_runtime)
         self.routes = [
-            Route("/v1/responses", self.chat.guard(self.create), methods=["POST"]),
-            Route("/v1/responses/input_tokens", self.chat.guard(self.count_input_tokens),
+            Route("/v1/responses", guard(self.create), methods=["POST"]),
+            Route("/v1/responses/input_tokens", guard(self.count_input_tokens),
                   methods=["POST"]),
-            Route("/v1/responses/{rid}", self.chat.guard(self.get), methods=["GET"]),
-            Route("/v1/responses/{rid}", self.chat.guard(self.delete), methods=["DELETE"]),
-            Route("/v1/responses/{rid}/input_items", self.chat.guard(self.input_items),
+            Route("/v1/responses/{rid}", guard(self.get), methods=["GET"]),
+            Route("/v1/responses/{rid}", guard(self.delete), methods=["DELETE"]),
+            Route("/v1/responses/{rid}/input_items", guard(self.input_items),
                   methods=["GET"]),
         ]
 
@@ -120,8 +124,7 @@ class ResponsesService:
         self.namespaces.close()
 
     async def _records(self, request: Any) -> Records:
-        ns = Namespaces.of(request.headers)
-        return Records(await self.namespaces.runtime(ns))
+        return Records(await self.namespaces.runtime(key_scope(request.headers)))
 
     # ------------------------------------------------------------------ stored ones
 
@@ -176,7 +179,7 @@ class ResponsesService:
 
     async def _setup(self, request: Any, req: ResponsesRequest) -> _Setup:
         """What a request's conversation is built from (checked; no context yet)."""
-        adapter = self.chat.check_model(req.model)
+        adapter = self.check_model(req.model)
         items = input_items(req.input)
         records = await self._records(request)
         prev = None
@@ -204,7 +207,7 @@ class ResponsesService:
         except ValueError:
             raise ApiError(400, "the request body is not valid JSON") from None
         if isinstance(body, dict):
-            body.setdefault("model", self.chat.model_name)
+            body.setdefault("model", self.model_name)
             body.setdefault("input", [])
         req = decode_request(json.dumps(body).encode())
         s = await self._setup(request, req)
@@ -213,7 +216,7 @@ class ResponsesService:
         try:
             count = ctx.seq_len + len(ctx.pending_tokens)
         finally:
-            await _release(ctx)
+            await release(ctx)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     async def create(self, request: Any) -> Any:
@@ -222,7 +225,8 @@ class ResponsesService:
         records, prev, tools, continued = s.records, s.prev, s.tools, s.continued
         plan = Plan(tools=tools, mcp=s.mcp_names, listed=[] if continued else s.servers,
                     choice=_choice(req, tools, s.mcp_names), parallel=req.parallel_tool_calls
-                    is not False, constrain=_constraint(req), sampler=_sampler(req),
+                    is not False, constrain=_constraint(req),
+                    sampler=sampler_of(req.temperature, top_p=req.top_p, seed=req.seed),
                     max_output=req.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
                     max_calls=req.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
                     max_seq_len=records.rt.info.max_seq_len,
@@ -234,13 +238,11 @@ class ResponsesService:
         record = Record(id=rid, response=response, input_items=s.items,
                         previous=req.previous_response_id, header=s.header,
                         created=time.time())
-        arrived = time.perf_counter()
+        exchange = Exchange(self.observer)
+        exchange.hold(ctx)
+        run = Run(ctx, plan, self.mcp, exchange)
         if req.stream:
-            from sse_starlette.sse import EventSourceResponse
-
-            return EventSourceResponse(self._stream(ctx, plan, record, records, store,
-                                                    arrived), ping=15)
-        run = Run(ctx, plan, self.mcp)
+            return sse_response(self._stream(run, record, records, store))
 
         async def answer() -> None:
             await run.go()
@@ -251,57 +253,39 @@ class ResponsesService:
         try:
             await unless_disconnected(request, answer)
         finally:
-            await _release(ctx)
-            self._observe(run, arrived)
+            await exchange.close(finished=exchange.completion_tokens > 0)
         from starlette.responses import JSONResponse
 
         return JSONResponse(record.response)
 
-    async def _stream(self, ctx: Context, plan: Plan, record: Record, records: Records,
-                      store: bool, arrived: float) -> AsyncIterator[dict[str, str]]:
+    def _stream(self, run: Run, record: Record, records: Records, store: bool) -> Any:
         """The SSE events of one response (OpenAI's ``event:`` names, JSON data)."""
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](256)
-        run = Run(ctx, plan, self.mcp, sink=send.send)
-        scope = anyio.CancelScope()
+        exchange = run.exchange
 
-        async def produce() -> None:
-            with scope:
-                async with send:
-                    try:
-                        await run.emit("response.created", response=dict(record.response))
-                        await run.emit("response.in_progress",
-                                       response=dict(record.response))
-                        await run.go()
-                        self._finish(run, record)
-                        if store:
-                            await records.save(ctx, record)
-                        kind = ("response.completed" if run.status == "completed"
-                                else "response.incomplete")
-                        await run.emit(kind, response=record.response)
-                    except Exception as err:  # noqa: BLE001 - after the headers: an event
-                        e = as_api_error(err)
-                        record.response.update(status="failed", output=run.output,
-                                               error={"code": e.code or "server_error",
-                                                      "message": e.message})
-                        await run.emit("response.failed", response=record.response)
+        async def produce(send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+            run.sink = send
+            await run.emit("response.created", response=dict(record.response))
+            await run.emit("response.in_progress", response=dict(record.response))
+            await run.go()
+            self._finish(run, record)
+            if store:
+                await records.save(run.ctx, record)
+            kind = ("response.completed" if run.status == "completed"
+                    else "response.incomplete")
+            await run.emit(kind, response=record.response)
 
-        self.chat.get_runtime().start_soon(produce)
-        try:
-            async with receive:
-                async for event in receive:
-                    yield {"event": event["type"], "data": json.dumps(event)}
-        finally:  # done, or the client went away: stop generating, release the context
-            scope.cancel()
-            await _release(ctx)
-            self._observe(run, arrived)
+        async def failed(err: ApiError, send: Callable[[dict[str, Any]], Awaitable[None]]
+                         ) -> None:
+            record.response.update(status="failed", output=run.output,
+                                   error={"code": err.code or "server_error",
+                                          "message": err.message})
+            await run.emit("response.failed", response=record.response)
 
-    def _observe(self, run: Run, arrived: float) -> None:
-        note_tokens(run.usage.input, run.usage.output)  # the access log's counts
-        if self.observer is None or run.usage.output == 0:
-            return
-        if run.first_token is not None:
-            self.observer.first_token(run.first_token - arrived)
-        self.observer.tokens(run.usage.input, run.usage.cached, run.usage.output)
+        async def finish() -> None:
+            await exchange.close(finished=exchange.completion_tokens > 0)
+
+        return event_stream(self.get_runtime(), produce, failed,
+                            lambda e: {"event": e["type"], "data": json.dumps(e)}, finish)
 
     # ----------------------------------------------------------------- the context
 
@@ -329,11 +313,11 @@ class ResponsesService:
         try:
             fill_turns(ctx, turns, tools)
         except ApiError as err:
-            await _release(ctx)
+            await release(ctx)
             raise ApiError(400, err.message.replace("messages[", "input["),
                            param="tools" if err.param == "tools" else "input") from None
         except BaseException:
-            await _release(ctx)
+            await release(ctx)
             raise
         return ctx
 
@@ -412,20 +396,12 @@ class ResponsesService:
     @staticmethod
     def _finish(run: Run, record: Record) -> None:
         record.response.update(
-            status=run.status, output=run.output, usage=run.usage.body(),
+            status=run.status, output=run.output, usage=usage_body(run.exchange),
             completed_at=int(time.time()),
             incomplete_details={"reason": run.incomplete} if run.incomplete else None)
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-async def _release(ctx: Context) -> None:
-    with anyio.CancelScope(shield=True):
-        try:
-            await ctx.release()
-        except PieError:
-            pass
 
 
 def _function_tools(req: ResponsesRequest) -> list[Tool]:
@@ -434,54 +410,37 @@ def _function_tools(req: ResponsesRequest) -> list[Tool]:
 
 
 def _choice(req: ResponsesRequest, tools: list[Tool], mcp: dict[str, str]) -> str | None:
+    """``tool_choice`` as the SDK takes it (an MCP choice: its server's tool, or any)."""
     choice = req.tool_choice
-    if choice is None or not tools and choice in ("auto", "none"):
-        return None if not tools else choice
-    if not tools:
-        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    if isinstance(choice, str):
-        return choice
+    quiet = {"quiet_without_tools": ("auto", "none")}
+    if choice is None or isinstance(choice, str):
+        return tool_choice_of(choice, tools, **quiet)
     if isinstance(choice, NamedFunctionChoice):
-        if choice.name not in {t.name for t in tools} or choice.name in mcp:
-            raise ApiError(400, f"tool_choice names {choice.name!r}, which is not one of the "
-                                "function tools", param="tool_choice")
-        return choice.name
+        return tool_choice_of("named", tools, name=choice.name, what="function tools",
+                              among={t.name for t in tools if t.name not in mcp}, **quiet)
     if choice.name is None:
-        return "required"
-    if mcp.get(choice.name) != choice.server_label:
+        return tool_choice_of("required", tools, **quiet)
+    if tools and mcp.get(choice.name) != choice.server_label:
         raise ApiError(400, f"tool_choice names {choice.name!r}, which the MCP server "
                             f"{choice.server_label!r} does not offer here",
                        param="tool_choice")
-    return choice.name
+    return tool_choice_of("named", tools, name=choice.name, **quiet)
 
 
 def _constraint(req: ResponsesRequest) -> Any:
     fmt = req.text.format if req.text is not None else None
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return JsonSchema({"type": "object"})
-    if fmt.schema is None:
-        raise ApiError(400, "text.format json_schema needs 'schema': {...}",
-                       param="text")
-    try:
-        return JsonSchema(fmt.schema)
-    except InvalidArgument as err:
-        raise ApiError(400, f"text.format: {err}", param="text") from None
-
-
-def _sampler(req: ResponsesRequest) -> SamplerSpec:
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
-    if temperature < MIN_TEMPERATURE:  # its limit; the engine's sampler fails on 1e-100
-        return SamplerSpec()
-    return SamplerSpec(temperature=temperature, top_p=float(req.top_p or 1.0), seed=req.seed)
+    return json_constraint(fmt.type, fmt.schema, where="text.format", param="text",
+                           missing="text.format json_schema needs 'schema': {...}")
 
 
 def _text(item: dict[str, Any]) -> str:
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text") or p.get("refusal") or "" for p in content or ())
+    def never(j: int, part: Any) -> ApiError:  # stored items hold text parts only
+        raise RuntimeError(f"a stored item's part {j} is not text: {part!r}")
+
+    return join_text(item.get("content"), lambda p: p.get("text") or p.get("refusal") or "",
+                     never)
 
 
 def turns_of_items(items: list[dict[str, Any]], offset: int = 0) -> list[Turn]:

@@ -1,10 +1,12 @@
 """A request's decoding settings: what every choice of one OpenAI request generates with.
 
-Owner: the mapping from a decoded request (``openai_schema``) to ``generate()``'s
+Owner: the mapping from a decoded request (``schema``) to ``generate()``'s
 arguments, checking what the schema cannot say (one field against another): the sampler of
 each choice (its seed derived from the request's alone), the one constraint a request asks
 for (``response_format``, or vLLM's ``guided_*`` / ``structured_outputs``), the tools and
-their choice, vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``. Written against the public SDK only.
+their choice, vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``. The rules
+every API shares (greedy decoding, the tool choice, a JSON format) are
+``conversation.decoding``'s. Written against the public SDK only.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pie_ctx.constrain import Choice, Grammar, JsonSchema, Regex
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool
+from runtime.server.http.conversation.decoding import json_constraint, sampler_of, tool_options
+from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
-from runtime.server.http.openai_chat import tool_choice_of, tools_of
-from runtime.server.http.openai_schema import (
-    ApiError,
+from runtime.server.http.openai.chat import tool_choice_of, tools_of
+from runtime.server.http.openai.schema import (
     ChatRequest,
     CompletionRequest,
     ResponseFormat,
@@ -29,7 +32,7 @@ from runtime.server.http.openai_schema import (
 __all__ = ["Decoding", "decoding_of"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Decoding:
     """What every choice of one request generates with."""
 
@@ -56,18 +59,13 @@ class Decoding:
     def sampler(self, choice: int) -> SamplerSpec:
         """Choice ``choice``'s sampler: its seed is derived from the request's alone (the
         seed plus the choice's index, modulo 2**63), so a request is reproducible."""
-        if self.temperature == 0:
-            return SamplerSpec()
-        seed = None if self.seed is None else (self.seed + choice) % (1 << 63)
-        return SamplerSpec(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                           min_p=self.min_p, seed=seed)
+        return sampler_of(self.temperature, top_p=self.top_p, top_k=self.top_k,
+                          min_p=self.min_p, seed=None if self.seed is None else
+                          self.seed + choice)
 
     def tool_options(self) -> dict[str, Any]:
         """``generate()``'s tool arguments (the declared tools are offered)."""
-        if not self.tools:
-            return {}
-        return {"tool_choice": self.tool_choice,
-                "parallel_tool_calls": self.parallel_tool_calls}
+        return tool_options(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def decoding_of(req: ChatRequest | CompletionRequest) -> Decoding:
@@ -165,10 +163,8 @@ def _constraint(req: ChatRequest | CompletionRequest) -> Any:
 
 def _response_format(fmt: ResponseFormat) -> Any:
     """``response_format`` (not ``text``) -> a ``pie_ctx.constrain.JsonSchema``."""
-    if fmt.type == "json_object":
-        return JsonSchema({"type": "object"})
     schema = fmt.json_schema.schema if fmt.json_schema is not None else None
-    if schema is None:
-        raise ApiError(400, "response_format json_schema needs 'json_schema': "
-                            "{'schema': {...}}", param="response_format")
-    return JsonSchema(schema)
+    return json_constraint(fmt.type, schema, where="response_format",
+                           param="response_format",
+                           missing="response_format json_schema needs 'json_schema': "
+                                   "{'schema': {...}}")

@@ -2,7 +2,7 @@
 
 Owner: the shape of a Responses request. :func:`decode_request` checks the body in one pass
 (types, ranges, unknown fields: refused by name as the chat API does, through
-``openai_schema.decode``); :func:`input_items` turns ``input`` (a string, or a list of
+``conversation.body.decode``); :func:`input_items` turns ``input`` (a string, or a list of
 items) into the items this server stores and lists back (``GET
 /v1/responses/{id}/input_items``): each with an ``id`` and OpenAI's item shape, so the
 official client parses them.
@@ -22,16 +22,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from runtime.server.http.openai_schema import (
-    ACCEPTS,
-    ApiError,
-    Probability,
-    Seed,
-    Temperature,
-    TokenCount,
-    _Body,
-    decode,
-)
+import runtime.server.http.conversation.body as body
+from runtime.server.http.conversation.errors import ApiError
+from runtime.server.http.conversation.turns import join_text, parse_arguments
 
 __all__ = ["ResponsesRequest", "FunctionTool", "McpTool", "decode_request", "input_items",
            "item_id", "MAX_ITEMS", "MAX_METADATA"]
@@ -41,61 +34,55 @@ MAX_METADATA = 16  # OpenAI's limit: 16 keys of <= 64 characters, values of <= 5
 MAX_TOOL_CALLS = 64  # the most server-side (MCP) calls one request may ask for
 
 
-class FunctionTool(_Body, kw_only=True, tag_field="type", tag="function"):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # every call is generated under its schema anyway
+class FunctionTool(body.FunctionFields, kw_only=True, tag_field="type", tag="function"):
+    """A function tool: its fields at the top level, beside ``type``."""
 
 
-class McpAllowed(_Body, kw_only=True):
+class McpAllowed(body.Body, kw_only=True):
     tool_names: list[str] | None = None
     read_only: bool | None = None  # refused when true (no tool is known to be read-only)
 
 
-class McpTool(_Body, kw_only=True, tag_field="type", tag="mcp"):
+class McpTool(body.Body, kw_only=True, tag_field="type", tag="mcp"):
     server_label: str
     allowed_tools: list[str] | McpAllowed | None = None
     require_approval: Any = None  # only "never" (or null) is served: no approval round trip
     server_description: str | None = None  # ignored (the server's own descriptions are used)
-    # Refused: a request names only servers the operator configured (``serve --mcp``).
-    server_url: str | None = None
-    connector_id: str | None = None
-    headers: dict[str, str] | None = None
-    authorization: str | None = None
+    # Refused unless null: a request names only servers the operator configured
+    # (``serve --mcp``).
+    server_url: Any = None
+    connector_id: Any = None
+    headers: dict[str, Any] | None = None
+    authorization: Any = None
 
 
 Tool = FunctionTool | McpTool
+IgnoredText = str | None  # a string field accepted and ignored: it changes no output
 
 
-class NamedFunctionChoice(_Body, kw_only=True, tag_field="type", tag="function"):
+class NamedFunctionChoice(body.Body, kw_only=True, tag_field="type", tag="function"):
     name: str
 
 
-class McpChoice(_Body, kw_only=True, tag_field="type", tag="mcp"):
+class McpChoice(body.Body, kw_only=True, tag_field="type", tag="mcp"):
     server_label: str
     name: str | None = None
 
 
-class TextFormat(_Body, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
+class TextFormat(body.JsonSchemaFields, kw_only=True):
+    type: body.FormatType
 
 
-class TextConfig(_Body, kw_only=True):
+class TextConfig(body.Body, kw_only=True):
     format: TextFormat | None = None
     verbosity: str | None = None  # ignored
 
 
-class StreamOptions(_Body, kw_only=True):
+class StreamOptions(body.Body, kw_only=True):
     include_obfuscation: bool | None = None  # ignored: nothing is obfuscated
 
 
-class ResponsesRequest(_Body, kw_only=True):
-    model: str
+class ResponsesRequest(body.OpenAIFields, kw_only=True):
     input: str | Annotated[list[Any], msgspec.Meta(max_length=MAX_ITEMS)]
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -105,24 +92,18 @@ class ResponsesRequest(_Body, kw_only=True):
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOOL_CALLS)] | None = None
     text: TextConfig | None = None
-    max_output_tokens: TokenCount | None = None
-    temperature: Temperature | None = None
-    top_p: Probability | None = None
-    seed: Seed | None = None  # an extension (the chat API's), for reproducible sampling
-    ignore_eos: bool | None = None  # an extension (the chat API's): text ends at its budget
-    stream: bool | None = None
+    max_output_tokens: body.TokenCount | None = None
     stream_options: StreamOptions | None = None
     store: bool | None = None
     metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
                              Annotated[str, msgspec.Meta(max_length=512)]],
                         msgspec.Meta(max_length=MAX_METADATA)] | None = None
     # ignored: they change nothing about the output
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    service_tier: str | None = None
+    safety_identifier: IgnoredText = None
+    prompt_cache_key: IgnoredText = None
     truncation: Literal["auto", "disabled"] | None = None
+    prompt_cache_retention: IgnoredText = None
+    service_tier: IgnoredText = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # refused unless 0
     # refused unless null (or false)
@@ -132,7 +113,7 @@ class ResponsesRequest(_Body, kw_only=True):
     prompt: Any = None
 
 
-_REFUSED_HERE: dict[str, tuple[Any, str]] = {
+_REFUSED_HERE: body.Refused = {
     "reasoning": (lambda v: v is not None and any(x is not None for x in (
         v.values() if isinstance(v, dict) else [v])), "this model does not reason"),
     "background": (lambda v: bool(v), "background responses are not supported"),
@@ -147,7 +128,7 @@ _ITEM = ('{"role": "user", "content": "..."}, {"type": "function_call_output", "
          '"...", "output": "..."} or {"type": "function_call", "call_id": "...", "name": '
          '"...", "arguments": "{...}"}')
 RESPONSES_ACCEPTS: dict[str, str] = {
-    **{k: v for k, v in ACCEPTS.items() if "[" not in k and "." not in k},
+    **body.COMMON_ACCEPTS,
     "input": f"a string, or a list of at most {MAX_ITEMS} items, each {_ITEM}",
     "instructions": "a string (the system message), or null",
     "previous_response_id": "the id of a stored response (resp_...), or null",
@@ -163,7 +144,7 @@ RESPONSES_ACCEPTS: dict[str, str] = {
             '"json_schema", "name": "...", "schema": {JSON Schema}}}, or null',
     "text.format": '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                    '"name": "...", "schema": {JSON Schema}}',
-    "max_output_tokens": ACCEPTS["max_tokens"],
+    "max_output_tokens": body.COMMON_ACCEPTS["max_tokens"],
     "metadata": f"an object of at most {MAX_METADATA} string values (keys of at most 64 "
                 "characters, values of at most 512), or null",
     "truncation": '"auto" or "disabled", or null',
@@ -180,11 +161,8 @@ def decode_request(raw: bytes) -> ResponsesRequest:
     Raises:
         ApiError: 400 naming the first field that is wrong, unknown or refused.
     """
-    req = decode(raw, ResponsesRequest, accepts=RESPONSES_ACCEPTS)
-    for name, (used, why) in _REFUSED_HERE.items():
-        if used(getattr(req, name)):
-            raise ApiError(400, f"'{name}' is not supported by this server: {why}",
-                           param=name, code="unsupported_parameter")
+    req = body.decode(raw, ResponsesRequest, RESPONSES_ACCEPTS)
+    body.check_refused(req, _REFUSED_HERE)
     return req
 
 
@@ -212,21 +190,23 @@ def _string(item: dict[str, Any], key: str, i: int, *, required: bool = True) ->
 def _text_parts(content: Any, i: int, role: str) -> str:
     """A message's text: a string, or text parts (``input_text``, ``output_text``,
     ``refusal``)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
+    if not isinstance(content, str | list):
         raise _bad(i, "'content' must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        else:
-            raise _bad(i, f"content[{j}]: only text parts are supported ({{\"type\": "
-                          f"\"input_text\", \"text\": \"...\"}}), got {str(kind)[:40]!r}")
-    return "".join(texts)
+
+    def kind(part: Any) -> Any:
+        return part.get("type") if isinstance(part, dict) else None
+
+    def text_of(part: Any) -> str | None:
+        key = {"input_text": "text", "output_text": "text", "text": "text",
+               "refusal": "refusal"}.get(kind(part))
+        value = part.get(key) if key else None
+        return value if isinstance(value, str) else None
+
+    def refuse(j: int, part: Any) -> ApiError:
+        return _bad(i, f"content[{j}]: only text parts are supported ({{\"type\": "
+                       f"\"input_text\", \"text\": \"...\"}}), got {str(kind(part))[:40]!r}")
+
+    return join_text(content, text_of, refuse)
 
 
 def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
@@ -244,13 +224,7 @@ def _arguments(item: dict[str, Any], i: int) -> str:
     args = item.get("arguments")
     if isinstance(args, dict):
         return json.dumps(args)
-    if not isinstance(args, str):
-        raise _bad(i, "'arguments' must be a JSON object as a string")
-    try:
-        parsed = json.loads(args) if args.strip() else {}
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict):
+    if not isinstance(args, str) or parse_arguments(args) is None:
         raise _bad(i, "'arguments' must be a JSON object as a string")
     return args
 

@@ -1,10 +1,10 @@
-"""OpenAI's request bodies as typed msgspec Structs, and the error the API answers with.
+"""OpenAI's request bodies as typed msgspec Structs, and what each field accepts.
 
 Owner: the shape of a request to ``/v1/chat/completions`` and ``/v1/completions``.
 :func:`decode` checks a body against its Struct in one pass (types, ranges, lengths,
 unknown fields) and turns any failure into an :class:`ApiError` (400) that names the field
 and says what it accepts (:data:`ACCEPTS`, one line per field);
-the handlers (``openai_api``) then read typed attributes and check only what the schema
+the handlers (``openai.api``) then read typed attributes and check only what the schema
 cannot say (one field against another).
 
 Three kinds of field, listed in docs/http.md:
@@ -21,10 +21,30 @@ A field nobody declared is refused as OpenAI does ("Unrecognized request argumen
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+
+from runtime.server.http.conversation.body import (
+    COMMON_ACCEPTS,
+    MAX_BODY_BYTES,
+    MAX_STOP,
+    MAX_TOKENS,
+    Body,
+    FormatType,
+    FunctionFields,
+    JsonSchemaFields,
+    OpenAIFields,
+    Probability,
+    TokenCount,
+    check_refused,
+    field_range,
+    read_body,
+)
+from runtime.server.http.conversation.body import (
+    decode as decode_struct,
+)
+from runtime.server.http.conversation.errors import ApiError, error_body, error_response
 
 __all__ = ["ApiError", "error_response", "error_body", "decode", "decode_body", "read_body",
            "MAX_BODY_BYTES", "ChatRequest",
@@ -33,63 +53,25 @@ __all__ = ["ApiError", "error_response", "error_body", "decode", "decode_body", 
            "REFUSED", "ACCEPTS", "COMPLETION_ACCEPTS"]
 
 MAX_N = 16
-MAX_STOP = 16
-MAX_TOKENS = 1 << 20
 MAX_LOGIT_BIAS = 1024
 
 T = TypeVar("T")
 
 
-class ApiError(Exception):
-    """A request the API refuses, with OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-
-
-def error_body(err: ApiError) -> dict[str, Any]:
-    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": err.message, "type": err.type, "param": err.param,
-                      "code": err.code}}
-
-
-def error_response(status: int, message: str, type: str, param: str | None = None,
-                   code: str | None = None) -> Any:
-    """OpenAI's error body with ``status``."""
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(error_body(ApiError(status, message, param=param, code=code,
-                                            type=type)), status_code=status)
-
-
 # --------------------------------------------------------------------------- types
 
 
-def _range(kind: Any, low: float, high: float) -> Any:
-    return Annotated[kind, msgspec.Meta(ge=low, le=high)]
-
-
-Probability = _range(float, 0, 1)
-Temperature = _range(float, 0, 2)
+_range = field_range
 Penalty = _range(float, -2, 2)
 Choices = _range(int, 1, MAX_N)
-TokenCount = _range(int, 1, MAX_TOKENS)
 MinTokens = _range(int, 0, MAX_TOKENS)
 TopK = _range(int, -1, MAX_TOKENS)
 TopLogprobs = _range(int, 0, 20)
 CompletionLogprobs = _range(int, 0, 5)
-Seed = _range(int, -(1 << 62), 1 << 62)
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP)]
 LogitBias = Annotated[dict[str, _range(float, -100, 100)],
                       msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
-
-
-class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """A part of a request: unknown fields are refused."""
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -103,33 +85,33 @@ class ContentPart(msgspec.Struct, kw_only=True):
 Content = str | list[ContentPart]
 
 
-class SystemMessage(_Body, kw_only=True, tag_field="role", tag="system"):
+class SystemMessage(Body, kw_only=True, tag_field="role", tag="system"):
     content: Content
     name: str | None = None  # ignored
 
 
-class DeveloperMessage(_Body, kw_only=True, tag_field="role", tag="developer"):
+class DeveloperMessage(Body, kw_only=True, tag_field="role", tag="developer"):
     content: Content
     name: str | None = None  # ignored
 
 
-class UserMessage(_Body, kw_only=True, tag_field="role", tag="user"):
+class UserMessage(Body, kw_only=True, tag_field="role", tag="user"):
     content: Content
     name: str | None = None  # ignored
 
 
-class FunctionCall(_Body, kw_only=True):
+class FunctionCall(Body, kw_only=True):
     name: str
     arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is taken too
 
 
-class ToolCallIn(_Body, kw_only=True):
+class ToolCallIn(Body, kw_only=True):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class AssistantMessage(_Body, kw_only=True, tag_field="role", tag="assistant"):
+class AssistantMessage(Body, kw_only=True, tag_field="role", tag="assistant"):
     content: Content | None = None
     tool_calls: list[ToolCallIn] | None = None
     name: str | None = None  # ignored
@@ -142,13 +124,13 @@ class AssistantMessage(_Body, kw_only=True, tag_field="role", tag="assistant"):
     function_call: Any = None  # refused unless null
 
 
-class ToolMessage(_Body, kw_only=True, tag_field="role", tag="tool"):
+class ToolMessage(Body, kw_only=True, tag_field="role", tag="tool"):
     content: Content
     tool_call_id: str
     name: str | None = None  # ignored
 
 
-class FunctionMessage(_Body, kw_only=True, tag_field="role", tag="function"):
+class FunctionMessage(Body, kw_only=True, tag_field="role", tag="function"):
     """The deprecated function role: declared so that it is refused by name."""
 
     content: Any = None
@@ -159,45 +141,34 @@ Message = (SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | T
            | FunctionMessage)
 
 
-class FunctionSpec(_Body, kw_only=True):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # every call is constrained to its schema anyway
+FunctionSpec = FunctionFields
 
 
-class ToolSpec(_Body, kw_only=True):
+class ToolSpec(Body, kw_only=True):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(_Body, kw_only=True):
+class NamedFunction(Body, kw_only=True):
     name: str
 
 
-class NamedToolChoice(_Body, kw_only=True):
+class NamedToolChoice(Body, kw_only=True):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Body, kw_only=True):
-    name: str | None = None
-    description: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
+class ResponseFormat(Body, kw_only=True):
+    type: FormatType
+    json_schema: JsonSchemaFields | None = None
 
 
-class ResponseFormat(_Body, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StreamOptions(_Body, kw_only=True):
+class StreamOptions(Body, kw_only=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # ignored: nothing is obfuscated
 
 
-class StructuredOutputs(_Body, kw_only=True):
+class StructuredOutputs(Body, kw_only=True):
     """vLLM's ``structured_outputs``: one constraint of the generation."""
 
     json: dict[str, Any] | str | None = None
@@ -211,28 +182,20 @@ class StructuredOutputs(_Body, kw_only=True):
     whitespace_pattern: str | None = None  # refused unless null
 
 
-class _Request(_Body, kw_only=True):
-    """The fields both endpoints share, with pie-ctx's extensions. An optional field may be
-    null: it then takes its default (OpenAI's)."""
+class _Request(OpenAIFields, kw_only=True):
+    """The fields both endpoints share, with pie-ctx's extensions."""
 
-    model: str
     n: Choices | None = None
-    temperature: Temperature | None = None
-    top_p: Probability | None = None
-    seed: Seed | None = None
     stop: Stop | None = None
     max_tokens: TokenCount | None = None
     presence_penalty: Penalty | None = None  # refused unless 0
     frequency_penalty: Penalty | None = None  # refused unless 0
     logit_bias: LogitBias | None = None
-    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # ignored
     # extensions (vLLM has the same names)
     top_k: TopK | None = None  # 0 or -1: off
     min_p: Probability | None = None
     min_tokens: MinTokens | None = None
-    ignore_eos: bool | None = None
     snapshot: str | None = None  # start from this saved snapshot (Context.open)
     # vLLM's extensions (docs/http.md, "vLLM's extension fields")
     guided_json: dict[str, Any] | str | None = None
@@ -317,15 +280,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-# --------------------------------------------------------------------------- decode
+# --------------------------------------------------------------------------- accepts
 
-
-_AT = re.compile(r"^(.*?) - at `\$(.*)`$", re.S)
-_FIELD = re.compile(r"field `([^`]+)`")
-_GOT_TYPE = re.compile(r"got `(\w+)`")
-_GOT_VALUE = re.compile(r"Invalid (?:enum )?value (.+)$")
-_JSON_TYPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
-               "null": "null", "array": "an array", "object": "an object"}
 
 _TEXT_PART = '{"type": "text", "text": "..."}'
 _TOOL_CALL = '{"id": "...", "type": "function", "function": {"name": "...", "arguments": "{...}"}}'
@@ -339,16 +295,12 @@ _RESPONSE_FORMAT = ('{"type": "text"}, {"type": "json_object"} or {"type": "json
 # What each field accepts, by its path with indices as ``[]``: every 400 of ``decode``
 # names the field and says this (a field not listed: its nearest listed parent's).
 ACCEPTS: dict[str, str] = {
-    "model": "a string, the model's id (GET /v1/models lists it)",
+    **COMMON_ACCEPTS,
     "n": f"an integer from 1 to {MAX_N} (choices to generate), or null",
-    "temperature": "a number from 0 to 2 (0 = greedy), or null for the default 1",
-    "top_p": "a number from 0 to 1, or null",
     "min_p": "a number from 0 to 1, or null",
     "top_k": "an integer >= -1 (0 or -1 = no limit), or null",
-    "seed": "an integer, or null",
     "stop": f"a non-empty string or a list of up to {MAX_STOP} of them, or null",
     "stop[]": "a non-empty string",
-    "max_tokens": f"an integer from 1 to {MAX_TOKENS}, or null",
     "max_completion_tokens": f"an integer from 1 to {MAX_TOKENS}, or null",
     "min_tokens": f"an integer from 0 to {MAX_TOKENS}, or null",
     "presence_penalty": "a number from -2 to 2 (only 0 is served), or null",
@@ -356,13 +308,9 @@ ACCEPTS: dict[str, str] = {
     "logit_bias": ("an object mapping token ids (as strings) to numbers from -100 to 100, "
                    f"at most {MAX_LOGIT_BIAS} of them, or null"),
     "logit_bias[]": "a number from -100 to 100",
-    "stream": "true or false", "echo": "true or false", "ignore_eos": "true or false",
-    "parallel_tool_calls": "true or false",
+    "echo": "true or false", "ignore_eos": "true or false",
     "stream_options": '{"include_usage": true or false}, or null',
     "stream_options.include_usage": "true or false, or null",
-    "user": "a string", "service_tier": "a string", "safety_identifier": "a string",
-    "prompt_cache_key": "a string", "store": "true or false",
-    "metadata": "an object whose values are strings, or null",
     "metadata[]": "a string",
     "modalities": '["text"], or null',
     "modalities[]": '"text"',
@@ -425,19 +373,6 @@ COMPLETION_ACCEPTS: dict[str, str] = {
 }
 
 
-MAX_BODY_BYTES = 4 << 20
-
-
-async def read_body(request: Any) -> bytes:
-    """A request's body, refused past :data:`MAX_BODY_BYTES` (413) without reading more."""
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    return raw
-
-
 async def decode_body(request: Any, kind: type[T], accepts: dict[str, str] | None = None
                       ) -> T:
     """:func:`decode` of a request's body."""
@@ -451,17 +386,10 @@ def decode(raw: bytes, kind: type[T], accepts: dict[str, str] | None = None) -> 
     Raises:
         ApiError: 400 naming the first field that is wrong, unknown or refused.
     """
-    try:
-        request = msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as err:
-        raise _invalid(str(err), kind, accepts) from None
-    except (msgspec.DecodeError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
-    for name, (used, why) in REFUSED.items():
-        if hasattr(request, name) and used(getattr(request, name)):
-            raise ApiError(400, f"'{name}' is not supported by this server"
-                                + (f": {why}" if why else ""),
-                           param=name, code="unsupported_parameter")
+    if accepts is None:
+        accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
+    request = decode_struct(raw, kind, accepts, _SHAPES.get(kind))
+    check_refused(request, REFUSED)
     for i, m in enumerate(getattr(request, "messages", None) or ()):
         if isinstance(m, FunctionMessage):
             raise ApiError(400, f"messages[{i}]: the deprecated 'function' role is not "
@@ -476,63 +404,5 @@ def decode(raw: bytes, kind: type[T], accepts: dict[str, str] | None = None) -> 
     return request
 
 
-def _invalid(text: str, kind: type, accepts: dict[str, str] | None = None) -> ApiError:
-    """The 400 of a msgspec validation message (``... - at `$.path` ``): it names the
-    field and says what the field accepts."""
-    if accepts is None:
-        accepts = COMPLETION_ACCEPTS if kind is CompletionRequest else ACCEPTS
-    m = _AT.match(text)
-    what, path = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
-    field = _FIELD.search(what)
-    name = field.group(1) if field else None
-    if not path and what.startswith("Expected `object`"):
-        if kind not in (ChatRequest, CompletionRequest):
-            return ApiError(400, "the request body must be a JSON object")
-        return ApiError(400, "the request body must be a JSON object: {\"model\": ..., "
-                             + ('"messages": [...]' if kind is ChatRequest else '"prompt": ...')
-                             + ", ...}")
-    if name and "unknown field" in what:
-        if not path:
-            return ApiError(400, f"Unrecognized request argument supplied: {name}",
-                            param=name, code="unsupported_parameter")
-        where, described = _described(path, accepts)
-        return ApiError(400, f"'{path}' has an unknown field '{name}': '{where}' must be "
-                             f"{described}", param=_top(path))
-    if name and "missing" in what:
-        child = f"{path}.{name}" if path else name
-        where, described = _described(child, accepts)
-        return ApiError(400, f"'{child}' is required" + (
-            f": {described}" if where == child else f": '{where}' must be {described}"),
-            param=_top(child))
-    where, described = _described(path, accepts)
-    got = _GOT_TYPE.search(what) or _GOT_VALUE.search(what)
-    if got is None:
-        detail = ""  # a range or length: what it accepts says it
-    elif got.re is _GOT_TYPE:
-        detail = f", not {_JSON_TYPES.get(got.group(1), got.group(1))}"
-    else:
-        detail = f", not {got.group(1)}"
-    if not described:
-        return ApiError(400, f"'{path}': {what}", param=_top(path) or None)
-    if where == path:
-        return ApiError(400, f"'{path}' must be {described}{detail}", param=_top(path))
-    return ApiError(400, f"'{path}': {what}; '{where}' must be {described}", param=_top(path))
-
-
-def _top(path: str) -> str:
-    return re.split(r"[.\[]", path, maxsplit=1)[0]
-
-
-def _described(path: str, accepts: dict[str, str]) -> tuple[str, str]:
-    """The nearest field at or above ``path`` that ``accepts`` describes: its path as
-    written, and what it accepts (``("", "")`` for none)."""
-    parts = re.findall(r"\.?([^.\[]+)|(\[[^\]]*\])", path)
-    prefixes, written, key = [], "", ""
-    for name, index in parts:
-        written += f"[{index[1:-1]}]" if index else (f".{name}" if written else name)
-        key += "[]" if index else (f".{name}" if key else name)
-        prefixes.append((written, key))
-    for written, key in reversed(prefixes):
-        if key in accepts:
-            return written, accepts[key]
-    return "", ""
+_SHAPES: dict[type, str] = {ChatRequest: '{"model": ..., "messages": [...], ...}',
+                            CompletionRequest: '{"model": ..., "prompt": ..., ...}'}

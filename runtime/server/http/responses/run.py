@@ -2,7 +2,7 @@
 loop, and the output items and stream events they make.
 
 Owner: a response while it is produced. Written against the public SDK only. The context
-comes in built (``responses_api``); :meth:`Run.go` then
+comes in built (``api``); :meth:`Run.go` then
 
 1. flushes what is pending (the new items: a follow-up computes only them) and generates
    with the request's tools, prompt-lookup drafts (verified in the engine, lossless) and
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +34,13 @@ from pie_ctx import Context, Delta
 from pie_ctx.proto.errors import InvalidArgument, single_exception
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool, ToolCall
-from runtime.server.http.openai_schema import ApiError
-from runtime.server.http.responses_mcp import McpServers, ServerTools
-from runtime.server.http.responses_schema import item_id
+from runtime.server.http.conversation.decoding import tool_options
+from runtime.server.http.conversation.errors import ApiError
+from runtime.server.http.conversation.generation import Exchange
+from runtime.server.http.responses.mcp import McpServers, ServerTools
+from runtime.server.http.responses.schema import item_id
 
-__all__ = ["Plan", "Run", "DEFAULT_MAX_TOOL_CALLS"]
+__all__ = ["Plan", "Run", "DEFAULT_MAX_TOOL_CALLS", "usage_body"]
 
 log = logging.getLogger("pie_ctx.http")
 
@@ -48,7 +49,7 @@ DEFAULT_MAX_TOOL_CALLS = 16  # server-side calls of one response when max_tool_c
 
 @dataclass(slots=True)
 class Plan:
-    """What a request generates with (checked by ``responses_api``)."""
+    """What a request generates with (checked by ``api``)."""
 
     tools: list[Tool]  # declared in the context: the client's functions, then MCP tools
     mcp: dict[str, str]  # tool name -> server label, for the server-side tools
@@ -63,19 +64,15 @@ class Plan:
     ignore_eos: bool = False
 
 
-@dataclass(slots=True)
-class Usage:
-    input: int = 0
-    cached: int = 0
-    output: int = 0
-
-    def body(self) -> dict[str, Any]:
-        return {"input_tokens": self.input,
-                "input_tokens_details": {"cached_tokens": self.cached,
-                                         "cache_write_tokens": self.input - self.cached},
-                "output_tokens": self.output,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input + self.output}
+def usage_body(exchange: Exchange) -> dict[str, Any]:
+    """A response's ``usage``: every generation of it together."""
+    prompt, cached = exchange.prompt_tokens, exchange.cached_tokens
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached,
+                                     "cache_write_tokens": prompt - cached},
+            "output_tokens": exchange.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + exchange.completion_tokens}
 
 
 Sink = Callable[[dict[str, Any]], Awaitable[None]]
@@ -87,17 +84,17 @@ async def _quiet(event: dict[str, Any]) -> None:
 
 @dataclass(slots=True)
 class Run:
-    """One response being produced on ``ctx``."""
+    """One response being produced on ``ctx`` (``exchange`` counts its tokens and
+    releases it)."""
 
     ctx: Context
     plan: Plan
     mcp: McpServers
+    exchange: Exchange
     sink: Sink = _quiet
     output: list[dict[str, Any]] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
     status: str = "in_progress"
     incomplete: str | None = None
-    first_token: float | None = None  # perf_counter of the first generated token
     _seq: int = 0
 
     async def emit(self, kind: str, **fields: Any) -> None:
@@ -139,9 +136,7 @@ class Run:
         await self.list_tools()
         calls_made = 0
         while True:
-            report = await self.ctx.flush()
-            self.usage.input += self.ctx.seq_len
-            self.usage.cached += max(0, self.ctx.seq_len - report.tokens_computed)
+            await self.exchange.prefill(self.ctx)
             may_call = calls_made < self.plan.max_calls
             server_calls, client_calls, finish = await self._round(may_call)
             if finish == "length":
@@ -164,11 +159,9 @@ class Run:
                      ) -> tuple[list[tuple[ToolCall, str]], list[ToolCall], str]:
         """One generation: ``(server calls with their results, client calls, finish)``."""
         plan = self.plan
-        options: dict[str, Any] = {}
-        if plan.tools:
-            options = {"tool_choice": plan.choice if may_call else "none",
-                       "parallel_tool_calls": plan.parallel}
-        budget = min(plan.max_output - self.usage.output,
+        options = tool_options(plan.tools, plan.choice if may_call else "none",
+                               plan.parallel)
+        budget = min(plan.max_output - self.exchange.completion_tokens,
                      plan.max_seq_len - self.ctx.seq_len - len(self.ctx.pending_tokens))
         gen = self._generate(max(1, budget), options)
         message: dict[str, Any] | None = None
@@ -177,9 +170,7 @@ class Run:
         try:
             async with anyio.create_task_group() as tg:
                 async for delta in gen:
-                    if self.first_token is None and delta.tokens:
-                        self.first_token = time.perf_counter()
-                    self.usage.output += len(delta.tokens)
+                    self.exchange.heard(len(delta.tokens))
                     if delta.content:
                         if message is None:
                             message = await self._open_message()

@@ -2,8 +2,8 @@
 the conversation the OpenAI API builds.
 
 Owner: the shape of a request to ``/v1/messages`` (and ``/v1/messages/count_tokens``), and
-its translation into ``openai_chat.Turn`` values, SDK tools and a tool choice, so both APIs
-share one conversation builder (``openai_chat.build_context``):
+its translation into the shared conversation's ``Turn`` values, SDK tools and a tool
+choice (``conversation.turns`` builds the context, as for every API):
 
 * ``system`` (a string or text blocks) is the system turn;
 * a user message's ``tool_result`` blocks are tool turns (in their order), its text blocks
@@ -27,49 +27,47 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pie_ctx.tools import Tool, ToolCall
-from runtime.server.http.openai_chat import Turn, make_tools
-from runtime.server.http.openai_schema import MAX_STOP, MAX_TOKENS, ApiError
+from runtime.server.http.conversation.body import MAX_STOP, MAX_TOKENS, Body, Refused
+from runtime.server.http.conversation.decoding import tool_choice_of as checked_choice
+from runtime.server.http.conversation.errors import ApiError
+from runtime.server.http.conversation.turns import Turn, join_text
 
-__all__ = ["MessagesRequest", "CountTokensRequest", "ACCEPTS", "turns_of", "tools_of",
+__all__ = ["MessagesRequest", "CountTokensRequest", "ACCEPTS", "REFUSED", "turns_of",
            "tool_choice_of"]
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """A part of a request: unknown fields are refused."""
-
-
-class TextBlock(_Body, kw_only=True, tag_field="type", tag="text"):
+class TextBlock(Body, kw_only=True, tag_field="type", tag="text"):
     text: str
     cache_control: Any = None  # ignored: the prefix cache is automatic
     citations: Any = None  # ignored
 
 
-class ImageBlock(_Body, kw_only=True, tag_field="type", tag="image"):
-    source: Any = None
-    cache_control: Any = None
+class _Refused(msgspec.Struct, kw_only=True, tag_field="type"):
+    """A block this server does not serve, declared so that it is refused by its type (its
+    fields are not read)."""
 
 
-class DocumentBlock(_Body, kw_only=True, tag_field="type", tag="document"):
-    source: Any = None
-    title: Any = None
-    context: Any = None
-    citations: Any = None
-    cache_control: Any = None
+class ImageBlock(_Refused, tag="image"):
+    pass
 
 
-class ThinkingBlock(_Body, kw_only=True, tag_field="type", tag="thinking"):
+class DocumentBlock(_Refused, tag="document"):
+    pass
+
+
+class ThinkingBlock(Body, kw_only=True, tag_field="type", tag="thinking"):
     thinking: str = ""
     signature: str | None = None
 
 
-class ToolUseBlock(_Body, kw_only=True, tag_field="type", tag="tool_use"):
+class ToolUseBlock(Body, kw_only=True, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
     cache_control: Any = None
 
 
-class ToolResultBlock(_Body, kw_only=True, tag_field="type", tag="tool_result"):
+class ToolResultBlock(Body, kw_only=True, tag_field="type", tag="tool_result"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool | None = None
@@ -79,12 +77,12 @@ class ToolResultBlock(_Body, kw_only=True, tag_field="type", tag="tool_result"):
 Block = TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
 
 
-class InputMessage(_Body, kw_only=True):
+class InputMessage(Body, kw_only=True):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolSpec(_Body, kw_only=True):
+class ToolSpec(Body, kw_only=True):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -92,7 +90,7 @@ class ToolSpec(_Body, kw_only=True):
     cache_control: Any = None
 
 
-class ToolChoice(_Body, kw_only=True):
+class ToolChoice(Body, kw_only=True):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -103,17 +101,17 @@ class Thinking(msgspec.Struct, kw_only=True):
     budget_tokens: int | None = None
 
 
-class JsonOutputFormat(_Body, kw_only=True):
+class JsonOutputFormat(Body, kw_only=True):
     type: Literal["json_schema"]
     schema: dict[str, Any]
 
 
-class OutputConfig(_Body, kw_only=True):
+class OutputConfig(Body, kw_only=True):
     format: JsonOutputFormat | None = None  # the answer's JSON Schema
     effort: str | None = None  # ignored: this model does not reason
 
 
-class CountTokensRequest(_Body, kw_only=True):
+class CountTokensRequest(Body, kw_only=True):
     model: str
     messages: Annotated[list[InputMessage], msgspec.Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
@@ -176,32 +174,19 @@ ACCEPTS: dict[str, str] = {
 }
 
 
-def check_refused(req: CountTokensRequest) -> None:
-    """Fields that would change what the answer means, which this server does not serve.
-
-    Raises:
-        ApiError: 400 naming the field.
-    """
-    if req.thinking is not None and req.thinking.type != "disabled":
-        raise ApiError(400, "'thinking' is not supported: this model does not think",
-                       param="thinking")
-    for name in ("mcp_servers", "container"):
-        if getattr(req, name, None) is not None:
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+REFUSED: Refused = {  # field -> (used?, why)
+    "thinking": (lambda v: v is not None and v.type != "disabled", "this model does not think"),
+    "mcp_servers": (lambda v: v is not None, ""),
+    "container": (lambda v: v is not None, ""),
+}
 
 
 def _text(blocks: str | list[Any] | None, where: str) -> str:
-    if blocks is None:
-        return ""
-    if isinstance(blocks, str):
-        return blocks
-    texts = []
-    for block in blocks:
-        if not isinstance(block, TextBlock):
-            raise ApiError(400, f"{where}: only text blocks are supported here (got a "
-                                f"{block.__struct_config__.tag!r} block)", param="messages")
-        texts.append(block.text)
-    return "".join(texts)
+    def refuse(j: int, block: Any) -> ApiError:
+        return ApiError(400, f"{where}: only text blocks are supported here (got a "
+                             f"{block.__struct_config__.tag!r} block)", param="messages")
+
+    return join_text(blocks, lambda b: b.text if isinstance(b, TextBlock) else None, refuse)
 
 
 def turns_of(req: CountTokensRequest) -> list[Turn]:
@@ -243,15 +228,6 @@ def turns_of(req: CountTokensRequest) -> list[Turn]:
     return turns
 
 
-def tools_of(req: CountTokensRequest) -> list[Tool]:
-    """The request's tools as SDK tools.
-
-    Raises:
-        ApiError: a bad name or schema, or two tools with one name.
-    """
-    return make_tools((s.name, s.description, s.input_schema) for s in req.tools or ())
-
-
 def tool_choice_of(req: CountTokensRequest, tools: list[Tool]) -> tuple[str | None, bool]:
     """``(tool_choice, parallel)`` as the SDK takes them.
 
@@ -261,14 +237,6 @@ def tool_choice_of(req: CountTokensRequest, tools: list[Tool]) -> tuple[str | No
     choice = req.tool_choice
     if choice is None:
         return ("auto" if tools else None), True
-    if not tools:
-        if choice.type == "none":
-            return None, True
-        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-    parallel = not choice.disable_parallel_tool_use
-    if choice.type == "tool":
-        if choice.name not in {t.name for t in tools}:
-            raise ApiError(400, f"tool_choice names {choice.name!r}, which is not one of the "
-                                f"tools", param="tool_choice")
-        return choice.name, parallel
-    return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
+    kind = {"auto": "auto", "any": "required", "none": "none", "tool": "named"}[choice.type]
+    picked = checked_choice(kind, tools, name=choice.name, quiet_without_tools=("none",))
+    return picked, (not choice.disable_parallel_tool_use) if tools else True

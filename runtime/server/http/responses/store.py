@@ -3,8 +3,8 @@
 Owner: what ``/v1/responses`` keeps between requests, written against the public SDK only.
 
 * **Namespaces.** Every caller's responses live in the snapshot namespace of the key it
-  sent (``http-`` + a digest of the bearer token, never the token; ``http-anonymous``
-  without one), through a runtime of its own over the engine (``Runtime.over`` of a
+  sent (its ``conversation.keys.key_scope``: a digest of the bearer token, never the
+  token; ``http-anonymous`` without one), through a runtime of its own over the engine (``Runtime.over`` of a
   ``LocalTransport`` with that namespace). The engine keeps namespaces apart: a response
   id from another key names nothing here (404), whatever the id.
 * **A response** is two things under its id: the snapshot ``responses/<id>`` (its context
@@ -20,7 +20,6 @@ Owner: what ``/v1/responses`` keeps between requests, written against the public
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import time
@@ -33,7 +32,7 @@ import anyio
 from pie_ctx import Context, Runtime
 from pie_ctx.proto.errors import OutOfPages, PieError, SnapshotNotFound, StoreFull
 from pie_ctx.transport import LocalTransport
-from runtime.server.http.openai_schema import ApiError
+from runtime.server.http.conversation.errors import ApiError
 
 __all__ = ["Namespaces", "Record", "Records", "new_response_id", "TTL_S", "MAX_STORED"]
 
@@ -76,17 +75,8 @@ class Namespaces:
         self._lock = anyio.Lock()
         self.scopes: list[anyio.CancelScope] = []  # the holding tasks (close() cancels them)
 
-    @staticmethod
-    def of(headers: Any) -> str:
-        """The namespace of a request's ``Authorization: Bearer`` key."""
-        auth = headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not key:
-            return "http-anonymous"
-        return "http-" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-
     async def runtime(self, namespace: str) -> Runtime:
-        """The runtime of ``namespace`` (opened on first use)."""
+        """The runtime of ``namespace`` (a ``key_scope``; opened on first use)."""
         rt = self._runtimes.get(namespace)
         if rt is not None:
             return rt

@@ -1,16 +1,18 @@
-"""A chat request's messages and tools onto a ``Context``, and tool calls back to OpenAI.
+"""The conversation every chat-shaped API builds: turns, tools, and the context holding them.
 
-Owner: the mapping between OpenAI's conversation (messages, ``tools``, ``tool_choice``,
-assistant ``tool_calls``, ``tool`` messages) and the SDK's. Written against the public SDK
-only (``pie_ctx``, ``pie_ctx.tools``), like the rest of the front door: it never imports
-the engine.
+Owner: the one mapping from a conversation (turns with their tool calls and results, the
+tools offered) onto a ``Context``, which the chat completions (``openai``), the Messages
+API (``anthropic``), the Responses API (``responses``) and vLLM's serving endpoints share:
+each API turns its own request into :class:`Turn` values and SDK tools, and this module
+builds the context. Written against the public SDK only (``pie_ctx``, ``pie_ctx.tools``):
+it never imports the engine.
 
 How a conversation is built (docs/http.md):
 
 * the tools are declared at the start of the context: ``system(text, tools=...)`` when the
-  first message is a system (or developer) message, else ``declare_tools(tools)``;
-* without tools, past calls and results are plain text (``plain_history``): call markup in
-  the prompt would be copied into answers where nothing reads it as a call;
+  first turn is a system turn, else ``declare_tools(tools)``;
+* without tools, past calls and results are plain text (:func:`plain_history`): call markup
+  in the prompt would be copied into answers where nothing reads it as a call;
 * every turn goes through the SDK's chat fillers: ``system``, ``user``, ``assistant(text,
   tool_calls=...)`` (a past call, with the client's id, written as the model would have
   written it) and ``tool_result(id, text)``, then ``cue()``. The context then holds what
@@ -20,29 +22,19 @@ How a conversation is built (docs/http.md):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pie_ctx import Context, Runtime
 from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.tools import Tool, ToolCall
-from runtime.server.http.openai_schema import (
-    ApiError,
-    AssistantMessage,
-    ChatRequest,
-    Content,
-    DeveloperMessage,
-    Message,
-    SystemMessage,
-    ToolMessage,
-    UserMessage,
-)
+from runtime.server.http.conversation.errors import ApiError
 
-__all__ = ["Turn", "Rendering", "turns_of", "tools_of", "tool_choice_of", "rendering_of",
-           "build_context", "fill_turns", "plain_history", "openai_call"]
+__all__ = ["Turn", "Rendering", "build_context", "fill_turns", "join_text", "make_tools",
+           "parse_arguments", "plain_history"]
 
-_CHOICES = ("auto", "none", "required")
+P = TypeVar("P")
 
 
 @dataclass(slots=True)
@@ -58,70 +50,36 @@ class Turn:
     call_id: str = ""
 
 
-def _text(content: Content | None, where: str) -> str:
-    """A message's content: a string, or text parts (other part types are refused)."""
+def join_text(content: str | Iterable[P] | None, text_of: Callable[[P], str | None],
+              refuse: Callable[[int, P], ApiError]) -> str:
+    """A message's text: a string as it is, or its parts' texts joined (``text_of``: a
+    part's text, None for a part that is not text, which ``refuse(j, part)`` refuses).
+
+    Raises:
+        ApiError: ``refuse``'s, for the first part that is not text.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, f"{where}: only text content parts are supported (got a "
-                                f"{part.type!r} part)", param="messages")
-        texts.append(part.text)
+    for j, part in enumerate(content):
+        text = text_of(part)
+        if text is None:
+            raise refuse(j, part)
+        texts.append(text)
     return "".join(texts)
 
 
-def _calls(m: AssistantMessage, where: str) -> list[ToolCall]:
-    calls = []
-    for j, c in enumerate(m.tool_calls or ()):
-        args: Any = c.function.arguments
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                args = None
-        if not isinstance(args, dict):
-            raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON "
-                                f"object (as a string)", param="messages")
-        calls.append(ToolCall(id=c.id, name=c.function.name, arguments=args))
-    if len({c.id for c in calls}) != len(calls):
-        raise ApiError(400, f"{where}: two tool calls share an id", param="messages")
-    return calls
-
-
-def turns_of(messages: Sequence[Message]) -> list[Turn]:
-    """The request's messages as turns (``developer`` is a system turn).
-
-    Raises:
-        ApiError: a content part that is not text, or tool-call arguments that are not a
-            JSON object.
-    """
-    turns = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if isinstance(m, SystemMessage | DeveloperMessage):
-            turns.append(Turn(i, "system", _text(m.content, where)))
-        elif isinstance(m, UserMessage):
-            turns.append(Turn(i, "user", _text(m.content, where)))
-        elif isinstance(m, AssistantMessage):
-            turns.append(Turn(i, "assistant", _text(m.content, where), _calls(m, where)))
-        elif isinstance(m, ToolMessage):
-            turns.append(Turn(i, "tool", _text(m.content, where), call_id=m.tool_call_id))
-        else:  # refused when the body was decoded
-            raise RuntimeError(f"unexpected message type {type(m).__name__}")
-    return turns
-
-
-def tools_of(req: ChatRequest) -> list[Tool]:
-    """The request's ``tools`` as SDK tools (an empty list: none).
-
-    Raises:
-        ApiError: a bad name or parameters, or two tools with one name.
-    """
-    return make_tools((s.function.name, s.function.description, s.function.parameters)
-                      for s in req.tools or ())
+def parse_arguments(args: str | dict[str, Any]) -> dict[str, Any] | None:
+    """A call's arguments as sent (a JSON object, or its text; empty text is ``{}``), or
+    None when they are not a JSON object."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    return args if isinstance(args, dict) else None
 
 
 def make_tools(specs: Iterable[tuple[str, str | None, Any]]) -> list[Tool]:
@@ -144,28 +102,6 @@ def make_tools(specs: Iterable[tuple[str, str | None, Any]]) -> list[Tool]:
     return tools
 
 
-def tool_choice_of(req: ChatRequest, tools: Sequence[Tool]) -> str | None:
-    """``tool_choice`` as the SDK takes it: ``"auto"``, ``"none"``, ``"required"`` or a
-    tool's name; None when not given.
-
-    Raises:
-        ApiError: a choice without tools, or a named tool that is not among them.
-    """
-    choice = req.tool_choice
-    if choice is None:
-        return None
-    if not tools:
-        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given",
-                       param="tool_choice")
-    if isinstance(choice, str):
-        return choice
-    name = choice.function.name
-    if name not in {t.name for t in tools}:
-        raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools",
-                       param="tool_choice")
-    return name
-
-
 @dataclass(frozen=True, slots=True)
 class Rendering:
     """vLLM's template options (``chat_template_kwargs``, ``continue_final_message``,
@@ -175,47 +111,6 @@ class Rendering:
     variables: dict[str, Any]
     generation_prompt: bool = True
     continue_final: bool = False
-
-
-_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                       "documents", "continue_final_message"})
-
-
-def rendering_of(req: ChatRequest) -> Rendering | None:
-    """The request's template options; None when it gives none (the SDK's chat fillers
-    then build the conversation turn by turn).
-
-    Raises:
-        ApiError: options that contradict each other or the tools.
-    """
-    variables = req.chat_template_kwargs or {}
-    cont = bool(req.continue_final_message)
-    prompt = req.add_generation_prompt
-    if not variables and not cont and prompt is None:
-        return None
-    if cont and prompt:
-        raise ApiError(400, "'continue_final_message' continues the last (assistant) "
-                            "message: it cannot be combined with 'add_generation_prompt': "
-                            "true", param="continue_final_message")
-    if req.tools:
-        name = ("chat_template_kwargs" if variables else "continue_final_message" if cont
-                else "add_generation_prompt")
-        raise ApiError(400, f"'{name}' cannot be combined with 'tools' here: tools are "
-                            f"declared through the SDK's conversation", param=name)
-    reserved = sorted(_RESERVED & set(variables))
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the request's own "
-                            f"fields say them", param="chat_template_kwargs")
-    if cont and not isinstance(req.messages[-1], AssistantMessage):
-        raise ApiError(400, "'continue_final_message' needs the last message to be the "
-                            "assistant's", param="continue_final_message")
-    return Rendering(dict(variables), (True if prompt is None else prompt) and not cont, cont)
-
-
-def openai_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """OpenAI's ``tool_calls`` entry; with ``index``, as a streamed delta carries it."""
-    entry = call.to_openai()
-    return entry if index is None else {"index": index, **entry}
 
 
 # ------------------------------------------------------------------------- building
