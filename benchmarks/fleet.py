@@ -150,7 +150,8 @@ def main() -> None:
 def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder: Path,
            temp_root: Path) -> dict:
     """Start the fleet, play the ways, fail a replica, time a replacement, stop it."""
-    from runtime.fleet.app import boot_early, build_app, start_fleet, stop_fleet
+    from runtime.fleet.app import (RAY_SYSTEM_CONFIG, boot_early, build_app, start_fleet,
+                                   stop_fleet)
     from runtime.fleet.replica import TEMP_PREFIX
 
     port = _free_port()
@@ -162,7 +163,8 @@ def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder:
                        env={**os.environ, **env})
     try:
         ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": env})
+                 log_to_driver=False, runtime_env={"env_vars": env},
+                 _system_config=RAY_SYSTEM_CONFIG)
         t_ray = time.monotonic()
         start_fleet(build_app(engine_args, folder, replicas=2, early=early), "127.0.0.1",
                     port, early=early)

@@ -36,9 +36,13 @@ from pie_ctx.proto.errors import InvalidArgument, PieError
 from runtime.fleet.engines import EarlyEngines
 
 __all__ = ["build_app", "boot_early", "register", "engine_args_of", "start_fleet",
-           "stop_fleet"]
+           "stop_fleet", "RAY_SYSTEM_CONFIG"]
 
 FLEET_APP = "pie-ctx"
+# A Ray instance the fleet starts (``ray.init(_system_config=...)``) prestarts no idle
+# task workers: Serve's actors never use them (each starts a worker of its own), and on a
+# small machine they take CPU from the controller, the proxy and the engines' boot.
+RAY_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 def build_app(engine_args: list[str], snapshot_dir: str | Path, *, replicas: int = 2,
@@ -299,7 +303,8 @@ def fleet_main(args: argparse.Namespace) -> int:
 
         # (ray.init sets a SIGTERM handler of its own: a SystemExit until ours is set)
         ray.init(address=args.address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}})
+                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
+                 **({"_system_config": RAY_SYSTEM_CONFIG} if own_ray else {}))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         start_fleet(app, http.host, http.port, early=early)
