@@ -150,14 +150,14 @@ def main() -> None:
 def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder: Path,
            temp_root: Path) -> dict:
     """Start the fleet, play the ways, fail a replica, time a replacement, stop it."""
-    from runtime.fleet.app import (RAY_SYSTEM_CONFIG, boot_early, build_app, start_fleet,
-                                   stop_fleet)
+    from runtime.fleet.app import (RAY_ENV, RAY_SYSTEM_CONFIG, boot_early, build_app,
+                                   start_fleet, stop_fleet)
     from runtime.fleet.replica import TEMP_PREFIX
 
     port = _free_port()
     front = f"http://127.0.0.1:{port}"
     env = {"PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data"),
-           "TMPDIR": str(temp_root)}
+           "TMPDIR": str(temp_root), **RAY_ENV}
     t0, wall0 = time.monotonic(), time.time()
     early = boot_early(engine_args, folder, replicas=2, temp_dir=str(temp_root),
                        env={**os.environ, **env})

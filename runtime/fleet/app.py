@@ -36,13 +36,18 @@ from pie_ctx.proto.errors import InvalidArgument, PieError
 from runtime.fleet.engines import EarlyEngines
 
 __all__ = ["build_app", "boot_early", "register", "engine_args_of", "start_fleet",
-           "stop_fleet", "RAY_SYSTEM_CONFIG"]
+           "stop_fleet", "RAY_SYSTEM_CONFIG", "RAY_ENV"]
 
 FLEET_APP = "pie-ctx"
 # A Ray instance the fleet starts (``ray.init(_system_config=...)``) prestarts no idle
 # task workers: Serve's actors never use them (each starts a worker of its own), and on a
 # small machine they take CPU from the controller, the proxy and the engines' boot.
 RAY_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+# For the fleet's Ray workers (``runtime_env``): Serve's controller gives a starting proxy
+# 5 s per readiness check and replaces it after three misses, less than a worker importing
+# Ray Serve takes on a busy small machine (the start then fails). A check ends as soon as
+# the proxy is ready, so a longer one delays nothing.
+RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 
 def build_app(engine_args: list[str], snapshot_dir: str | Path, *, replicas: int = 2,
@@ -303,7 +308,7 @@ def fleet_main(args: argparse.Namespace) -> int:
 
         # (ray.init sets a SIGTERM handler of its own: a SystemExit until ours is set)
         ray.init(address=args.address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
+                 runtime_env={"env_vars": {"PYTHONPATH": _python_path(), **RAY_ENV}},
                  **({"_system_config": RAY_SYSTEM_CONFIG} if own_ray else {}))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
