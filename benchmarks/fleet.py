@@ -28,12 +28,16 @@ decides, on a local Ray instance with 2 engine replicas (``runtime.fleet``):
 
 4. **Start-up and replacement**, beside one ``pie-ctx serve`` in the same run:
    ``serve_start_s`` (one ``serve`` of the same engine options, from its start until it
-   answers a 1-token request), ``fleet_start_s`` (from ``ray.init`` until every replica
-   answers one, with its parts: ``fleet_ray_init_s`` (the local Ray instance),
-   ``fleet_deploy_s`` (Serve's controller and proxy, then the replicas, whose engines boot
-   in parallel), ``fleet_listed_s`` (until the front lists every replica) and
-   ``fleet_answer_s`` (each replica's first answer)),
-   ``fleet_start_vs_serve`` (goal <= 1.5), and ``fleet_replace_s``: an engine killed
+   answers a 1-token request; ``serve_ready_s``: until it says it serves HTTP),
+   ``fleet_start_s`` (as ``pie-ctx fleet`` starts: the engines first (``boot_early``),
+   then ``ray.init`` while they boot, until every replica answers one), with its parts,
+   each from the start: ``fleet_ray_init_s`` (the local Ray instance),
+   ``fleet_replicas_up_s`` (the last replica's actor running its constructor: Serve's
+   controller, proxy and the replicas' worker processes), ``fleet_engines_ready_s`` (the
+   last engine serving), ``fleet_deployed_s`` (Serve says the app runs),
+   ``fleet_listed_s`` (the front lists every replica) and ``fleet_start_s`` (each
+   replica's first answer); ``fleet_adopted`` counts the replicas that adopted an early
+   engine. ``fleet_start_vs_serve`` (goal <= 1.5), and ``fleet_replace_s``: an engine killed
    (SIGKILL) until its replacement answers (goal <= 10 s on a quiet machine).
    ``fleet_temp_folders_left`` counts the replicas' temporary folders left after the
    fleet stopped (goal 0); the benchmark's own folder is removed too.
@@ -133,11 +137,11 @@ def main() -> None:
     temp_root = folder / "tmp"
     temp_root.mkdir()
     try:
-        serve_s = _serve_start(httpx, engine_args, folder)
+        serve_ready_s, serve_s = _serve_start(httpx, engine_args, folder)
         result = _fleet(args, httpx, ray, engine_args, folder, temp_root)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    result = {**result, "serve_start_s": serve_s,
+    result = {**result, "serve_start_s": serve_s, "serve_ready_s": serve_ready_s,
               "fleet_start_vs_serve": result["fleet_start_s"] / serve_s}
     table([(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in result.items()])
     emit(result)
@@ -146,19 +150,24 @@ def main() -> None:
 def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder: Path,
            temp_root: Path) -> dict:
     """Start the fleet, play the ways, fail a replica, time a replacement, stop it."""
-    from runtime.fleet.app import build_app, start_fleet, stop_fleet
+    from runtime.fleet.app import (RAY_ENV, RAY_SYSTEM_CONFIG, boot_early, build_app,
+                                   start_fleet, stop_fleet)
     from runtime.fleet.replica import TEMP_PREFIX
 
     port = _free_port()
     front = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": {
-                 "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data"),
-                 "TMPDIR": str(temp_root)}})
+    env = {"PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(folder / "data"),
+           "TMPDIR": str(temp_root), **RAY_ENV}
+    t0, wall0 = time.monotonic(), time.time()
+    early = boot_early(engine_args, folder, replicas=2, temp_dir=str(temp_root),
+                       env={**os.environ, **env})
     try:
+        ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": env},
+                 _system_config=RAY_SYSTEM_CONFIG)
         t_ray = time.monotonic()
-        start_fleet(build_app(engine_args, folder, replicas=2), "127.0.0.1", port)
+        start_fleet(build_app(engine_args, folder, replicas=2, early=early), "127.0.0.1",
+                    port, early=early)
         t_deployed = time.monotonic()
         reps = _replicas(httpx, front, 2)
         t_listed = time.monotonic()
@@ -168,9 +177,10 @@ def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder:
             _answer(httpx, u, model)
         t_serving = time.monotonic()
         timings = {"fleet_start_s": t_serving - t0, "fleet_ray_init_s": t_ray - t0,
-                   "fleet_deploy_s": t_deployed - t_ray,
-                   "fleet_listed_s": t_listed - t_deployed,
-                   "fleet_answer_s": t_serving - t_listed}
+                   "fleet_replicas_up_s": max(r["started_at"] for r in reps.values()) - wall0,
+                   "fleet_engines_ready_s": max(r["ready_at"] for r in reps.values()) - wall0,
+                   "fleet_deployed_s": t_deployed - t0, "fleet_listed_s": t_listed - t0,
+                   "fleet_adopted": sum(bool(r["adopted"]) for r in reps.values())}
         play = Play(model, args.turns, args.max_tokens)
         n = args.conversations
         session = play.run("session", n, lambda c, t: front,
@@ -185,7 +195,7 @@ def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder:
         failover = _failover(httpx, front, model, max(2, n // 4))
         replace_s = _replace(httpx, front, model)
     finally:
-        stop_fleet(own_ray=True)
+        stop_fleet(own_ray=True, early=early)
     left = [p.name for p in temp_root.iterdir() if p.name.startswith(TEMP_PREFIX)]
     return {
         "fleet_computed_vs_round_robin": session["computed"] / max(1, round_robin["computed"]),
@@ -211,9 +221,9 @@ def _answer(httpx, url: str, model: str, timeout: float = 600) -> None:
         "max_tokens": 1}).raise_for_status()
 
 
-def _serve_start(httpx, engine_args: list[str], folder: Path) -> float:
-    """Seconds from starting one ``pie-ctx serve`` of ``engine_args`` until it answers a
-    1-token request (then it is stopped)."""
+def _serve_start(httpx, engine_args: list[str], folder: Path) -> tuple[float, float]:
+    """Seconds from starting one ``pie-ctx serve`` of ``engine_args`` until it says it
+    serves HTTP, and until it answers a 1-token request (then it is stopped)."""
     snaps = folder / "serve-snapshots"
     snaps.mkdir()
     t0 = time.monotonic()
@@ -232,9 +242,10 @@ def _serve_start(httpx, engine_args: list[str], folder: Path) -> float:
                 break
         if url is None:
             raise RuntimeError("pie-ctx serve did not start:\n" + "".join(lines[-20:]))
+        ready = time.monotonic() - t0
         model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
         _answer(httpx, url, model)
-        return time.monotonic() - t0
+        return ready, time.monotonic() - t0
     finally:
         proc.terminate()
         try:

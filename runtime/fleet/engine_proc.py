@@ -8,6 +8,11 @@ exits the process at once (a replica killed with SIGKILL leaves no engine holdin
 a port, a socket folder or the shared folder's temp files: the next engine to open the
 folder sweeps those). Everything else is ``pie-ctx serve`` with the remaining arguments;
 however it ends, ``TEMP_DIR`` goes with it.
+
+An engine the fleet's driver started early (``runtime.fleet.engines.EarlyEngines``) is
+taken by a replica, which writes its pid in ``TEMP_DIR/owner``: from then on the thread
+watches that process instead of the parent (the driver), so the engine dies with the
+replica that serves it.
 """
 
 from __future__ import annotations
@@ -19,9 +24,31 @@ import threading
 import time
 
 
+def _owner(temp_dir: str) -> int | None:
+    """The pid of the replica that took this engine, if one did."""
+    try:
+        with open(os.path.join(temp_dir, "owner"), encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # (empty: the driver took it back)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process with that pid
+        return True
+    return True
+
+
 def _watch(parent: int, temp_dir: str) -> None:
+    owner: int | None = None
     while True:
-        if os.getppid() != parent:
+        owner = owner or _owner(temp_dir)
+        if not (_alive(owner) if owner else os.getppid() == parent):
             shutil.rmtree(temp_dir, ignore_errors=True)
             os._exit(3)
         time.sleep(0.2)

@@ -13,6 +13,10 @@ A subscriber that joins late (the router started after the replica, or reconnect
 the replica's replay socket for every buffered batch from sequence 0 first, then follows
 the live stream, skipping batches it has already applied. ``AllBlocksCleared`` (sent when
 an engine starts) empties that replica's entry: a restarted replica holds nothing.
+
+The schema's module is imported with the first batch, not with this one: ``runtime.kv``'s
+package brings the page pool (torch), seconds of a start-up the front (which imports this
+module through ``view``) and ``pie-ctx fleet`` (which pickles the router) need not wait for.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-
-from runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 __all__ = ["PrefixIndex"]
 
@@ -53,6 +55,9 @@ class PrefixIndex:
     def apply(self, replica: str, seq: int, payload: bytes) -> None:
         """Apply one batch (``seq`` as sent; a batch at or below the last applied one is
         a replayed duplicate and skipped)."""
+        from runtime.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                       decode_batch)
+
         batch = decode_batch(payload)
         with self._lock:
             pages = self._pages.setdefault(replica, _Pages())

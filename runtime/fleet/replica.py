@@ -21,6 +21,10 @@ The engine's socket lives in a temporary folder of this replica
 engine exiting (the thread that reads its log removes it), a failed start, and the
 replica process killed (the engine, which watches it, removes the folder as it exits;
 a folder whose owner died with its engine is swept by the next replica to start).
+
+A replica given early engines (``early``: the folders of ``EarlyEngines``, booted by the
+fleet's driver while Ray and Serve started) adopts a free one instead of starting its
+own (``runtime.fleet.engines``); the folder is then the driver's, with the same ways out.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import logging
 import os
 import re
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import threading
@@ -39,13 +43,14 @@ from typing import Any, TypedDict
 
 import httpx
 
+from runtime.fleet.engines import TEMP_PREFIX, AdoptedEngine, SpawnedEngine, claim
+
 __all__ = ["Call", "EngineReplica", "ReplicaUnavailable", "engine_command", "TEMP_PREFIX"]
 
 log = logging.getLogger("pie_ctx.fleet")
 
 _HTTP_READY = re.compile(r"serving HTTP on (http://\S+)")
 _EVENTS_READY = re.compile(r"kv events on (\S+), replay on (\S+)")
-TEMP_PREFIX = "pie-ctx-replica-"
 _STOP_S = 8.0  # an engine's clean stop, within Serve's graceful_shutdown_timeout_s (10)
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the hop recomputes.
 _DROP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -84,8 +89,9 @@ class ReplicaUnavailable(RuntimeError):
 
 def engine_command(engine_args: list[str], snapshot_dir: str, host: str,
                    socket_path: str) -> list[str]:
-    """The engine process's command line for one replica (its socket's folder is the
-    replica's temporary folder, which the engine removes if it outlives the replica)."""
+    """The engine process's command line for one replica, started by this process (its
+    socket's folder is the replica's temporary folder, which the engine removes if it
+    outlives the replica)."""
     return [sys.executable, "-m", "runtime.fleet.engine_proc", str(os.getpid()),
             os.path.dirname(socket_path), "serve",
             *engine_args, "--snapshot-dir", snapshot_dir, "--shared-snapshots",
@@ -105,6 +111,8 @@ class EngineReplica:
             loopback the engine asks for an API key, so pass ``--api-key-file`` on the
             shared folder in ``engine_args`` and give clients that key).
         startup_s: how long the engine may take to boot.
+        early: folders of engines the driver started with the same options
+            (``EarlyEngines.folders``): the replica adopts a free one, if any.
 
     Raises:
         RuntimeError: the engine did not start (its output says why; its process and
@@ -112,10 +120,11 @@ class EngineReplica:
     """
 
     def __init__(self, engine_args: list[str], snapshot_dir: str, host: str = "127.0.0.1",
-                 startup_s: float = 900.0) -> None:
+                 startup_s: float = 900.0, early: list[str] | None = None) -> None:
         from ray import serve
 
         started = time.monotonic()
+        self.started_at = time.time()
         self.actor_id: str | None = None
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -124,23 +133,30 @@ class EngineReplica:
             self.actor_id = ray.get_runtime_context().get_actor_id()
         except Exception:  # outside Serve (a test of the class itself)
             self.replica_id = f"local-{os.getpid()}"
-        host = _node_ip() if host == "node" else host
         self._stopping = False
-        self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+        self.proc: SpawnedEngine | AdoptedEngine
+        taken = claim(early) if early else None
+        if taken is not None:
+            self._tmp, self.proc = taken
+        else:
+            host = _node_ip() if host == "node" else host
+            self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+        self.adopted = taken is not None
         self.socket = os.path.join(self._tmp, "engine.sock")
         try:
-            self.proc = subprocess.Popen(
-                engine_command(engine_args, snapshot_dir, host, self.socket),
-                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if taken is None:
+                self.proc = SpawnedEngine(
+                    engine_command(engine_args, snapshot_dir, host, self.socket))
             self.url, self.kv_events, self.kv_replay = self._wait_ready(startup_s)
         except BaseException:
             self._stop_engine()
             raise
+        self.ready_at = time.time()
         threading.Thread(target=self._drain, daemon=True, name="pie-ctx-engine-log").start()
         self.client = httpx.AsyncClient(base_url=self.url, timeout=None)
         self.inflight = 0
-        log.info("replica %s: engine serving in %.2f s", self.replica_id,
-                 time.monotonic() - started)
+        log.info("replica %s: engine serving in %.2f s%s", self.replica_id,
+                 time.monotonic() - started, " (adopted, booted early)" if self.adopted else "")
         _sweep_stale(os.path.dirname(self._tmp))
 
     def _wait_ready(self, startup_s: float) -> tuple[str, str, str]:
@@ -153,7 +169,7 @@ class EngineReplica:
         lines: list[str] = []
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline and not (url and events):
-            line = self.proc.stderr.readline()  # type: ignore[union-attr]
+            line = self.proc.readline()
             if not line:
                 break
             lines.append(line)
@@ -168,22 +184,21 @@ class EngineReplica:
     def _drain(self) -> None:
         """Keep reading the engine's log (a full pipe would block it) into ours; when the
         engine has exited, remove the temporary folder."""
-        for line in self.proc.stderr:  # type: ignore[union-attr]
+        for line in iter(self.proc.readline, ""):
             log.info("[%s] %s", self.replica_id, line.rstrip())
-        code = self.proc.wait()
+        self.proc.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
         if self._stopping:
             return
-        log.warning("replica %s: its engine exited with %s; Serve replaces this replica",
-                    self.replica_id, code)
+        log.warning("replica %s: its engine exited (%s); Serve replaces this replica",
+                    self.replica_id, self.proc.how())
         if self.actor_id is not None:
             # Serve marks a replica whose actor died unhealthy at once, one that fails its
             # health check only after three checks in a row (~3 s): end the actor.
             os._exit(1)
 
     def _unavailable(self, detail: str) -> ReplicaUnavailable:
-        code = self.proc.poll()
-        what = (f"its engine exited (status {code})" if code is not None
+        what = (f"its engine exited ({self.proc.how()})" if self.proc.exited()
                 else f"its engine's connection failed ({detail})")
         return ReplicaUnavailable(
             self.replica_id, f"The fleet replica serving this request stopped before it "
@@ -195,7 +210,7 @@ class EngineReplica:
         Raises:
             ReplicaUnavailable: the engine is gone or its connection broke.
         """
-        if self.proc.poll() is not None:
+        if self.proc.exited():
             raise self._unavailable("")
         self.inflight += 1
         try:
@@ -226,7 +241,8 @@ class EngineReplica:
         return {"replica": self.replica_id, "pid": os.getpid(), "engine_pid": self.proc.pid,
                 "actor_id": self.actor_id, "url": self.url, "socket": self.socket,
                 "kv_events": self.kv_events, "kv_events_replay": self.kv_replay,
-                "inflight": self.inflight}
+                "inflight": self.inflight, "adopted": self.adopted,
+                "started_at": self.started_at, "ready_at": self.ready_at}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads of this replica (Ray Serve calls it periodically)."""
@@ -238,20 +254,18 @@ class EngineReplica:
         Raises:
             RuntimeError: it exited (Serve then replaces this replica).
         """
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"replica {self.replica_id}: its engine exited with "
-                               f"{self.proc.returncode}")
+        if self.proc.exited():
+            raise RuntimeError(f"replica {self.replica_id}: its engine exited "
+                               f"({self.proc.how()})")
 
     def _stop_engine(self) -> None:
         """Stop the engine (SIGTERM, then SIGKILL past ``_STOP_S``); remove the folder."""
         self._stopping = True
         proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=_STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None and not proc.exited():
+            proc.signal(signal.SIGTERM)
+            if not proc.wait(_STOP_S):
+                proc.signal(signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
 

@@ -141,6 +141,7 @@ def test_benchmark_smoke(name: str):
         assert result["computed_session"] <= result["computed_round_robin"]
         assert result["fleet_temp_folders_left"] == 0
         assert result["fleet_start_s"] > 0 and result["fleet_replace_s"] > 0
+        assert result["fleet_adopted"] == 2  # both replicas took an engine booted early
 
 
 def check_agents(result: dict) -> None:

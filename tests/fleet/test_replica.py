@@ -83,7 +83,7 @@ def test_a_stopped_replica_and_a_failed_start_leave_no_folder(tmp_path, temp_roo
     engine = replica.proc
     assert len(replica_folders(temp_root)) == 1
     replica.__del__()  # what Serve calls on a graceful stop
-    assert engine.poll() is not None and replica_folders(temp_root) == []
+    assert engine.exited() and replica_folders(temp_root) == []
 
 
 def test_the_engine_removes_the_folder_when_its_replica_is_killed(temp_root) -> None:
