@@ -28,6 +28,7 @@ from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
 from runtime.kv.store import PageStore
 from runtime.model.config import ModelConfig
+from runtime.model.kernel_choice import adopt_kernel_choices, kernel_choices
 from runtime.model.loader import (
     gguf_blocks_source,
     gguf_source,
@@ -37,7 +38,7 @@ from runtime.model.loader import (
     resolve_model,
 )
 from runtime.model.loader.hf import read_config
-from runtime.model.matmul import adopt_kernel_choices, kernel_choices
+from runtime.model.numerics import Numerics
 from runtime.model.quant import WEIGHT_FORMATS, calibration_tokens
 from runtime.model.runner import ModelRunner
 from runtime.model.transformers_backend import TransformersRunner, load_transformers_model
@@ -363,8 +364,9 @@ def _load(kind: str, model: str | None, deterministic: bool, weights: str,
                        else None)  # gguf: blocks_q8's outlier channels
         # {}: the weights hold the file's blocks already; None: an HF folder, quantized now
         blocks = ({} if in_place else load_blocks(loaded.path)) if weights == "gguf" else None
+        numerics = Numerics.decide(pool.device, m.dtype, deterministic=deterministic,
+                                   weight_format=weights)
         return ModelRunner(loaded.config, loaded.weights, pool, page_size,
-                           weight_format=weights, calibration=calibration, dtype=m.dtype,
-                           blocks=blocks, deterministic=deterministic)
+                           calibration=calibration, blocks=blocks, numerics=numerics)
 
     return m, make_runner

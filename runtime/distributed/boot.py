@@ -29,8 +29,8 @@ from runtime.distributed.shard import check_tensor_parallel, shard_config
 from runtime.kv.pool import PoolShape
 from runtime.kv.store import PageStore
 from runtime.kv.trie import TrieListener
+from runtime.model.kernel_choice import kernel_choices
 from runtime.model.loader import load_model
-from runtime.model.matmul import kernel_choices
 
 __all__ = ["build_rank0"]
 

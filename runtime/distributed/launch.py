@@ -171,8 +171,8 @@ def worker_main(rank: int | None = None, tp: int | None = None, port: int | None
 
     With no arguments it joins the ``torchrun`` ranks (``env://``). Returns the exit code.
     """
+    from runtime.model.kernel_choice import adopt_kernel_choices
     from runtime.model.loader import load_model
-    from runtime.model.matmul import adopt_kernel_choices
 
     logging.basicConfig(level=logging.WARNING, format=f"pie-ctx rank {rank}: %(message)s")
     wait = timedelta(seconds=timeout)

@@ -23,7 +23,8 @@ from runtime.distributed.group import RankGroup, _Collectives
 from runtime.distributed.shard import shard_config, shard_weights
 from runtime.model.batch import SeqInput
 from runtime.model.config import ModelConfig
-from runtime.model.matmul import Projection, choose_kernels
+from runtime.model.matmul import Projection
+from runtime.model.model import Transformer
 from runtime.model.runner import ModelRunner
 
 __all__ = ["ShardedRunner", "VocabParallelHead"]
@@ -71,15 +72,23 @@ class ShardedRunner(ModelRunner):
                  dtype: torch.dtype | None = None) -> None:
         tp = comm.world
         local, head = shard_weights(config, weights, comm.rank, tp)
-        super().__init__(shard_config(config, tp), local, pool_kv, page_size, dtype=dtype)
+        # read by _final_head, which the base class calls before it chooses the kernels
         self.full_config = config
-        self.score_layers = 0  # rank 0 holds a share of the heads: no attention scores
         self.comm = comm
+        self._head_rows: torch.Tensor | None = head
+        super().__init__(shard_config(config, tp), local, pool_kv, page_size, dtype=dtype)
+        self.score_layers = 0  # rank 0 holds a share of the heads: no attention scores
         self.model.reduce = comm.all_reduce
-        proj = Projection(head.to(device=self.device, dtype=self.dtype),
-                          pack=self.model.packed, buckets=2)
-        choose_kernels([proj])
-        self.model.lm_head = VocabParallelHead(proj, config.vocab_size, comm)
+
+    def _final_head(self, model: Transformer) -> None:
+        """This rank's vocab rows of the lm_head (:class:`VocabParallelHead`), in place of
+        the full one the model was built with, before any kernel is chosen."""
+        head, self._head_rows = self._head_rows, None
+        if head is None:
+            raise RuntimeError("the vocab-parallel lm_head is put in place once, at load")
+        proj = Projection(head.to(device=model.device, dtype=model.dtype), pack=model.packed,
+                          buckets=2)
+        model.lm_head = VocabParallelHead(proj, self.full_config.vocab_size, self.comm)
 
     def forward(self, batch: list[SeqInput], *,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

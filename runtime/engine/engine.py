@@ -189,7 +189,7 @@ class Engine:
             dtype=str(store.pool.dtype).removeprefix("torch."),
             device=str(store.pool.kv.device), attention=runner.backend.name,
             weights=runner.weight_format, kv_dtype=store.pool.kv_dtype, backend=runner.kind,
-            deterministic=bool(getattr(runner, "deterministic", False)),
+            deterministic=runner.deterministic,
             kernels=list(getattr(getattr(runner, "model", None), "kernel_report", None) or []),
             snapshot_dir="" if store.tier is None else str(store.tier.files.folder),
             max_message_bytes=limits.max_message_bytes,

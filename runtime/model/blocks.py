@@ -333,7 +333,7 @@ def round_activations(x: torch.Tensor, outliers: torch.Tensor | None = None,
     int64 [n]) those channels are zeroed before the rounding and keep their exact values
     (the kernel's outlier split: their product is exact). The kernel's input (up to the
     last bit of a two-level value), for tests and the check of
-    :func:`runtime.model.matmul.choose_kernels`."""
+    :func:`runtime.model.kernel_choice.choose_kernels`."""
     xf = x.float()
     if outliers is not None and outliers.numel():
         xf = xf.clone()

@@ -67,13 +67,14 @@ import torch
 
 from runtime.model import kernels
 from runtime.model.adapters.delta import FusedAdapter
-from runtime.model.attention.base import AttentionMetadata
+from runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from runtime.model.attention.cascade import shared_prefix_clusters
 from runtime.model.attention.torch_backend import KERNEL_MAX_QUERIES, KernelGroup
 from runtime.model.batch import SeqInput
 from runtime.model.blocks import BlockWeight, Int4Weight, StripBlocks
+from runtime.model.kernel_choice import step_kinds
 from runtime.model.kquants import KQuantWeight
-from runtime.model.matmul import CHUNK_ROWS, STEP_KINDS, Int8Weight, Projection
+from runtime.model.matmul import CHUNK_ROWS, Int8Weight, Projection
 
 __all__ = ["ENABLED", "MAX_ROWS", "FusedStep", "enabled"]
 
@@ -115,33 +116,32 @@ def _spec(p: Projection, name: str) -> tuple | None:
 
 def _base_spec(p: Projection, name: str) -> tuple | None:
     w, bias = p.weight, p.bias
-    kind = STEP_KINDS.get(name)
+    kind = step_kinds().get(name)
     if kind is None:
         return None
     if name in ("mkl", "mm") and isinstance(w, torch.Tensor):
         return (kind, w, _NONE, bias, None, 0)
-    if name == "onednn" and name in p._layouts:
-        return (kind, p._layouts[name], _NONE, bias, None, 0)
+    layout = p.layout(name)  # the weight as the kernel reads it, where it has a copy
+    if name == "onednn" and layout is not None:
+        return (kind, layout, _NONE, bias, None, 0)
     if isinstance(w, Int8Weight):
         b = None if bias is None else bias.float()
         if name == "int_mm":
             return (kind, w.q.t(), w.scale, b, None, 0)
-        if name == "int_mm_kn" and name in p._layouts:
-            return (kind, p._layouts[name], w.scale, b, None, 0)
-        if name == "fbgemm" and name in p._layouts:  # bias inside the prepacked weight
-            return (kind, _NONE, _NONE, None, p._layouts[name], 0)
+        if name == "int_mm_kn" and layout is not None:
+            return (kind, layout, w.scale, b, None, 0)
+        if name == "fbgemm" and layout is not None:  # bias inside the prepacked weight
+            return (kind, _NONE, _NONE, None, layout, 0)
     if isinstance(w, KQuantWeight) and kernels.kquant_ops() is not None:  # its op registered
         return (kind, _NONE, w.codes, bias, [p.raw for p in w.parts], int(name == "kquant_q8"))
     if isinstance(w, BlockWeight):
         if name == "blocks" and kernels.block_ops() is not None:  # its op registered
             return (kind, w.qs, w.d, bias, w.m, w.bits)
-        strips = p._layouts.get(name)
-        if name == "blocks_q8" and isinstance(strips, StripBlocks):
-            return (kind, strips.qs, strips.d, bias, strips.m, strips.code, strips.out_features,
-                    strips.outliers, strips.side)
-        i4 = p._layouts.get(name)
-        if name == "int4pack" and isinstance(i4, Int4Weight):
-            return (kind, i4.packed, i4.scales_and_zeros, bias, None, i4.group_size)
+        if name == "blocks_q8" and isinstance(layout, StripBlocks):
+            return (kind, layout.qs, layout.d, bias, layout.m, layout.code,
+                    layout.out_features, layout.outliers, layout.side)
+        if name == "int4pack" and isinstance(layout, Int4Weight):
+            return (kind, layout.packed, layout.scales_and_zeros, bias, None, layout.group_size)
     return None
 
 
@@ -167,13 +167,13 @@ def why_not(model: Any) -> str | None:
     return None
 
 
-def _pages_readable(pool_kv: torch.Tensor, backend: Any) -> bool:
+def _pages_readable(pool_kv: torch.Tensor, backend: AttentionBackend) -> bool:
     """Whether the step reads and writes ``pool_kv``'s pages as the eager torch backend
     does (the same C++ ``write_kv`` and ``paged_attention``): fp32, int8 (entries with
     their scales), or bf16 where the backend's kernel reads bf16 pages of an fp32 model."""
     if pool_kv.dtype in (torch.float32, torch.int8):
         return True
-    return pool_kv.dtype == torch.bfloat16 and getattr(backend, "bf16_pool", False)
+    return pool_kv.dtype == torch.bfloat16 and backend.bf16_pool
 
 
 def _causal(mask: torch.Tensor, cached: int) -> bool:
@@ -246,17 +246,17 @@ class FusedStep:
             self.step.drop_adapter(slot)
 
     @staticmethod
-    def serves(pool_kv: torch.Tensor, backend: Any) -> bool:
+    def serves(pool_kv: torch.Tensor, backend: AttentionBackend) -> bool:
         """Whether the step can run any batch over ``pool_kv`` with ``backend`` (the
         torch backend with its kernels, pages it reads as the eager backend does)."""
         return _pages_readable(pool_kv, backend) and pool_kv.device.type == "cpu" \
-            and backend.name == "torch" and getattr(backend, "kernels", False)
+            and backend.name == "torch" and backend.kernels
 
     def takes(self, batch: list[SeqInput], meta: AttentionMetadata, pool_kv: torch.Tensor,
-              backend: Any) -> bool:
+              backend: AttentionBackend) -> bool:
         """Whether this step's batch is one the fused step runs (module docstring)."""
         # deterministic: every causal row goes to the paged kernel eagerly too
-        whole = self.chunks and getattr(backend, "deterministic", False)
+        whole = self.chunks and backend.deterministic
         if (meta.num_tokens > MAX_ROWS and not whole) or not self.serves(pool_kv, backend):
             return False
         big = meta.num_tokens > MAX_ROWS  # (only when ``whole``)
@@ -267,7 +267,7 @@ class FusedStep:
                 return False  # the grouped LoRA kernel is made for a few rows
             if mask is not None and not _causal(mask, cached):
                 return False
-        if len(batch) > 1 and getattr(backend, "cascade", False):
+        if len(batch) > 1 and backend.cascade:
             # forks: the paged kernel reads a shared prefix once per fork, the eager
             # cascade once for all of them; past MAX_SHARED_PAGES extra page reads the
             # cascade saves more than the step's dispatch

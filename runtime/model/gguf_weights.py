@@ -30,7 +30,7 @@ from runtime.model.blocks import (
     outlier_channels,
 )
 from runtime.model.formats import GGUFWeight, cat_weights
-from runtime.model.matmul import Projection, choose_kernels
+from runtime.model.matmul import Projection
 from runtime.model.quant import calibrate
 
 __all__ = ["use_blocks", "quantize_q8_0"]
@@ -68,7 +68,8 @@ def _fused(blocks: dict[str, GGUFWeight], layer: int, kind: str) -> GGUFWeight |
 def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
                calibration: list[int] | None = None) -> None:
     """Replace ``model``'s float projections, lm_head and embedding with block weights, in
-    place (see the module docstring), then choose their kernels.
+    place (see the module docstring); their kernels are chosen after, and the chosen
+    ``blocks_q8`` strips moved onto huge pages (``runtime.model.numerics.finish_weights``).
 
     Args:
         model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
@@ -123,9 +124,6 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
     if table is not None:
         model.embed = BlockEmbedding(table, model.dtype)  # type: ignore[arg-type]
     model.weight_format = "gguf"
-    model.kernel_report = choose_kernels(model.projections(),
-                                         deterministic=getattr(model, "deterministic", False))
-    strips_on_huge_pages(model.projections())
 
 
 _ALIGN = 64  # each tensor of the arena starts on a cache line (and any element size)
@@ -147,7 +145,7 @@ def strips_on_huge_pages(projections: list[Projection]) -> int:
     values, same kernels: only the addresses change. Call once the kernels are chosen;
     returns the arena's bytes (0: no strips)."""
     owners = [(p, s) for p in projections
-              if isinstance(s := p._layouts.get("blocks_q8"), StripBlocks)]
+              if isinstance(s := p.layout("blocks_q8"), StripBlocks)]
     parts = [t for _, s in owners for t in (s.qs, s.d, s.m) if t.numel()]
     if not parts:
         return 0
@@ -164,7 +162,6 @@ def strips_on_huge_pages(projections: list[Projection]) -> int:
         return moved
 
     for p, s in owners:
-        p._layouts["blocks_q8"] = dataclasses.replace(s, qs=place(s.qs), d=place(s.d),
-                                                      m=place(s.m))
-        p.use(p.kernel_names)  # the kernels' closures hold the layout: rebuild them
+        p.move_layout("blocks_q8", dataclasses.replace(s, qs=place(s.qs), d=place(s.d),
+                                                       m=place(s.m)))
     return arena.numel()

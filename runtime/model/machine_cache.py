@@ -1,7 +1,7 @@
 """What a model load measures or computes once per machine, kept on disk for the next load.
 
 Owner: the loads that would otherwise redo per-machine work in every process:
-``runtime.model.matmul.choose_kernels`` (the projection kernel probe, kind ``"probe"``) and
+``runtime.model.kernel_choice.choose_kernels`` (the projection kernel probe, kind ``"probe"``) and
 ``runtime.model.quant.calibrate`` (the dense calibration pass, kind ``"calibration"``).
 Each entry is one small JSON file, ``<root>/<kind>/<key>.json``, where ``key`` is a digest
 of everything that decides the result: the caller's inputs and :func:`machine_facts` (the

@@ -34,7 +34,7 @@ from runtime.model.layers import (
     swiglu_mlp,
     take_weight,
 )
-from runtime.model.matmul import Int8Weight, Projection, choose_kernels, should_pack
+from runtime.model.matmul import Int8Weight, Projection, should_pack
 from runtime.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["Transformer", "AttendFn"]
@@ -54,24 +54,19 @@ class Transformer:
         device: where to run.
         dtype: compute dtype (weights are cast to it).
         pack: allow oneDNN-packed weight copies (default: decided on the model's size).
-        choose: time the projection kernels now (``runtime.model.matmul``); a caller that
-            changes the projections first (``runtime.model.quant.quantize_int8``) chooses
-            after.
-        deterministic: choose only projection kernels whose row results do not depend on
-            the row count of the call (``choose_kernels(deterministic=True)``).
 
-    The model is built in float (``weight_format == "fp32"``); ``quantize_int8`` turns it
-    into int8 in place.
+    The model is built in float (``weight_format == "fp32"``, or on a GGUF's blocks where
+    the weights hold them); ``runtime.model.numerics.finish_weights`` then makes the
+    projections final (int8, GGUF blocks) and chooses their kernels, once. Until then
+    every projection runs its first candidate kernel (``runtime.model.matmul``).
 
     Raises:
         ModelError: a tensor is missing or mis-shaped.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any],
-                 device: torch.device, dtype: torch.dtype, pack: bool | None = None, *,
-                 choose: bool = True, deterministic: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, pack: bool | None = None) -> None:
         c = config
-        self.deterministic = deterministic
         self.config = c
         self.device = device
         self.dtype = dtype
@@ -111,8 +106,8 @@ class Transformer:
         # Tensor parallelism (runtime.distributed): sums a row-parallel projection's partial
         # output over the ranks, in place, after o_proj and down. None: one rank.
         self.reduce: Callable[[torch.Tensor], None] | None = None
-        self.kernel_report = (choose_kernels(self.projections(), deterministic=deterministic)
-                              if choose else [])
+        # the kernel choice's log lines (EngineInfo.kernels), once finish_weights ran
+        self.kernel_report: list[str] = []
 
     def projections(self) -> list[Projection]:
         """Every projection of the model, the lm_head last."""

@@ -41,7 +41,7 @@ from pie_ctx.proto.errors import InvalidArgument
 from runtime.model import machine_cache
 from runtime.model.blocks import BlockEmbedding
 from runtime.model.layers import LayerWeights
-from runtime.model.matmul import Int8Weight, Projection, choose_kernels
+from runtime.model.matmul import Int8Weight, Projection
 
 __all__ = ["ALPHA", "CALIBRATION", "WEIGHT_FORMATS", "QuantEmbedding", "calibrate",
            "calibration_tokens", "quantize_int8"]
@@ -303,7 +303,8 @@ class _SmoothedHead:
 
 def quantize_int8(model: Any, calibration: list[int], alpha: float = ALPHA) -> None:
     """Replace ``model``'s float projections, lm_head and embedding with smoothed int8
-    ones, in place (see the module docstring), then choose their kernels.
+    ones, in place (see the module docstring); their kernels are chosen after
+    (``runtime.model.numerics.finish_weights``).
 
     Args:
         model: a :class:`runtime.model.model.Transformer` built in float, on CPU.
@@ -332,5 +333,3 @@ def quantize_int8(model: Any, calibration: list[int], alpha: float = ALPHA) -> N
     else:
         model.embed = QuantEmbedding(Int8Weight.quantize(model.embed), None, model.dtype)
     model.weight_format = "int8"
-    model.kernel_report = choose_kernels(model.projections(),
-                                         deterministic=getattr(model, "deterministic", False))

@@ -19,7 +19,6 @@ import logging
 import torch
 
 from pie_ctx.proto.errors import InvalidArgument
-from runtime.model import kernels
 from runtime.model.adapters import FusedAdapter, LoraAdapter, LoraBatch, fuse, load_peft
 from runtime.model.adapters.delta import StackedAdapters, stack
 from runtime.model.attention import AttentionBackend, select_backend
@@ -31,12 +30,11 @@ from runtime.model.cuda_graphs import wanted as graphs_wanted
 from runtime.model.flatten import FlatBatch, check_pool, flatten
 from runtime.model.fused_step import FusedStep, why_not
 from runtime.model.fused_step import enabled as step_enabled
-from runtime.model.gguf_weights import use_blocks
 from runtime.model.model import Transformer
-from runtime.model.quant import WEIGHT_FORMATS, quantize_int8
+from runtime.model.numerics import Numerics, finish_weights
 from runtime.model.scores import Scoring
 
-__all__ = ["SeqInput", "ModelRunner", "deterministic_here"]
+__all__ = ["SeqInput", "ModelRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +42,6 @@ log = logging.getLogger(__name__)
 # matmul pair for all, ``LoraBatch``); more rows (prefill chunks) run adapter by adapter.
 _STACK_MAX_ROWS = 64
 _STACK_CACHE = 2  # sets of adapters kept side by side (a decode batch keeps its set)
-
-
-def deterministic_here(device: torch.device) -> bool:
-    """Whether batch-invariant numerics can run on ``device`` (CPU, with pie-ctx's kernels
-    built: the invariant attention is theirs); logs why not."""
-    if device.type != "cpu":
-        log.warning("deterministic numerics are a CPU mode; %s runs the fastest kernels, "
-                    "and a row's bits may depend on its batch", device)
-        return False
-    if kernels.ops() is None:
-        log.warning("deterministic numerics need pie-ctx's CPU kernels (not built or "
-                    "PIE_CTX_KERNELS=0); a row's bits may depend on its batch")
-        return False
-    return True
 
 
 class ModelRunner:
@@ -83,6 +67,9 @@ class ModelRunner:
             and an attention path whose row results do not depend on the batch, the
             chunking or the cache. Honoured on CPU with pie-ctx's kernels built; elsewhere
             it is logged and :attr:`deterministic` says False.
+        numerics: the numerics decided already (``boot_engine``:
+            ``runtime.model.numerics.Numerics.decide``); then ``weight_format``, ``dtype``
+            and ``deterministic`` are not read. Default: decided here from them.
 
     Raises:
         InvalidArgument: the pool's shape or dtype does not fit the model; an unknown
@@ -98,33 +85,33 @@ class ModelRunner:
                  calibration: list[int] | None = None,
                  dtype: torch.dtype | None = None,
                  blocks: dict[str, BlockWeight] | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, numerics: Numerics | None = None) -> None:
         c: ModelConfig = config
-        if weight_format not in WEIGHT_FORMATS:
-            raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, "
-                                  f"got {weight_format!r}")
+        if numerics is not None:
+            dtype = numerics.dtype
         kv_dtype = check_pool(pool_kv, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
                               dtype)
+        self.device = pool_kv.device
+        if numerics is None:
+            numerics = Numerics.decide(
+                self.device, pool_kv.dtype if kv_dtype == "fp32" else (dtype or torch.float32),
+                deterministic=deterministic, weight_format=weight_format)
+        self.numerics = numerics
         self.config = c
         self.pool_kv = pool_kv
         self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.num_pages = int(pool_kv.shape[0])
-        self.device = pool_kv.device
-        self.dtype = pool_kv.dtype if kv_dtype == "fp32" else (dtype or torch.float32)
-        self.deterministic = deterministic and deterministic_here(self.device)
-        self.model = Transformer(c, weights, self.device, self.dtype,
-                                 choose=weight_format == "fp32",
-                                 deterministic=self.deterministic)
-        if weight_format == "int8":
-            quantize_int8(self.model, calibration or [])
-        elif weight_format == "gguf":
-            use_blocks(self.model, blocks, calibration)
+        self.dtype = numerics.dtype
+        self.model = Transformer(c, weights, self.device, self.dtype)
+        finish_weights(self.model, numerics, calibration=calibration, blocks=blocks,
+                       head=self._final_head)
         self.score_layers = c.num_layers  # attention_scores() can read every layer
         self.score_heads = c.num_heads
         self.backend = backend or select_backend(self.device, self.dtype, page_size, c.head_dim,
                                                  kv_dtype, heads=(c.num_heads, c.num_kv_heads),
-                                                 deterministic=self.deterministic)
+                                                 choice=numerics.attention,
+                                                 deterministic=numerics.deterministic)
         # decode steps through CUDA graphs (PIE_CTX_CUDA_GRAPHS=1, flex on CUDA)
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, self.backend) else None
         self.adapters: dict[str, LoraAdapter] = {}  # by name
@@ -167,10 +154,19 @@ class ModelRunner:
         """Whether an adapter with this key is loaded (0, the base model, always is)."""
         return key == 0 or key in self._fused
 
+    def _final_head(self, model: Transformer) -> None:
+        """Replace ``model``'s lm_head before its kernels are chosen (tensor parallelism's
+        vocab-parallel head, ``runtime.distributed``); this runner keeps the model's."""
+
     @property
     def weight_format(self) -> str:
         """``"fp32"``, ``"int8"`` or ``"gguf"`` (see ``runtime.model.quant``)."""
         return self.model.weight_format
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether batch-invariant numerics run (``EngineInfo.deterministic``)."""
+        return self.numerics.deterministic
 
     @property
     def weight_bytes(self) -> int:

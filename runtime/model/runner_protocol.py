@@ -1,8 +1,8 @@
 """``Runner``: what the engine needs of a model runner, as a typed protocol.
 
 Owns nothing; it names the surface the engine's parts call (``StepExecutor``: ``forward``;
-``Adapters``: the adapter table; ``Engine.info``: ``kind``, ``weight_format``, the attention
-``backend``), so the three runners (``runtime.model.runner.ModelRunner``, the
+``Adapters``: the adapter table; ``Engine.info``: ``kind``, ``weight_format``,
+``deterministic``, the attention ``backend``), so the three runners (``runtime.model.runner.ModelRunner``, the
 transformers backend's, and ``runtime.distributed``'s tensor-parallel one) can be checked
 against one type. A runner that can never step again raises ``RunnerLost``
 (``runtime.model.failures``).
@@ -23,6 +23,7 @@ class Runner(Protocol):
 
     kind: str  # EngineInfo.backend: "native" | "transformers"
     weight_format: str  # "fp32" | "int8" | "gguf"
+    deterministic: bool  # batch-invariant numerics run (EngineInfo.deterministic)
     backend: Any  # the attention backend (its ``name`` is shown in EngineInfo)
     adapters: dict[str, Any]  # loaded LoRA adapters by name
 

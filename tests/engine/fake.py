@@ -23,6 +23,7 @@ class FakeRunner:
     backend = SimpleNamespace(name="fake")
     weight_format = "fp32"
     kind = "native"
+    deterministic = False
 
     def __init__(self, pool_kv: torch.Tensor, page_size: int) -> None:
         self.pool_kv = pool_kv  # [P, ps, 1, 2, 1, 2]

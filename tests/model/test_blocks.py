@@ -28,14 +28,9 @@ from pie_ctx.proto.errors import ModelError
 from runtime.model import blocks as blocks_mod
 from runtime.model import kernels
 from runtime.model.blocks import BlockWeight, round_activations
+from runtime.model.kernel_choice import choose_kernels
 from runtime.model.loader import load_blocks, load_model
-from runtime.model.matmul import (
-    ROUNDS_ACTIVATIONS,
-    ROW_BUCKETS,
-    Projection,
-    _bucket,
-    choose_kernels,
-)
+from runtime.model.matmul import ROUNDS_ACTIVATIONS, ROW_BUCKETS, Projection, bucket
 from runtime.model.runner import ModelRunner, SeqInput
 
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -103,13 +98,13 @@ def test_every_chosen_kernel_computes_the_twins_product(kind, bias, compiled):
         ref = F.linear(x, twin, b)
         got = proj(x)
         # (the product of the activations the chosen kernel multiplies: blocks_q8 rounds them)
-        chosen = proj.kernel_names[min(_bucket(rows), proj.buckets - 1)]
+        chosen = proj.kernel_names[min(bucket(rows), proj.buckets - 1)]
         exact_ref = (F.linear(round_activations(x), twin, b) if chosen in ROUNDS_ACTIVATIONS
                      else ref)
         assert got.dtype == torch.float32 and got.shape == ref.shape
         assert (got - exact_ref).abs().max().item() <= 2e-6 * max(1.0, ref.abs().max().item())
         for name in proj.candidate_names():  # each candidate, not only the chosen ones
-            y = proj._kernel(name)(x)
+            y = proj.kernel(name)(x)
             assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), name
 
 
@@ -264,6 +259,6 @@ def test_int4pack_is_offered_only_where_bf16_holds_the_weights():
     assert "int4pack" not in Projection(exact.take_rows(torch.arange(24))).candidate_names()
     x = torch.randn(5, in_f)
     ref = F.linear(x.bfloat16().float(), exact.dequantize())  # only activations rounded
-    got = proj._kernel("int4pack")(x)
+    got = proj.kernel("int4pack")(x)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()

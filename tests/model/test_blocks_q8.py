@@ -26,8 +26,9 @@ from runtime.model.blocks import (
     outlier_channels,
     round_activations,
 )
+from runtime.model.kernel_choice import _one_rounding, choose_kernels
 from runtime.model.loader import load_blocks, load_model
-from runtime.model.matmul import Projection, _one_rounding, choose_kernels
+from runtime.model.matmul import Projection
 from runtime.model.runner import ModelRunner
 
 # Max |logit diff| of the tiny model on blocks_q8 against fp32 on the same file, relative
@@ -163,7 +164,7 @@ def test_it_is_a_candidate_and_the_switch_leaves_it_out(monkeypatch) -> None:
     assert "blocks_q8" in proj.candidate_names()
     choose_kernels([proj], repeats=1)  # passes its check (on the rounded activations)
     x = torch.randn(3, 128)
-    got = proj._kernel("blocks_q8")(x)
+    got = proj.kernel("blocks_q8")(x)
     assert (got - F.linear(round_activations(x), twin)).abs().max().item() <= 1e-5
     monkeypatch.setattr(blocks_mod, "INT8_ACTIVATIONS", False)
     assert "blocks_q8" not in Projection(bw).candidate_names()
@@ -322,13 +323,13 @@ def test_strips_moved_to_one_huge_page_arena_give_the_same_bits(monkeypatch) -> 
     other.use(["blocks"] * other.buckets)
     x, x_other = _activations(5, 96), _activations(5, 64)
     want = [p(x) for p in projs] + [other(x_other)]
-    before = [p._layouts["blocks_q8"] for p in projs]
+    before = [p.layout("blocks_q8") for p in projs]
     nbytes = strips_on_huge_pages([*projs, other])
     assert nbytes >= sum(t.numel() * t.element_size() for s in before for t in (s.qs, s.d, s.m))
-    arena = {p._layouts["blocks_q8"].qs.untyped_storage().data_ptr() for p in projs}
+    arena = {p.layout("blocks_q8").qs.untyped_storage().data_ptr() for p in projs}
     assert len(arena) == 1  # one storage holds them all
     for p, old in zip(projs, before, strict=True):
-        new = p._layouts["blocks_q8"]
+        new = p.layout("blocks_q8")
         assert new.qs.data_ptr() != old.qs.data_ptr() and new.qs.data_ptr() % 64 == 0
         assert torch.equal(new.qs, old.qs) and torch.equal(new.d, old.d)
         assert torch.equal(new.m, old.m)

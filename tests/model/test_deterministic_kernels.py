@@ -26,7 +26,8 @@ from tiny_models import (
 from runtime.model import fused_step, kernels
 from runtime.model.blocks import BlockWeight
 from runtime.model.gguf_weights import quantize_q8_0
-from runtime.model.matmul import Int8Weight, Projection, choose_kernels
+from runtime.model.kernel_choice import choose_kernels
+from runtime.model.matmul import Int8Weight, Projection
 from runtime.model.runner import ModelRunner
 
 needs_kernels = pytest.mark.skipif(kernels.ops() is None, reason="pie-ctx's kernels not built")

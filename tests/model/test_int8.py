@@ -18,8 +18,9 @@ import torch
 from tiny_models import ARCHS, PagedSeq, config_of, free_list, make_hf_model, random_tokens
 
 from pie_ctx.errors import InvalidArgument
-from runtime.model import matmul
-from runtime.model.matmul import ROW_BUCKETS, Int8Weight, Projection, choose_kernels
+from runtime.model import kernel_choice
+from runtime.model.kernel_choice import choose_kernels
+from runtime.model.matmul import ROW_BUCKETS, Int8Weight, Projection
 from runtime.model.model import Transformer
 from runtime.model.quant import quantize_int8
 from runtime.model.runner import ModelRunner, SeqInput
@@ -58,11 +59,11 @@ def test_every_candidate_kernel_computes_the_same_projection(form: str, bias: bo
     for rows in (1, 8, 300):
         x = _rows(rows)
         want = torch.nn.functional.linear(x, p.weight.dequantize() if form == "int8" else w, b)
-        ref = p._kernel(names[0])(x)
+        ref = p.kernel(names[0])(x)
         for name in names:
             if not all(p.allowed(name, i) for i in range(len(ROW_BUCKETS))) and rows > 1:
                 continue  # fbgemm serves one row only
-            got = p._kernel(name)(x)
+            got = p.kernel(name)(x)
             assert got.shape == (rows, 96)
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), name
         # int8: activations quantized per row cost ~1% of the output's scale, no more
@@ -80,10 +81,10 @@ def test_int8_rows_do_not_depend_on_their_batch() -> None:
 
 
 def test_choose_kernels_routes_each_bucket_to_a_timed_candidate(caplog) -> None:
-    matmul._CHOSEN.clear()
+    kernel_choice._CHOSEN.clear()
     projections = [Projection(Int8Weight.quantize(_weight(seed=i))) for i in range(3)]
     projections += [Projection(_weight(seed=9), pack=True)]
-    with caplog.at_level(logging.INFO, logger="runtime.model.matmul"):
+    with caplog.at_level(logging.INFO, logger="runtime.model.kernel_choice"):
         lines = choose_kernels(projections)
     assert len(lines) == 2 and all("1 row:" in line and "256 rows:" in line for line in lines)
     assert any("projection kernels" in r.message for r in caplog.records)
@@ -93,7 +94,7 @@ def test_choose_kernels_routes_each_bucket_to_a_timed_candidate(caplog) -> None:
             assert name in p.candidate_names() and p.allowed(name, bucket)
     # the int8 members share one choice; the layouts no bucket chose are dropped
     assert len({tuple(p.kernel_names) for p in projections[:3]}) == 1
-    assert all(set(p._layouts) <= set(p.kernel_names) for p in projections)
+    assert all(p.layout_names <= set(p.kernel_names) for p in projections)
     # a second model with the same shapes reuses the choice without timing again
     again = [Projection(Int8Weight.quantize(_weight(seed=5)))]
     assert choose_kernels(again) == [lines[0]]
@@ -124,8 +125,8 @@ def test_int8_model_within_tolerance_of_fp32_oracle(arch: str) -> None:
     assert rel.median().item() <= INT8_REL_MEDIAN, rel.median().item()
     assert agree >= INT8_AGREE, agree
     assert runner.model.weight_bytes() < 0.4 * Transformer(
-        config_of(hf_model), hf_model.state_dict(), torch.device("cpu"), torch.float32,
-        choose=False).weight_bytes()
+        config_of(hf_model), hf_model.state_dict(), torch.device("cpu"),
+        torch.float32).weight_bytes()
 
 
 def test_int8_refuses_what_it_cannot_do() -> None:
@@ -136,7 +137,7 @@ def test_int8_refuses_what_it_cannot_do() -> None:
         ModelRunner(cfg, weights, pool, 16, weight_format="int4")
     with pytest.raises(InvalidArgument, match="calibration"):
         ModelRunner(cfg, weights, pool, 16, weight_format="int8")
-    model = Transformer(cfg, weights, torch.device("cpu"), torch.float32, choose=False)
+    model = Transformer(cfg, weights, torch.device("cpu"), torch.float32)
     model.device = torch.device("cuda")  # (no CUDA needed: refused before any work)
     with pytest.raises(InvalidArgument, match="CPU"):
         quantize_int8(model, [1, 2, 3])

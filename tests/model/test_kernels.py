@@ -118,9 +118,9 @@ def test_an_int8_projection_gives_the_same_bits_with_the_kernels(ops, monkeypatc
     w = Int8Weight.quantize(torch.randn(80, 96))
     b = torch.randn(80) if bias else None
     x = torch.randn(9, 96)
-    fast = {n: Projection(w, b)._kernel(n)(x) for n in ("int_mm", "int_mm_kn")}
+    fast = {n: Projection(w, b).kernel(n)(x) for n in ("int_mm", "int_mm_kn")}
     monkeypatch.setattr(kernels, "ENABLED", False)
-    slow = Projection(w, b)._kernel("int_mm")(x)
+    slow = Projection(w, b).kernel("int_mm")(x)
     assert torch.equal(fast["int_mm"], slow) and torch.equal(fast["int_mm_kn"], slow)
 
 

@@ -20,10 +20,11 @@ import pytest
 import torch
 from tiny_models import config_of, make_hf_model
 
-from runtime.model import machine_cache, matmul, quant
+from runtime.model import kernel_choice, machine_cache, quant
 from runtime.model.blocks import BlockWeight, int8_activations, outlier_channels
 from runtime.model.gguf_weights import use_blocks
-from runtime.model.matmul import Int8Weight, Projection, choose_kernels
+from runtime.model.kernel_choice import choose_kernels
+from runtime.model.matmul import Int8Weight, Projection
 from runtime.model.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,21 +37,21 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("PIE_CTX_MACHINE_CACHE_DIR", str(folder))
     monkeypatch.delenv("PIE_CTX_MACHINE_CACHE", raising=False)
-    monkeypatch.setattr(matmul, "_CHOSEN", {})
+    monkeypatch.setattr(kernel_choice, "_CHOSEN", {})
     return folder
 
 
 @pytest.fixture
-def probes(monkeypatch: pytest.MonkeyPatch) -> list[matmul.KernelChoice]:
+def probes(monkeypatch: pytest.MonkeyPatch) -> list[kernel_choice.KernelChoice]:
     """Every probe ``choose_kernels`` runs, by its result."""
-    done: list[matmul.KernelChoice] = []
-    real = matmul.probe_signature
+    done: list[kernel_choice.KernelChoice] = []
+    real = kernel_choice.probe_signature
 
-    def counted(*args, **kwargs) -> matmul.KernelChoice:
+    def counted(*args, **kwargs) -> kernel_choice.KernelChoice:
         done.append(real(*args, **kwargs))
         return done[-1]
 
-    monkeypatch.setattr(matmul, "probe_signature", counted)
+    monkeypatch.setattr(kernel_choice, "probe_signature", counted)
     return done
 
 
@@ -77,7 +78,7 @@ def test_a_probe_runs_once_per_machine_and_the_hit_is_its_choice(cache, probes, 
     assert first.kernel_names == fresh.chosen and fresh.classes
     assert any(n in c for c in fresh.classes for n in fresh.chosen)
 
-    matmul._CHOSEN.clear()  # a new process: only the disk remembers
+    kernel_choice._CHOSEN.clear()  # a new process: only the disk remembers
     again = _proj(form, seed=1)  # another model of the same shapes
     assert choose_kernels([again], deterministic=True, repeats=1) == lines
     assert len(probes) == 1, "a hit must not probe"
@@ -85,7 +86,7 @@ def test_a_probe_runs_once_per_machine_and_the_hit_is_its_choice(cache, probes, 
 
     # what the probe decides without timing (the invariant classes, their pads) is what a
     # fresh probe decides again; the stored entry is exactly the choice made
-    redo = matmul.probe_signature(again, [again], again.candidate_names(), 1, True)
+    redo = kernel_choice.probe_signature(again, [again], again.candidate_names(), 1, True)
     assert redo.classes == fresh.classes
     stored = json.loads(_entries(cache)[0].read_text())["value"]
     assert stored == fresh.encode()
@@ -95,7 +96,7 @@ def test_free_choices_are_kept_apart_from_deterministic_ones(cache, probes) -> N
     choose_kernels([_proj("int8")], repeats=1)
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     assert len(probes) == 2 and len(_entries(cache)) == 2
-    matmul._CHOSEN.clear()
+    kernel_choice._CHOSEN.clear()
     free = _proj("int8")
     choose_kernels([free], repeats=1)
     assert len(probes) == 2 and free.kernel_names == probes[0].chosen
@@ -109,7 +110,7 @@ def test_a_damaged_entry_is_probed_again_and_rewritten(cache, probes, caplog) ->
                    good.replace(b'"chosen": ["', b'"chosen": ["x'),  # edited: checksum
                    b"\x00" * 10):
         entry.write_bytes(damage)
-        matmul._CHOSEN.clear()
+        kernel_choice._CHOSEN.clear()
         p = _proj("fp32")
         choose_kernels([p], deterministic=True, repeats=1)
         # (a probe again: its timing may pick another class than the first did)
@@ -123,7 +124,8 @@ def test_a_damaged_entry_is_probed_again_and_rewritten(cache, probes, caplog) ->
 def test_the_key_changes_with_every_input_that_decides_a_probe(cache, monkeypatch) -> None:
     def key(p: Projection, deterministic: bool = True) -> str:
         sig = p.signature + (("deterministic",) if deterministic else ())
-        return machine_cache.key("probe", matmul._probe_inputs(p, sig, p.candidate_names(), 3))
+        return machine_cache.key("probe",
+                                 kernel_choice._probe_inputs(p, sig, p.candidate_names(), 3))
 
     base = key(_proj("fp32"))
     assert key(_proj("fp32", seed=3)) == base  # the weights' values decide nothing
@@ -140,7 +142,7 @@ def test_the_key_changes_with_every_input_that_decides_a_probe(cache, monkeypatc
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert key(_proj("fp32")) != base
     monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
-    monkeypatch.setattr(matmul, "PROBE_ROWS", matmul.PROBE_ROWS[:-1])
+    monkeypatch.setattr(kernel_choice, "PROBE_ROWS", kernel_choice.PROBE_ROWS[:-1])
     assert key(_proj("fp32")) != base
 
 
@@ -150,12 +152,12 @@ def test_off_never_touches_the_cache_and_refresh_probes_again(cache, probes,
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     assert len(probes) == 1 and not cache.exists()
     monkeypatch.setenv("PIE_CTX_MACHINE_CACHE", "1")
-    matmul._CHOSEN.clear()
+    kernel_choice._CHOSEN.clear()
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     (entry,) = _entries(cache)
     before = entry.stat().st_mtime_ns
     monkeypatch.setenv("PIE_CTX_MACHINE_CACHE", "refresh")
-    matmul._CHOSEN.clear()
+    kernel_choice._CHOSEN.clear()
     choose_kernels([_proj("int8")], deterministic=True, repeats=1)
     assert len(probes) == 3 and entry.stat().st_mtime_ns >= before
     assert json.loads(entry.read_text())["value"] == probes[-1].encode()
@@ -166,11 +168,11 @@ def test_a_cache_that_cannot_be_written_falls_back_to_computing(tmp_path, probes
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder would be")
     monkeypatch.setenv("PIE_CTX_MACHINE_CACHE_DIR", str(blocker / "pie-ctx"))
-    monkeypatch.setattr(matmul, "_CHOSEN", {})
+    monkeypatch.setattr(kernel_choice, "_CHOSEN", {})
     for _ in range(2):
         p = _proj("int8")
         choose_kernels([p], deterministic=True, repeats=1)
-        matmul._CHOSEN.clear()
+        kernel_choice._CHOSEN.clear()
     assert len(probes) == 2 and p.kernel_names == probes[-1].chosen
 
 
@@ -232,7 +234,7 @@ def _tiny(seed: int = 0, layers: int = 2):
 
 
 def _float_model(cfg, weights) -> Transformer:
-    return Transformer(cfg, weights, torch.device("cpu"), torch.float32, choose=False)
+    return Transformer(cfg, weights, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture
@@ -269,8 +271,7 @@ def test_a_calibration_runs_once_and_the_hit_is_the_same_bits(cache, passes) -> 
     changed[name] = weights[name].clone()
     changed[name][0, 0] += 1e-3  # one weight
     quant.calibrate(_float_model(cfg, changed), tokens)
-    quant.calibrate(Transformer(cfg, weights, torch.device("cpu"), torch.bfloat16,
-                                choose=False), tokens)
+    quant.calibrate(Transformer(cfg, weights, torch.device("cpu"), torch.bfloat16), tokens)
     assert len(passes) == 5 and len(_entries(cache, "calibration")) == 5
 
 

@@ -126,7 +126,7 @@ async def test_bf16_greedy_speculation_is_plain_greedy() -> None:
     speculation in bf16 gives exactly plain greedy output (docs/decoding.md). It parted at
     token 30 while the load-time probe let MKL's one-row bf16 path (which rounds 1 row in
     9 of the 1536-wide down projection otherwise than its multi-row path) pass as
-    invariant; the probe now covers 64 rows per row count (runtime/model/matmul.py)."""
+    invariant; the probe now covers 64 rows per row count (runtime/model/kernel_choice.py)."""
     engine = boot_engine(None, dtype="bfloat16", num_pages=256, progress=False)
     async with engine, Runtime.local(engine=engine) as rt:
         assert rt.info.deterministic

@@ -29,11 +29,23 @@ from runtime.model.attention.base import (
 from runtime.model.attention.torch_backend import TorchAttention
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "consecutive_run", "write_kv",
-           "select_backend", "ENV", "CHOICES"]
+           "select_backend", "attention_choice", "ENV", "CHOICES"]
 
 log = logging.getLogger(__name__)
 ENV = "PIE_CTX_ATTENTION"
 CHOICES = ("auto", "torch", "flex", "flash", "measure")
+
+
+def attention_choice(choice: str | None = None) -> str:
+    """The backend asked for: ``choice``, else ``$PIE_CTX_ATTENTION``, else ``auto``.
+
+    Raises:
+        InvalidArgument: not one of :data:`CHOICES`.
+    """
+    choice = (choice or os.environ.get(ENV) or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise InvalidArgument(f"{ENV}={choice!r}: pick one of {', '.join(CHOICES)}")
+    return choice
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
@@ -64,9 +76,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, page_size: int,
     from runtime.model.attention.flash_backend import FlashAttention, flash_available
     from runtime.model.attention.flex_backend import FlexAttention
 
-    choice = (choice or os.environ.get(ENV) or "auto").strip().lower()
-    if choice not in CHOICES:
-        raise InvalidArgument(f"{ENV}={choice!r}: pick one of {', '.join(CHOICES)}")
+    choice = attention_choice(choice)
     h, kvh = heads or (8, 8)
     if deterministic and device.type == "cpu":
         return TorchAttention(deterministic=True, bf16_pool=kv_dtype == "bf16")

@@ -62,9 +62,26 @@ class AttentionMetadata:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Computes attention for every layer of one forward over the paged pool."""
+    """Computes attention for every layer of one forward over the paged pool.
+
+    Besides its ``name`` (``EngineInfo.attention``) every backend declares what the runner
+    and the fused decode step (``runtime.model.fused_step``) need to know of it: whether it
+    attends with pie-ctx's paged C++ kernel (then the fused step, which calls that kernel,
+    reads and writes the pages as it does), over which pages, and with which numerics.
+    """
 
     name: str
+    # attends decodes and drafts over a CPU pool with pie-ctx's paged kernel
+    # (runtime.model.kernels' paged_attention) where it is built
+    kernels: bool
+    # the pool holds bf16 entries of an fp32 model and the backend reads them
+    bf16_pool: bool
+    # batch-invariant numerics (docs/performance.md): every causal row through the paged
+    # kernel, whatever its query count, no cascade
+    deterministic: bool
+    # attends a shared prefix once for the decodes that share it (runtime.model.attention.
+    # cascade); None: decided per device when a batch comes (flex)
+    cascade: bool | None
 
     def prepare(self, meta: AttentionMetadata, pool_kv: torch.Tensor) -> None:
         """Precompute per-forward state into ``meta.backend_state`` (called once)."""

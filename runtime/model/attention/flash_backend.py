@@ -143,6 +143,9 @@ class FlashAttention:
         self.paged = page_size % PAGED_BLOCK == 0
         self.cascade = cascade
         self.name = "flash-paged" if self.paged else "flash-gather"
+        self.kernels = False  # flash-attn's CUDA kernels
+        self.bf16_pool = False  # unquantized pages in the model's dtype only
+        self.deterministic = False
         self._torch = TorchAttention(cascade=cascade)
         self._warned = False
         self._scratch: torch.Tensor | None = None  # the gathers' buffer (K then V)

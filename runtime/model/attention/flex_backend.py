@@ -238,6 +238,9 @@ class FlexAttention:
     """
 
     name = "flex"
+    kernels = False  # flex_attention's own (compiled) kernels
+    bf16_pool = False  # one dtype for q, k and v: no bf16 pages under an fp32 model
+    deterministic = False
 
     def __init__(self, page_size: int, *, cascade: bool | None = None,
                  compiled: bool = True) -> None:

@@ -5,7 +5,7 @@
 // paged pool, paged attention, o projection (+ deltas) and residual, RMSNorm, gate/up (+
 // deltas), SiLU * up, down (+ deltas) and residual. The norms, RoPE, K/V write, attention and
 // SiLU are cpu_ops.cpp's kernels called directly; each projection runs the kernel that
-// runtime/model/matmul.py's choose_kernels picked for its row bucket, as the same ATen op
+// kernel_choice.py's choose_kernels picked for its row bucket, as the same ATen op
 // (at::linear, at::mm, mkldnn::_linear_pointwise, at::_int_mm, fbgemm's int8 linear,
 // at::_weight_int4pack_mm_for_cpu, block_mm.cpp's block_mm and block_mm_q8, kquant_mm.cpp's
 // kquant_mm_parts), so the step
@@ -84,7 +84,9 @@ inline float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
   return s;
 }
 
-// What matmul.py calls each kernel (Kernel::kind); fused_step.py passes these numbers.
+// The projection kernels the step runs (Kernel::kind). STEP_KINDS (register_decode_step)
+// names them as runtime/model/matmul.py does; Python reads the numbers from there
+// (runtime/model/kernel_choice.py, step_kinds).
 enum Kind : int64_t {
   MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6, BLOCKS_Q8 = 7,
   KQUANT = 8
@@ -517,6 +519,16 @@ class DecodeStep {
 };
 
 void register_decode_step(py::module_& m) {
+  // kernel name (runtime/model/matmul.py's) -> Kind: the one table of the numbers
+  // fused_step.py hands add_layer. int_mm_kn is int_mm on a transposed copy of W (the
+  // layout is in the weight's strides); kquant_q8 is KQUANT with group 1.
+  py::dict kinds;
+  const std::pair<const char*, Kind> names[] = {
+      {"mkl", MKL}, {"mm", MM}, {"onednn", ONEDNN}, {"int_mm", INT_MM}, {"int_mm_kn", INT_MM},
+      {"fbgemm", FBGEMM}, {"int4pack", INT4}, {"blocks", BLOCKS}, {"blocks_q8", BLOCKS_Q8},
+      {"kquant", KQUANT}, {"kquant_q8", KQUANT}};
+  for (const auto& [name, kind] : names) kinds[name] = static_cast<int64_t>(kind);
+  m.attr("STEP_KINDS") = kinds;
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &DecodeStep::add_layer)

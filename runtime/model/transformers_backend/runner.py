@@ -161,6 +161,7 @@ class TransformersRunner:
 
     kind = "transformers"  # EngineInfo.backend
     weight_format = "fp32"  # unquantized, in the compute dtype
+    deterministic = False  # transformers' kernels: a row's bits may depend on its batch
 
     def __init__(self, model: TransformersModel, pool_kv: torch.Tensor, page_size: int,
                  backend: AttentionBackend | None = None) -> None:
