@@ -131,14 +131,16 @@ class Run:
 class PieServer:
     """``pie-ctx serve`` with a socket and the HTTP API, in a subprocess."""
 
-    def __init__(self, weights: str, model: str | None, tmp: str, smoke: bool = False) -> None:
+    def __init__(self, weights: str, model: str | None, tmp: str, smoke: bool = False,
+                 num_pages: int = NUM_PAGES) -> None:
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
         tools = f"{sys.executable} {HERE / 'agent_mcp.py'}" + (" --smoke" if smoke else "")
         cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
                "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
-               "--num-pages", str(NUM_PAGES), "--client-share", "1", "--inferlets", str(HERE),
-               "--mcp", f"react={tools}",
+               "--client-share", "1", "--inferlets", str(HERE), "--mcp", f"react={tools}",
                "--no-access-log"]  # stderr is read only until the server is ready
+        if num_pages:  # (0: serve's default pool)
+            cmd += ["--num-pages", str(num_pages)]
         if model:
             cmd += ["--model", model]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -163,10 +165,11 @@ class PieServer:
 class LlamaServer:
     """llama.cpp's ``llama-server`` on the same GGUF, ``-np`` slots, in a subprocess."""
 
-    def __init__(self, binary: str, gguf: str, slots: int, threads: int, log: str) -> None:
+    def __init__(self, binary: str, gguf: str, slots: int, threads: int, log: str,
+                 slot_tokens: int = 4096) -> None:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
-        ctx = 4096 * slots  # every slot holds a whole agent (ReAct: ~2.3k tokens)
+        ctx = slot_tokens * slots  # every slot holds a whole agent (ReAct: ~2.3k tokens)
         self.proc = subprocess.Popen(
             [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
              "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),

@@ -430,6 +430,40 @@ class Context(Counters, Turns):
             return core.state
         return await core.run(body)
 
+    async def retain(self, ttl: float, priority: int = 0,
+                     num_tokens: int | None = None) -> P.HoldReply:
+        """Ask the engine to keep this context's pages cached for ``ttl`` seconds, even
+        after the context is released: an agent waiting on a tool keeps its prefix warm.
+
+        Pending tokens are written first. The hold covers the committed pages (those of
+        the first ``num_tokens`` tokens, if given; a partly filled last page is not held).
+        Under memory pressure held pages go only after every unheld cached page, lower
+        ``priority`` first; with a snapshot directory they go to disk first. The hold ends
+        after ``ttl`` seconds or at ``rt.release_hold``. See docs/pages.md, "Holds".
+
+        Args:
+            ttl: seconds to keep the pages, in ``(0, 3600]``.
+            priority: an int in ``[0, 100]``; higher is evicted later.
+            num_tokens: hold only the leading tokens' whole pages (None: all of them).
+
+        Returns:
+            The hold: ``hold`` (its id), ``num_pages``, ``ttl``, ``priority``.
+
+        Raises:
+            InvalidArgument: ``ttl``, ``priority`` or ``num_tokens`` out of range.
+            HoldLimit: this client's holds would cover more than
+                ``rt.info.max_held_pages_per_owner`` pages. Nothing changes on any error.
+        """
+        core = self._core
+        core.check_open()
+        ttl, priority, num_tokens = checks.hold_terms(ttl, priority, num_tokens)
+
+        async def body() -> P.HoldReply:
+            await core.write_pending()
+            return await core.request(P.Retain, ttl=ttl, priority=priority,
+                                      num_tokens=num_tokens)
+        return await core.run(body)
+
     def save(self, name: str) -> Op:
         """Flush pending tokens, then save this context as the snapshot ``name``.
 

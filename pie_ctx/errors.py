@@ -32,3 +32,5 @@ InferletFailed = _contract.InferletFailed
 InferletCancelled = _contract.InferletCancelled
 ValueTooLarge = _contract.ValueTooLarge
 StoreFull = _contract.StoreFull
+HoldLimit = _contract.HoldLimit
+HoldNotFound = _contract.HoldNotFound

@@ -182,6 +182,16 @@ class Runtime:
         """Names of the saved snapshots this runtime can see."""
         return (await self.transport.request(P.ListSnapshots())).names
 
+    async def release_hold(self, hold: P.HoldReply | int) -> None:
+        """End a hold taken by ``Context.retain`` (the reply, or its id) now; its pages
+        are the next cached pages to go.
+
+        Raises:
+            HoldNotFound: no such live hold of this client (it expired or was released).
+        """
+        hold_id = hold.hold if isinstance(hold, P.HoldReply) else hold
+        await self.transport.request(P.ReleaseHold(hold=hold_id))
+
     async def stats(self) -> P.EngineStats:
         """Engine-wide counters: pages free/used/cached, hit rate, tokens, time."""
         return await self.transport.request(P.GetStats())

@@ -147,7 +147,8 @@ def kernel_choices_kept(files: PageFiles | None) -> Iterator[None]:
 def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int | None = None,
                 kv_memory_gb: float = 2.0, dtype: Any = None, device: Any = None,
                 max_step_tokens: int = 1024, progress: bool = True,
-                owner_share: float | None = None, weights: str = "fp32",
+                owner_share: float | None = None, hold_share: float = 0.25,
+                weights: str = "fp32",
                 kv_dtype: str = "fp32", snapshot_dir: str | Path | None = None,
                 disk_cache_gb: float = 4.0, backend: str = "auto", tp: int = 1,
                 shared_snapshots: bool = False, kv_events: str | None = None,
@@ -165,6 +166,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         progress: progress bars while fetching/converting.
         owner_share: the fraction of the pool one owner (client) may hold, in (0, 1];
             None = no limit (see docs/scheduling.md).
+        hold_share: the fraction of the pool one owner's holds (``Context.retain``) may
+            cover together, in (0, 1] (docs/pages.md, "Holds").
         weights: ``"fp32"`` (unquantized, in ``dtype``), ``"int8"`` (smoothed int8
             projections, CPU; see docs/models.md) or ``"gguf"`` (CPU: the projections,
             lm_head and embedding on the GGUF's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
@@ -220,6 +223,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     if kv_dtype not in (*KV_DTYPES, "auto"):
         raise InvalidArgument(f"kv_dtype must be one of {', '.join(KV_DTYPES)} or auto, "
                               f"got {kv_dtype!r}")
+    if not 0 < checks.finite(hold_share, "hold_share") <= 1:
+        raise InvalidArgument(f"hold_share must be in (0, 1], got {hold_share!r}")
     if owner_share is not None and not 0 < checks.finite(owner_share, "owner_share") <= 1:
         raise InvalidArgument(f"owner_share must be in (0, 1], got {owner_share!r}")
     if not checks.finite(disk_cache_gb, "disk_cache_gb") >= 0:
@@ -301,6 +306,7 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     except BaseException:
         thread.shutdown(wait=False)
         raise
+    store.holds.max_pages_per_owner = max(1, int(hold_share * store.num_pages_total))
     if owner_share is not None:
         engine_kw["max_pages_per_owner"] = max(1, int(owner_share * store.num_pages_total))
     engine = Engine(store, runner, m.tokenizer, model_name=m.name, vocab_size=m.vocab_size,

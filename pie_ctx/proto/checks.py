@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "MAX_HOLD_PRIORITY",
+    "MAX_HOLD_TTL",
     "MAX_NAME_CHARS",
+    "hold_terms",
     "count",
     "positive",
     "token_ids",
@@ -81,6 +84,27 @@ def finite(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidArgument(f"{what} must be a finite number, got {value!r}")
     return float(value)
+
+
+MAX_HOLD_TTL = 3600.0
+"""The longest time to live a hold may ask for, in seconds (docs/pages.md, "Holds")."""
+MAX_HOLD_PRIORITY = 100
+"""The highest hold priority; pages of a higher-priority hold are evicted later."""
+
+
+def hold_terms(ttl: Any, priority: Any, num_tokens: Any) -> tuple[float, int, int | None]:
+    """``retain``'s ``(ttl, priority, num_tokens)``: a finite ``0 < ttl <= MAX_HOLD_TTL``,
+    an int priority in ``[0, MAX_HOLD_PRIORITY]``, and None or an int ``>= 0``."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) \
+            or not 0 < ttl <= MAX_HOLD_TTL:
+        raise InvalidArgument(f"retain: ttl is the seconds to keep the pages, a number in "
+                              f"(0, {MAX_HOLD_TTL:g}], got {ttl!r}")
+    if not is_int(priority) or not 0 <= priority <= MAX_HOLD_PRIORITY:
+        raise InvalidArgument(f"retain: priority is an int in [0, {MAX_HOLD_PRIORITY}] "
+                              f"(higher is evicted later), got {priority!r}")
+    if num_tokens is not None:
+        num_tokens = count(num_tokens, "retain: num_tokens")
+    return float(ttl), priority, num_tokens
 
 
 def _items(values: Any, what: str) -> list[Any]:

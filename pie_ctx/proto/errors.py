@@ -36,6 +36,8 @@ __all__ = [
     "InferletCancelled",
     "ValueTooLarge",
     "StoreFull",
+    "HoldLimit",
+    "HoldNotFound",
     "error_from_name",
     "known_name",
     "single_exception",
@@ -162,6 +164,18 @@ class StoreFull(PieError):
     ``rt.info``); nothing was written. Delete keys you no longer need."""
 
 
+class HoldLimit(PieError):
+    """A hold would take the client over its held-page limit (``max_held_pages_per_owner``
+    in ``rt.info``); nothing was held. Release a hold or hold fewer tokens."""
+
+
+class HoldNotFound(PieError, KeyError):
+    """No live hold has this id for this client: it expired or was released."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 _BY_NAME: dict[str, type[PieError]] = {
     cls.__name__: cls
     for cls in (
@@ -189,6 +203,8 @@ _BY_NAME: dict[str, type[PieError]] = {
         InferletCancelled,
         ValueTooLarge,
         StoreFull,
+        HoldLimit,
+        HoldNotFound,
     )
 }
 

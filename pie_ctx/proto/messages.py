@@ -168,6 +168,23 @@ class Compact(_Request):
     keep: list[int]
 
 
+class Retain(_Request):
+    """Hold the context's committed pages (those of its first ``num_tokens`` tokens, if
+    given) for ``ttl`` seconds at ``priority`` (docs/pages.md, "Holds"). Reply:
+    ``HoldReply``."""
+
+    ctx: int
+    ttl: float
+    priority: int = 0
+    num_tokens: int | None = None
+
+
+class ReleaseHold(_Request):
+    """End a hold now. Reply: ``Ok``."""
+
+    hold: int
+
+
 class SaveSnapshot(_Request):
     ctx: int
     name: str
@@ -460,6 +477,8 @@ Request = (
     | ReleasePages
     | TruncateTokens
     | Compact
+    | Retain
+    | ReleaseHold
     | SaveSnapshot
     | OpenSnapshot
     | TakeSnapshot
@@ -510,6 +529,15 @@ class ContextReply(_Reply):
 class StateReply(_Reply):
     state: ContextState
     ok: bool = True  # False = back-pressure (e.g. not enough pages to reserve right now)
+
+
+class HoldReply(_Reply):
+    """A hold taken: its id (for ``ReleaseHold``), the pages it covers, its terms."""
+
+    hold: int
+    num_pages: int
+    ttl: float
+    priority: int
 
 
 class SnapshotList(_Reply):
@@ -616,6 +644,7 @@ class EngineInfo(_Reply):
     max_reply_bytes: int = 16 * 2**20  # the largest reply one request may produce
     max_mask_entries: int = 2**26  # rows x columns of one custom attention mask
     max_pages_per_owner: int = 0  # the page share of one owner (client); 0 = the whole pool
+    max_held_pages_per_owner: int = 0  # the most pages one owner's holds may cover
     hidden_size: int = 0  # size of one hidden_states() row
     max_top_logprobs: int = 20  # the most top_logprobs one generated token may carry
     can_constrain: bool = False  # the engine compiles constraints (its tokenizer allows it)
@@ -676,6 +705,11 @@ class EngineStats(_Reply):
     # read, including reads for a request that then failed or was cancelled
     disk_pages_loaded: int = 0
     disk_bytes_loaded: int = 0
+    # holds (docs/pages.md, "Holds")
+    num_holds: int = 0  # live holds
+    num_pages_held: int = 0  # pages in the pool some live hold covers
+    # priority -> held pages whose highest covering hold has that priority
+    pages_held_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
     # channels between inferlets (docs/messages.md)
     num_channels: int = 0  # queues and topics in use, every namespace
     num_subscriptions: int = 0
@@ -731,6 +765,7 @@ Reply = (
     Ok
     | ContextReply
     | StateReply
+    | HoldReply
     | SnapshotList
     | ForwardReply
     | VerifyReply

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,7 @@ from runtime.engine.handlers import Handlers
 from runtime.engine.hosted_requests import HostedRequests
 from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
+from runtime.engine.page_metrics import page_families
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
 from runtime.engine.rows import RowResult, StepPlan
@@ -183,6 +184,7 @@ class Engine:
             max_seq_len=max_seq_len, stop_token_ids=stop_token_ids,
             max_step_tokens=max_step_tokens, max_reply_bytes=max_reply_bytes,
             max_mask_entries=max_mask_entries, max_pages_per_owner=max_pages_per_owner or 0,
+            max_held_pages_per_owner=store.holds.max_pages_per_owner,
             hidden_size=hidden_size, can_constrain=grammars.available,
             score_layers=getattr(runner, "score_layers", 0),
             score_heads=getattr(runner, "score_heads", 0),
@@ -353,12 +355,18 @@ class Engine:
             num_snapshots_spilled=s.num_snapshots_spilled, num_disk_pages=s.num_disk_pages,
             disk_bytes=s.num_disk_bytes, disk_pages_written=s.disk_pages_written,
             disk_bytes_written=s.disk_bytes_written, disk_pages_loaded=s.disk_pages_loaded,
-            disk_bytes_loaded=s.disk_bytes_loaded,
+            disk_bytes_loaded=s.disk_bytes_loaded, num_holds=s.num_holds,
+            num_pages_held=s.num_pages_held, pages_held_by_priority=s.pages_held_by_priority,
             num_channels=self.channels.num_channels,
             num_subscriptions=self.channels.num_subscriptions,
             num_channel_messages=self.channels.num_messages,
             channel_bytes=self.channels.num_bytes,
         )
+
+    def metric_families(self) -> Iterator[Any]:
+        """Prometheus series of the engine's own beyond ``GET /metrics``' fixed ones (the
+        holds; ``runtime.engine.page_metrics``)."""
+        return page_families(self.stats())
 
     # ------------------------------------------------------------------ the job queue
 

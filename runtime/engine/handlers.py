@@ -75,6 +75,8 @@ class Handlers:
             P.ReleasePages: self._raw,
             P.TruncateTokens: self._raw,
             P.Compact: self._compact,
+            P.Retain: self._retain,
+            P.ReleaseHold: self._release_hold,
             P.SaveSnapshot: self._save,
             P.OpenSnapshot: self._open,
             P.TakeSnapshot: self._take,
@@ -184,6 +186,18 @@ class Handlers:
             record.last_logits = None  # the last token now sees fewer keys
             self._on_pages_freed()
             return P.StateReply(state=self._store.state(record.cid))
+
+    async def _retain(self, req: P.Retain, owner: Any, ns: str) -> P.HoldReply:
+        record = self._records.get(req.ctx, owner)
+        async with record.lock:
+            hold = self._store.retain(record.cid, req.ttl, req.priority, owner, req.num_tokens)
+            return P.HoldReply(hold=hold.hold_id, num_pages=hold.num_pages, ttl=float(req.ttl),
+                               priority=hold.priority)
+
+    async def _release_hold(self, req: P.ReleaseHold, owner: Any, ns: str) -> P.Ok:
+        self._store.release_hold(req.hold, owner)
+        self._on_pages_freed()  # its pages may now be evicted for a waiting job
+        return P.Ok()
 
     async def _forward(self, req: P.Forward, owner: Any, ns: str) -> P.ForwardReply:
         return await self._passes.forward(req, owner)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from runtime.kv.context import PageState, chain_nodes
 from runtime.kv.hashing import fold_extras, hash_page
+from runtime.kv.holds import HoldTable
 from runtime.kv.pool import PagePool
 from runtime.kv.snapshots import SnapshotRegistry
 from runtime.kv.trie import Node, PageTrie
@@ -47,6 +48,7 @@ class StoreView(Protocol):
     snapshots: SnapshotRegistry
     next_context_id: int
     tier: Any
+    holds: HoldTable
 
     def context_states(self) -> Iterator[tuple[ContextId, PageState]]: ...
 
@@ -73,7 +75,7 @@ def _holders(store: StoreView) -> list[tuple[str, PageState]]:
 
 def _all_nodes(store: StoreView, holders: list[tuple[str, PageState]]) -> list[Node]:
     seen: dict[int, Node] = {}
-    roots: list[Node] = list(store.trie.by_hash.values()) + list(store.trie.lru.values())
+    roots: list[Node] = list(store.trie.by_hash.values()) + store.trie.candidates()
     roots.extend(state.tip for _, state in holders if state.tip is not None)
     for node in roots:
         cur: Node | None = node
@@ -129,7 +131,8 @@ def check_invariants(store: StoreView) -> None:
                 _fail(f"{who}: page {node.page_id} is shared by adapters "
                       f"{adapter_of[id(node)]:#x} and {state.adapter:#x}")
 
-    lru_ids = {id(n) for n in trie.lru.values()}
+    lru_ids = {id(n) for n in trie.candidates()}
+    _check_holds(store)
     for node in nodes:
         where = f"node page {node.page_id}"
         parent = node.parent
@@ -165,8 +168,9 @@ def check_invariants(store: StoreView) -> None:
         in_lru = id(node) in lru_ids
         if in_lru != (id(node) not in pinned and not kids):
             _fail(f"{where}: LRU membership {in_lru} wrong (pins {node.pins}, {len(kids)} kids)")
-        if in_lru and trie.lru.get(node.page_id) is not node:
-            _fail(f"{where}: LRU keyed under the wrong page id")
+        queue = trie.lru if node.hold_priority is None else trie.held.get(node.hold_priority, {})
+        if in_lru and queue.get(node.page_id) is not node:
+            _fail(f"{where}: eviction queue wrong for hold priority {node.hold_priority}")
 
     for h, node in trie.by_hash.items():
         if node.page_hash != h or not node.registered:
@@ -214,6 +218,29 @@ def _check_disk(store: StoreView) -> None:
         for h in pages:
             refs[h] = refs.get(h, 0) + 1
     tier.check(refs)
+
+
+def _check_holds(store: StoreView) -> None:
+    """Each live hold sits on its tip (a registered node in the trie), each node's holds
+    are live, and each owner is charged exactly its holds' pages."""
+    table, trie = store.holds, store.trie
+    charged: dict[Any, int] = {}
+    for hold in table.by_id.values():
+        charged[hold.owner] = charged.get(hold.owner, 0) + hold.num_pages
+        tip = hold.tip
+        if tip is None:
+            continue
+        if trie.by_hash.get(tip.page_hash) is not tip:
+            _fail(f"hold {hold.hold_id}: its tip page {tip.page_id} is not in the trie")
+        if not tip.holds or hold not in tip.holds:
+            _fail(f"hold {hold.hold_id}: not listed on its tip page {tip.page_id}")
+    for node in trie.by_hash.values():
+        for hold in node.holds or ():
+            if table.by_id.get(hold.hold_id) is not hold or hold.tip is not node:
+                _fail(f"page {node.page_id} lists hold {hold.hold_id}, which is not live "
+                      "or ends elsewhere")
+    if charged != table.pages_of:
+        _fail(f"held pages charged {table.pages_of} != the holds' pages {charged}")
 
 
 def _check_owners(store: StoreView, holders: list[tuple[str, PageState]], nodes: list[Node],
@@ -267,7 +294,10 @@ def describe_state(store: StoreView) -> dict[str, Any]:
         "nodes": sorted(
             (n.page_id, n.page_hash, n.holders, n.num_children, n.pins, n.registered) for n in nodes
         ),
-        "lru": tuple(store.trie.lru),
+        "lru": tuple(store.trie.cached_page_ids()),
+        "holds": sorted((h.hold_id, h.priority, h.expires_at, h.num_pages,
+                         None if h.tip is None else h.tip.page_id)
+                        for h in store.holds.by_id.values()),
         "by_hash": sorted((h, n.page_id) for h, n in store.trie.by_hash.items()),
         "next_id": store.next_context_id,
         "stats": store.stats(),

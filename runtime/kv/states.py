@@ -63,12 +63,16 @@ class ContextStates:
         page_size: tokens per page.
         make_room: ``n -> bool``: spill resident snapshots until ``n`` pages are free or
             cached, True when they are (None: nothing to spill).
+        expire_holds: ends the holds whose time is up; called before every eviction, so
+            expired holds protect nothing (None: no holds).
     """
 
     def __init__(self, pool: PagePool, trie: PageTrie, page_size: int,
-                 make_room: Callable[[int], bool] | None = None) -> None:
+                 make_room: Callable[[int], bool] | None = None,
+                 expire_holds: Callable[[], object] | None = None) -> None:
         self.pool = pool
         self.trie = trie
+        self.expire_holds = expire_holds
         self.page_size = page_size
         self.make_room = make_room
         self.by_id: dict[ContextId, PageState] = {}
@@ -158,6 +162,8 @@ class ContextStates:
             return None
         short = n - self.pool.num_free
         if short > 0:
+            if self.expire_holds is not None:
+                self.expire_holds()
             self.trie.evict(short)
         return self.pool.allocate(n)
 

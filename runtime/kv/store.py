@@ -21,7 +21,7 @@ forward to ``SnapshotStore``, whose docstrings say how each step goes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,14 @@ from runtime.kv.context import PageState
 from runtime.kv.disk import PageFiles
 from runtime.kv.durable import RestoreJob, SaveJob
 from runtime.kv.hashing import adapter_extras
+from runtime.kv.holds import HoldTable
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool, PoolShape
 from runtime.kv.snapshot_store import SnapshotStore
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.states import ContextStates
 from runtime.kv.tier import DiskTier
-from runtime.kv.trie import PageTrie, TrieListener
+from runtime.kv.trie import Hold, PageTrie, TrieListener
 from runtime.kv.types import ContextId, PageId, StoreStats
 from runtime.kv.validation import Extra, page_inputs
 
@@ -74,6 +75,8 @@ class PageStore:
         max_disk_cache_pages: int = 0,
         pool: PagePool | None = None,
         listeners: Sequence[TrieListener] = (),
+        max_held_pages_per_owner: int = 0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """Allocate the pool and empty bookkeeping (and list the snapshots on disk).
 
@@ -92,6 +95,9 @@ class PageStore:
                 holds its rank's KV heads, see ``runtime.distributed``); None: a new one.
             listeners: told of every page the trie registers or evicts (the KV event log,
                 ``runtime.kv.events``); the disk tier, when there is one, listens first.
+            max_held_pages_per_owner: the most pages one owner's holds may cover (0: a
+                quarter of the pool; see ``retain``).
+            clock: the holds' clock in seconds (None: ``time.monotonic``).
 
         Raises:
             ValueError: a size is not a positive int, or an unknown ``kv_dtype``.
@@ -103,7 +109,10 @@ class PageStore:
         self.trie = PageTrie(self.pool, (*(() if self.tier is None else (self.tier,)),
                                          *listeners))
         self.snapshots = SnapshotRegistry()
-        self._states = ContextStates(self.pool, self.trie, page_size)
+        self.holds = HoldTable(self.trie, self.tier, page_size, max_held_pages_per_owner,
+                               **({} if clock is None else {"clock": clock}))
+        self._states = ContextStates(self.pool, self.trie, page_size,
+                                     expire_holds=self.holds.expire)
         self._snaps = SnapshotStore(self.pool, self.trie, self.tier, self._states, self.snapshots)
         self._snaps.list_on_disk()
         self._states.make_room = self._snaps.spill
@@ -376,6 +385,31 @@ class PageStore:
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         return self._states.attach(state, hits, self.tier, toks, poss, extras)
 
+    # -- holds -------------------------------------------------------------------------
+
+    def retain(self, cid: ContextId, ttl: float, priority: int = 0, owner: Any = None,
+               num_tokens: int | None = None) -> Hold:
+        """Hold the context's committed pages (or those of its first ``num_tokens``
+        tokens) for ``ttl`` seconds: after the context is gone they stay cached, evicted
+        only after every unheld page, lowest ``priority`` first (``runtime.kv.holds``).
+
+        Raises:
+            ContextClosed: unknown context.
+            InvalidArgument: ``ttl`` not in ``(0, max_ttl]``, ``priority`` not an int in
+                ``[0, 100]``, or ``num_tokens`` negative.
+            HoldLimit: ``owner``'s holds would cover more than its limit. Nothing changes
+                on any error.
+        """
+        return self.holds.hold(self._states.get(cid), owner, ttl, priority, num_tokens)
+
+    def release_hold(self, hold_id: int, owner: Any = None) -> None:
+        """End ``owner``'s hold now; its pages are the next cached pages to go.
+
+        Raises:
+            HoldNotFound: no such live hold of ``owner``.
+        """
+        self.holds.release(hold_id, owner)
+
     # -- queries -----------------------------------------------------------------------
 
     def page_table(self, cid: ContextId) -> list[PageId]:
@@ -552,6 +586,8 @@ class PageStore:
         """Engine-wide page accounting and hit/eviction counters."""
         trie = self.trie
         num_free = self.pool.num_free
+        self.holds.expire()
+        held = self.holds.held_pages()
         return StoreStats(
             num_pages_total=self.pool.num_pages,
             num_pages_free=num_free,
@@ -565,6 +601,8 @@ class PageStore:
             num_prefix_hits=self._states.num_prefix_hits,
             num_evictions=trie.num_evictions,
             num_snapshots_resident=sum(1 for _, snap in self.snapshots if snap.state is not None),
+            num_holds=len(self.holds), num_pages_held=sum(held.values()),
+            pages_held_by_priority=held,
             **({} if self.tier is None else self.tier.stats_fields()),
         )
 

@@ -13,7 +13,9 @@ Two kinds of page files:
   deleted. They survive restarts.
 * **cache pages**: committed pages evicted from the pool while no snapshot references them,
   written (not fsynced) so prefix matching can bring them back instead of recomputing them.
-  At most ``max_cache_pages`` are kept (LRU); a restart sweeps them.
+  At most ``max_cache_pages`` are kept (LRU); a restart sweeps them. A page evicted while
+  a hold covers it (``runtime.kv.holds``) is written whatever that budget, and is *held*
+  here (``held``: not counted, never trimmed) until its last hold ends.
 
 Invariant (``check``): the index holds exactly the page files on disk; ``refs`` is the
 number of durable manifests listing the page; the cache LRU holds exactly the pages with
@@ -113,6 +115,8 @@ class DiskTier(TrieListener):
         # Pages saves in flight are writing (hash -> how many saves): their files may exist
         # before they are indexed (``adopt_written``), and nothing may delete them meanwhile.
         self.pending: dict[PageHash, int] = {}
+        # Cache pages kept for holds (hash -> how many live holds list it): never trimmed.
+        self.held: dict[PageHash, int] = {}
         self.counters = TierCounters()
 
     @property
@@ -166,18 +170,36 @@ class DiskTier(TrieListener):
             parent = int(node.parent.page_hash)
         else:  # a chain's first page: the root (0 where the format has none)
             parent = 0 if self.root_hash is None else int(self.root_hash)
+        held = len(node.holds or ())
         self.spill(node.page_hash, parent, node.tokens, node.positions, node.extras,
-                   node.page_id)
+                   node.page_id, held)
+        if held and node.page_hash in self.held:  # kept until these holds end
+            for hold in node.holds or ():
+                hold.on_disk.append(node.page_hash)
+
+    def release_held(self, hashes: Iterable[PageHash]) -> None:
+        """A hold that kept these cache pages ended: they count against the budget again."""
+        for h in hashes:
+            n = self.held.get(h, 0) - 1
+            if n > 0:
+                self.held[h] = n
+            elif n == 0:
+                del self.held[h]
+        self._trim()
 
     def spill(self, page_hash: PageHash, parent: int, tokens: Sequence[int],
-              positions: Sequence[int], extras: Sequence[int], page_id: PageId) -> None:
+              positions: Sequence[int], extras: Sequence[int], page_id: PageId,
+              held: int = 0) -> None:
         """A cached page is leaving the pool: keep it on disk (best effort: a failed
-        write only loses the cache entry)."""
+        write only loses the cache entry). A page ``held`` by that many holds is written
+        whatever the cache budget, and kept until they end (``release_held``)."""
         if page_hash in self.index:
             if page_hash in self.cache:
                 self.cache.move_to_end(page_hash)
+                self._hold(page_hash, held)
             return
-        if self.max_cache_pages <= 0 or page_hash in self.missing:
+        if (self.max_cache_pages <= 0 and not held) or self.shared \
+                or page_hash in self.missing:
             return  # (a missing snapshot page is written back only by a durable save)
         try:
             n = self.files.write_page(page_hash, parent, tokens, positions, extras,
@@ -189,7 +211,12 @@ class DiskTier(TrieListener):
         self._count_write(n)
         self.index[page_hash] = DiskPage(n, refs=0, durable=False)
         self.cache[page_hash] = None
+        self._hold(page_hash, held)
         self._trim()
+
+    def _hold(self, page_hash: PageHash, held: int) -> None:
+        if held:
+            self.held[page_hash] = self.held.get(page_hash, 0) + held
 
     def write_snapshot_pages(
         self,
@@ -252,6 +279,7 @@ class DiskTier(TrieListener):
             page.refs += 1
             page.durable = True
             self.cache.pop(PageHash(h), None)
+            self.held.pop(PageHash(h), None)
 
     def drop_refs(self, hashes: Iterable[int]) -> None:
         """A manifest listing these pages is gone: delete the files nothing else lists."""
@@ -289,6 +317,7 @@ class DiskTier(TrieListener):
         A file a save in flight is writing stays until that save ends (``end_writes``)."""
         self.index.pop(h, None)
         self.cache.pop(h, None)
+        self.held.pop(h, None)
         if h in self.pending or self.shared:
             return  # (shared: another engine may use the file; see the docstring)
         try:
@@ -301,8 +330,10 @@ class DiskTier(TrieListener):
         self.counters.bytes_written += nbytes
 
     def _trim(self) -> None:
-        while len(self.cache) > self.max_cache_pages:
-            h, _ = self.cache.popitem(last=False)
+        """Drop the least recently used unheld cache pages over the budget."""
+        unheld = [h for h in self.cache if h not in self.held]
+        for h in unheld[:max(0, len(unheld) - self.max_cache_pages)]:
+            del self.cache[h]
             self.counters.cache_pages_dropped += 1
             self.remove_page(h)
 
@@ -416,6 +447,8 @@ class DiskTier(TrieListener):
                                    f"manifests list it {refs.get(h, 0)} times")
             if (page.refs == 0) != (h in self.cache):
                 raise RuntimeError(f"disk tier: page {h:016x} cache membership is wrong")
+        if stray := set(self.held) - set(self.cache):
+            raise RuntimeError(f"disk tier: held pages outside the cache: {sorted(stray)[:3]}")
         if lost := set(refs) - set(self.index) - set(self.missing):
             raise RuntimeError(f"disk tier: manifests list pages not on disk: {sorted(lost)[:3]}")
         for h, n in self.missing.items():

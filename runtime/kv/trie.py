@@ -19,11 +19,20 @@ through (``owner_pins``/``pages_of``), with the same 0 <-> 1 propagation as pins
 what per-owner page shares are measured in: a page shared by two contexts of one owner
 counts once for it, and once for every other owner that uses it too.
 
-LRU. ``lru`` holds exactly the cached nodes that have no children (the only ones that can
-be evicted without breaking a chain), least recently used first. A node whose last holder
-leaves is appended (most recent); a parent left childless by an eviction is put at the
-front, because its last use was its child's, the oldest in the cache. So a chain cached
-together is evicted tip-first, contiguously. Lookup hits pin nodes, taking them out.
+LRU. ``lru`` holds exactly the unheld cached nodes that have no children (the only ones
+that can be evicted without breaking a chain), least recently used first. A node whose
+last holder leaves is appended (most recent); a parent left childless by an eviction is
+put at the front, because its last use was its child's, the oldest in the cache. So a
+chain cached together is evicted tip-first, contiguously. Lookup hits pin nodes, taking
+them out.
+
+Holds (``runtime.kv.holds`` owns their records). A :class:`Hold` keeps the chain
+root..``hold.tip`` cached longer: a childless cached node that is the tip of some hold sits
+in ``held[priority]`` (its holds' highest priority) instead of ``lru``, and eviction takes
+``lru`` first, then ``held`` by priority, lowest first, each least recently used first. A
+held range's inner pages have children, so only its tip is ever a candidate; evicting a
+held tip moves its holds to its parent (the range shrinks by one page), and a hold whose
+first page goes covers nothing in the pool.
 
 Registration and collisions. ``by_hash`` maps a hash to one registered node. On commit, a
 hash hit is verified (same parent node, tokens, positions, per-token extras); only then is
@@ -50,7 +59,20 @@ from runtime.kv.hashing import chain_root, fold_extras, hash_page
 from runtime.kv.pool import PagePool
 from runtime.kv.types import PageHash, PageId
 
-__all__ = ["Node", "PageTrie", "TrieListener"]
+__all__ = ["Hold", "Node", "PageTrie", "TrieListener"]
+
+
+@dataclass(slots=True, eq=False)
+class Hold:
+    """A request to keep the committed pages root..``tip`` cached (``runtime.kv.holds``)."""
+
+    hold_id: int
+    owner: Any
+    priority: int
+    expires_at: float  # on the hold table's clock
+    num_pages: int  # the range's length when it was taken (what its owner is charged)
+    tip: Node | None  # the range's last page still in the pool (None: none left)
+    on_disk: list[PageHash]  # its pages the disk tier kept when they left the pool
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +92,12 @@ class Node:
     pins: int = 0
     # owner -> that owner's holders here + children its chains run through (None: none yet)
     owner_pins: dict[Any, int] | None = None
+    holds: list[Hold] | None = None  # the holds whose range ends here (None: none)
+
+    @property
+    def hold_priority(self) -> int | None:
+        """The highest priority of the holds ending here (None: not a hold's tip)."""
+        return max(h.priority for h in self.holds) if self.holds else None
 
     @property
     def refcount(self) -> int:
@@ -114,7 +142,7 @@ class TrieListener:
 class PageTrie:
     """Hash-indexed committed pages with holder counts, pinning and an LRU of cached pages."""
 
-    __slots__ = ("pool", "root_hash", "by_hash", "lru", "num_nodes", "num_pinned",
+    __slots__ = ("pool", "root_hash", "by_hash", "lru", "held", "num_nodes", "num_pinned",
                  "num_evictions", "pages_of", "listeners")
 
     def __init__(self, pool: PagePool, listeners: Sequence[TrieListener] = ()) -> None:
@@ -130,6 +158,7 @@ class PageTrie:
         self.root_hash = chain_root(pool.kv_dtype)  # the format seeds every chain
         self.by_hash: dict[PageHash, Node] = {}
         self.lru: OrderedDict[PageId, Node] = OrderedDict()
+        self.held: dict[int, OrderedDict[PageId, Node]] = {}  # priority -> held candidates
         self.num_nodes = 0
         self.num_pinned = 0
         self.num_evictions = 0
@@ -325,7 +354,7 @@ class PageTrie:
                 return
             self.num_pinned += 1
             if node.num_children == 0:
-                self.lru.pop(node.page_id, None)
+                self._take(node)
             node = node.parent
 
     def _unpin(self, node: Node | None) -> None:
@@ -339,23 +368,91 @@ class PageTrie:
             parent = node.parent
             if node.num_children == 0:
                 if node.registered:
-                    self.lru[node.page_id] = node  # most recently used end
+                    self._place(node, front=False)  # most recently used end
                 else:
                     self._drop_node(node)  # private pages are never cached
             node = parent
 
+    # -- holds -------------------------------------------------------------------------
+
+    def add_hold(self, hold: Hold) -> None:
+        """Start ``hold`` on its tip (a registered node): the range is evicted last."""
+        node = hold.tip
+        if node is None or not node.registered:
+            raise RuntimeError("PageTrie: a hold needs a registered tip")
+        candidate = self._take(node)
+        node.holds = [*(node.holds or ()), hold]
+        if candidate:
+            self._place(node, front=False)
+
+    def drop_hold(self, hold: Hold) -> None:
+        """End ``hold``: its tip, if nothing else holds it, is next in line for eviction."""
+        node = hold.tip
+        if node is None:
+            return
+        if not node.holds or hold not in node.holds:
+            raise RuntimeError(f"PageTrie: hold {hold.hold_id} is not on its tip")
+        candidate = self._take(node)
+        node.holds = [h for h in node.holds if h is not hold] or None
+        hold.tip = None
+        if candidate:
+            self._place(node, front=True)
+
+    def _take(self, node: Node) -> bool:
+        """Take ``node`` out of the eviction candidates; True when it was one."""
+        if self.lru.pop(node.page_id, None) is not None:
+            return True
+        priority = node.hold_priority
+        if priority is None:
+            return False
+        queue = self.held.get(priority)
+        if queue is None or queue.pop(node.page_id, None) is None:
+            return False
+        if not queue:
+            del self.held[priority]
+        return True
+
+    def _place(self, node: Node, front: bool) -> None:
+        """Make ``node`` (cached, childless) an eviction candidate, at the front (next
+        victim) or the back of its queue: ``lru``, or ``held`` at its hold priority."""
+        priority = node.hold_priority
+        if priority is None:
+            queue = self.lru
+        else:
+            queue = self.held.get(priority)
+            if queue is None:
+                queue = self.held[priority] = OrderedDict()
+        queue[node.page_id] = node
+        if front:
+            queue.move_to_end(node.page_id, last=False)
+
+    def _next_victim(self) -> Node | None:
+        """The next page to evict: unheld first (LRU), then held by priority."""
+        if self.lru:
+            return self.lru.popitem(last=False)[1]
+        if not self.held:
+            return None
+        priority = min(self.held)
+        queue = self.held[priority]
+        node = queue.popitem(last=False)[1]
+        if not queue:
+            del self.held[priority]
+        return node
+
     # -- eviction ----------------------------------------------------------------------
 
     def evict(self, n: int) -> list[PageId]:
-        """Evict up to ``n`` cached pages, least recently used first; return their ids.
+        """Evict up to ``n`` cached pages, unheld ones first, least recently used first;
+        return their ids.
 
         The evicted pages go back to the pool in eviction order.
         """
         evicted: list[PageId] = []
         gone: list[Node] = []
-        lru = self.lru
-        while len(evicted) < n and lru:
-            _, node = lru.popitem(last=False)
+        while len(evicted) < n:
+            node = self._next_victim()
+            if node is None:
+                break
             for listener in self.listeners:
                 listener.evicting(node)
             del self.by_hash[node.page_hash]
@@ -363,9 +460,14 @@ class PageTrie:
             gone.append(node)
             evicted.append(node.page_id)
             parent = node.parent
+            if node.holds:  # the holds shrink to the parent (or to nothing)
+                for hold in node.holds:
+                    hold.tip = parent
+                if parent is not None:
+                    parent.holds = [*(parent.holds or ()), *node.holds]
+                node.holds = None
             if parent is not None and parent.num_children == 0 and parent.pins == 0:
-                lru[parent.page_id] = parent
-                lru.move_to_end(parent.page_id, last=False)
+                self._place(parent, front=True)
         self.num_evictions += len(evicted)
         self.pool.free(evicted)  # handed out again in eviction order
         for node in gone:
@@ -384,6 +486,13 @@ class PageTrie:
         self._unlink(node)
         self.pool.free([node.page_id])
 
+    def candidates(self) -> list[Node]:
+        """Evictable-now pages in eviction order (next victim first)."""
+        out = list(self.lru.values())
+        for priority in sorted(self.held):
+            out.extend(self.held[priority].values())
+        return out
+
     def cached_page_ids(self) -> list[PageId]:
         """Evictable-now pages in eviction order (next victim first); for tests and stats."""
-        return list(self.lru)
+        return [node.page_id for node in self.candidates()]

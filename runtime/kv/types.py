@@ -8,7 +8,7 @@ view, so holding one cannot observe or cause mutation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 __all__ = ["PageId", "PageHash", "ContextId", "StoreStats"]
@@ -45,6 +45,10 @@ class StoreStats:
     num_prefix_hits: int
     num_evictions: int
     num_snapshots_resident: int = 0  # snapshots whose pages are in the pool
+    num_holds: int = 0  # live holds (``PageStore.retain``)
+    num_pages_held: int = 0  # pages in the pool some live hold covers
+    # priority -> held pages whose highest covering hold has it
+    pages_held_by_priority: dict[int, int] = field(default_factory=dict)
     # the disk tier (all 0 without a snapshot directory)
     num_disk_pages: int = 0  # page files on disk
     num_disk_bytes: int = 0

@@ -28,7 +28,7 @@ HELPERS = {
 }
 # Benchmarks whose smoke runs without the default model.
 NO_DEFAULT_MODEL = {"pages.py", "agents.py", "block_kernels.py", "attention_kernel.py",
-                    "kquant_kernels.py", "scale.py"}
+                    "kquant_kernels.py", "scale.py", "trace_replay.py"}
 # Benchmarks whose smoke starts a Ray cluster: run by `make test-fleet` (PIE_CTX_TEST_FLEET=1)
 FLEET = {"fleet.py"}
 # Keys every smoke's JSON line must carry (beyond being a JSON object).
@@ -78,6 +78,9 @@ KEYS = {
     "threads.py": {"copies_ratio"},
     "tensor_parallel.py": {"tp_overhead_fraction", "tp_logits_max_abs_diff"},
     "throughput.py": {"tokens_per_s", "scheduler_overhead_fraction"},
+    "trace_replay.py": {"trace_hit_rate_vs_ceiling", "trace_ttft_p50_vs_llamaserver",
+                        "trace_tput_vs_llamaserver", "fleet_trace_hit_rate_vs_single",
+                        "fleet_trace_computed_vs_round_robin", "systems"},
     "vs_llamacpp.py": {"int8_decode_vs_llamacpp", "fp32_decode_vs_llamacpp",
                        "int8_prefill_vs_llamacpp", "int8_bon_vs_llamacpp",
                        "int8_decode8_vs_llamacpp", "q4_decode_vs_llamacpp",
@@ -136,6 +139,10 @@ def test_benchmark_smoke(name: str):
     if name == "gguf_mixes.py":  # every mix ran on the file's own blocks, by default
         weights = {k: v for k, v in result.items() if k.endswith("_weights")}
         assert weights and set(weights.values()) == {"gguf"}, weights
+    if name == "trace_replay.py":  # one engine on the tiny model: every request answered,
+        a = result["systems"]["a"]  # and no page reused that the trace never repeats
+        assert a["requests"] == 40 and a["generated_tokens"] >= 40
+        assert 0 < result["trace_hit_rate_vs_ceiling"] <= 1.0
     if name == "fleet.py":  # (figures of a smoke mean little; these hold at any size)
         assert result["fleet_failover_recomputed_saved_tokens"] == 0
         assert result["computed_session"] <= result["computed_round_robin"]

@@ -90,6 +90,7 @@ class _EngineCollector:
         yield CounterMetricFamily("pie_ctx_model_steps", "engine steps", value=s.num_steps)
         yield CounterMetricFamily("pie_ctx_model_seconds", "seconds spent in model calls",
                                   value=s.model_seconds)
+        yield from self.engine.metric_families()  # the engine's own (runtime.engine)
 
 
 # The served routes, each its own label (a path outside them is "other": the label's values
