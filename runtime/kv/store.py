@@ -28,7 +28,6 @@ import torch
 
 from pie_ctx.proto.checks import count
 from pie_ctx.proto.errors import InvalidArgument
-from pie_ctx.proto.messages import ContextState
 from runtime.kv.compaction import check_keep, compact_state
 from runtime.kv.context import PageState
 from runtime.kv.disk import PageFiles
@@ -37,6 +36,7 @@ from runtime.kv.hashing import adapter_extras
 from runtime.kv.holds import HoldTable
 from runtime.kv.invariants import check_invariants
 from runtime.kv.pool import PagePool, PoolShape
+from runtime.kv.queries import ContextQueries
 from runtime.kv.snapshot_store import SnapshotStore
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.states import ContextStates
@@ -48,7 +48,7 @@ from runtime.kv.validation import Extra, page_inputs
 __all__ = ["PageStore"]
 
 
-class PageStore:
+class PageStore(ContextQueries):
     """Pool + trie + contexts + snapshots behind one validated, all-or-nothing API.
 
     Usage::
@@ -411,57 +411,6 @@ class PageStore:
         self.holds.release(hold_id, owner)
 
     # -- queries -----------------------------------------------------------------------
-
-    def page_table(self, cid: ContextId) -> list[PageId]:
-        """Every page of the context in KV order: committed (root..tip), then working.
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        state = self._states.get(cid)
-        return state.committed_page_ids() + state.working
-
-    def state(self, cid: ContextId) -> ContextState:
-        """The context's page counters (the same record the SDK receives).
-
-        ``seq_len == num_committed_pages * page_size + num_working_tokens``.
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        return self._states.get(cid).counters(self.page_size)
-
-    def tokens(self, cid: ContextId) -> list[int]:
-        """All token ids of the context, committed then working. O(seq_len).
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        return self._states.get(cid).all_tokens()
-
-    def positions(self, cid: ContextId) -> list[int]:
-        """Every token's rotary position, committed then working. O(seq_len).
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        return self._states.get(cid).all_positions()
-
-    def working_tokens(self, cid: ContextId) -> list[int]:
-        """Token ids written into working pages (a copy).
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        return self._states.get(cid).tokens.copy()
-
-    def next_position(self, cid: ContextId) -> int:
-        """Position after the last written token (equals ``seq_len`` with default positions).
-
-        Raises:
-            ContextClosed: unknown context.
-        """
-        return self._states.get(cid).next_position()
 
     # -- snapshots ---------------------------------------------------------------------
 
