@@ -241,7 +241,8 @@ def test_an_engine_killed_mid_stream_gives_one_openai_error(fleet) -> None:
     assert folder.is_dir()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}],
             "max_tokens": 400, "temperature": 0, "stream": True}
-    headers = {"x-session-id": "doomed"}
+    # the session is the key's: the raw stream names the openai client's key too
+    headers = {"x-session-id": "doomed", "authorization": "Bearer none"}
     # Two streams on the victim: one through the openai client, one raw.
     stream = client.chat.completions.create(
         model=MODEL, messages=body["messages"], max_tokens=400, temperature=0, stream=True,
