@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,10 +15,11 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from pie_ctx.proto.errors import InvalidArgument  # noqa: E402
 from runtime.fleet.app import boot_early, build_app  # noqa: E402
 from runtime.fleet.engines import OWNER, EarlyEngines  # noqa: E402
-from runtime.fleet.replica import TEMP_PREFIX, EngineReplica  # noqa: E402
-from pie_ctx.proto.errors import InvalidArgument  # noqa: E402
+from runtime.fleet.replica import EngineReplica  # noqa: E402
+from tests.fleet.temp_roots import replica_folders, short_temp_root, wait_until  # noqa: E402
 from tests.sdk.harness import tiny_model_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,16 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def temp_root() -> Iterator[Path]:
-    """A temp root of this test's own (short: a Unix socket's path is limited)."""
-    root = Path(tempfile.mkdtemp(prefix="pce-"))
-    yield root
-    for p in sorted(root.rglob("*"), reverse=True):
-        p.rmdir() if p.is_dir() else p.unlink()
-    root.rmdir()
-
-
-def folders(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(TEMP_PREFIX))
+    with short_temp_root("pce-") as root:
+        yield root
 
 
 def alive(pid: int) -> bool:
@@ -49,15 +40,6 @@ def alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
-def wait_until(check, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
 def test_replicas_adopt_early_engines_and_die_with_them(tmp_path, temp_root) -> None:
     model = tiny_model_folder(tmp_path / "model")
     shared = tmp_path / "shared"
@@ -65,7 +47,7 @@ def test_replicas_adopt_early_engines_and_die_with_them(tmp_path, temp_root) -> 
     args = ["--model", str(model), "--page-size", "4", "--num-pages", "64"]
     early = boot_early(args, shared, replicas=2, temp_dir=str(temp_root))
     try:
-        assert len(folders(temp_root)) == 2
+        assert len(replica_folders(temp_root)) == 2
         pids = [int((Path(f) / "pid").read_text()) for f in early.folders]
         # a stand-in replica process takes the first free engine, then is killed
         other = subprocess.Popen(
@@ -90,10 +72,10 @@ def test_replicas_adopt_early_engines_and_die_with_them(tmp_path, temp_root) -> 
             assert alive(pids[1])  # the other engine's owner lives
         finally:
             replica.__del__()  # what Serve calls on a graceful stop
-        assert replica.proc.exited() and folders(temp_root) == []
+        assert replica.proc.exited() and replica_folders(temp_root) == []
     finally:
         early.close()
-    assert folders(temp_root) == [] and not any(alive(p) for p in pids)
+    assert replica_folders(temp_root) == [] and not any(alive(p) for p in pids)
 
 
 def test_engines_no_replica_took_are_stopped_and_options_must_match(tmp_path,
@@ -107,7 +89,7 @@ def test_engines_no_replica_took_are_stopped_and_options_must_match(tmp_path,
         assert wait_until(lambda: not alive(pid), 10)
     finally:
         early.close()
-    assert folders(temp_root) == []
+    assert replica_folders(temp_root) == []
     shared = tmp_path / "shared"
     shared.mkdir()
     early = boot_early(["--model", str(tmp_path / "m")], shared, replicas=0,

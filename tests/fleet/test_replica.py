@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from runtime.fleet.replica import TEMP_PREFIX, EngineReplica  # noqa: E402
+from tests.fleet.temp_roots import replica_folders, short_temp_root, wait_until  # noqa: E402
 from tests.sdk.harness import tiny_model_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,26 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def temp_root(monkeypatch) -> Iterator[Path]:
-    """A temp root of this test's own (short: a Unix socket's path is limited)."""
-    root = Path(tempfile.mkdtemp(prefix="pcr-"))
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    yield root
-    for p in sorted(root.rglob("*"), reverse=True):
-        p.rmdir() if p.is_dir() else p.unlink()
-    root.rmdir()
-
-
-def replica_folders(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(TEMP_PREFIX))
-
-
-def wait_until(check, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
+    """The replicas' temporary root for this test (``tempfile.tempdir``)."""
+    with short_temp_root("pcr-") as root:
+        monkeypatch.setattr(tempfile, "tempdir", str(root))
+        yield root
 
 
 def test_a_killed_engine_takes_its_folder_and_stale_folders_are_swept(tmp_path, temp_root):
