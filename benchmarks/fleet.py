@@ -150,8 +150,14 @@ def main() -> None:
 def _fleet(args: argparse.Namespace, httpx, ray, engine_args: list[str], folder: Path,
            temp_root: Path) -> dict:
     """Start the fleet, play the ways, fail a replica, time a replacement, stop it."""
-    from runtime.fleet.app import (RAY_ENV, RAY_SYSTEM_CONFIG, boot_early, build_app,
-                                   start_fleet, stop_fleet)
+    from runtime.fleet.app import (
+        RAY_ENV,
+        RAY_SYSTEM_CONFIG,
+        boot_early,
+        build_app,
+        start_fleet,
+        stop_fleet,
+    )
     from runtime.fleet.replica import TEMP_PREFIX
 
     port = _free_port()

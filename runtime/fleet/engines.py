@@ -185,7 +185,7 @@ class EarlyEngines:
         """Stop the engines no replica took (the driver claims them first, so none is
         taken meanwhile); return how many."""
         freed = 0
-        for folder, proc in zip(self.folders, self._procs):
+        for folder, proc in zip(self.folders, self._procs, strict=False):
             try:
                 os.close(os.open(os.path.join(folder, OWNER),
                                  os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -55,8 +55,7 @@ class PrefixIndex:
     def apply(self, replica: str, seq: int, payload: bytes) -> None:
         """Apply one batch (``seq`` as sent; a batch at or below the last applied one is
         a replayed duplicate and skipped)."""
-        from runtime.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                       decode_batch)
+        from runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
         batch = decode_batch(payload)
         with self._lock:
