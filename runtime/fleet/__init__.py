@@ -8,8 +8,9 @@ a prompt), and a Ray Serve request router that sends it where its pages are.
 
 Modules: ``replica`` (the engine deployment), ``engines`` (a replica's engine process,
 and the engines ``pie-ctx fleet`` boots before Ray for replicas to adopt), ``engine_proc``
-(the engine process itself), ``router`` (the request router),
-``prefix`` (the KV-event index of which replica holds which pages), ``ingress`` (the HTTP
-front), ``app`` (``build_app`` and ``pie-ctx fleet``). Importing this package imports no
-Ray; its modules need the optional extra ``pie-ctx[ray]``. docs/scale-out.md.
+(the engine process itself), ``router`` (the request router), ``prefix`` (the KV-event
+index of which replica holds which pages), ``sessions`` (what a request names),
+``ingress`` (the HTTP front), ``app`` (``build_app`` and ``pie-ctx fleet``). Importing
+this package imports no Ray; most of its modules need the optional extra
+``pie-ctx[ray]``. docs/scale-out.md.
 """

@@ -47,9 +47,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from runtime.fleet import view
 from runtime.fleet.prompt import PromptTokens
 from runtime.fleet.replica import Call, ReplicaUnavailable
-from runtime.server.http.conversation.keys import key_scope
+from runtime.fleet.sessions import session_of
 
-__all__ = ["FleetIngress", "session_of", "merge_metrics", "replica_error", "failed_replica"]
+__all__ = ["FleetIngress", "merge_metrics", "replica_error", "failed_replica"]
 
 log = logging.getLogger("pie_ctx.fleet")
 
@@ -63,29 +63,6 @@ _UNAVAILABLE = ("The fleet could not serve this request: its replica stopped and
                 "replaced them.")
 _STOPPED = ("The fleet replica serving this request stopped while it replied; retry the "
             "request, another replica takes it (a stored conversation continues there).")
-
-
-def session_of(method: str, path: str, headers: Any, body: Any) -> str | None:
-    """The session a request names (see the module docstring), or None."""
-    if sid := headers.get("x-session-id"):
-        return f"s:{key_scope(headers)}:{sid}"
-    if m := re.match(r"^/v1/responses/(resp_[0-9a-f]{32})", path):
-        return f"r:{m.group(1)}"
-    if m := re.match(r"^/v1/pie/(channels|topics)/(.+)$", path):
-        return f"{m.group(1)}:{key_scope(headers)}:{m.group(2)}"
-    if isinstance(body, dict):
-        prev = body.get("previous_response_id")
-        if isinstance(prev, str) and prev:
-            return f"r:{prev}"
-        conv = body.get("conversation")
-        if isinstance(conv, dict):
-            conv = conv.get("id")
-        if isinstance(conv, str) and conv:
-            return f"c:{key_scope(headers)}:{conv}"
-        snap = body.get("snapshot")
-        if isinstance(snap, str) and snap:
-            return f"snap:{key_scope(headers)}:{snap}"
-    return None
 
 
 class FleetIngress:

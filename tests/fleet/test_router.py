@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from runtime.fleet.ingress import merge_metrics, session_of  # noqa: E402
+from runtime.fleet.ingress import merge_metrics  # noqa: E402
 from runtime.fleet.prefix import PrefixIndex  # noqa: E402
 from runtime.fleet.router import FleetRouter, rendezvous  # noqa: E402
+from runtime.fleet.sessions import session_of  # noqa: E402
 from runtime.kv.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 

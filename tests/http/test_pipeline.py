@@ -9,7 +9,7 @@ import pytest
 
 from pie_ctx.proto.messages import SamplerSpec
 from pie_ctx.tools import Tool
-from runtime.fleet.ingress import session_of
+from runtime.fleet.sessions import session_of
 from runtime.server.http.anthropic.schema import MessagesRequest
 from runtime.server.http.anthropic.schema import tool_choice_of as anthropic_choice
 from runtime.server.http.conversation.body import decode
