@@ -171,6 +171,59 @@ def test_mcp_tools_run_two_rounds_inside_one_request(served: Served) -> None:
     assert all(o.type != "mcp_list_tools" for o in follow.output)
 
 
+def _raw_events(served: Served, body: dict) -> list[dict]:
+    """A streamed response's events as the wire carries them (raw SSE, no client)."""
+    events = []
+    with httpx.stream("POST", f"{served.server.url}/v1/responses", json=body, timeout=300,
+                      headers={"Authorization": "Bearer none"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_every_item_and_event_validates_against_openais_types(served: Served) -> None:
+    """Strict pydantic validation of what the wire carries, by the official library's
+    own models: every stream event, the final response, its input items."""
+    import pydantic
+    from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
+
+    event_type = pydantic.TypeAdapter(ResponseStreamEvent)
+    item_type = pydantic.TypeAdapter(ResponseItem)
+    tool = {"type": "mcp", "server_label": "count", "require_approval": "never",
+            "allowed_tools": ["tally"]}
+    seen = set()
+    for body in ({"input": "Hi.", "max_output_tokens": 6},  # text: message, parts, deltas
+                 {"input": "Tally ab.", "tools": [tool], "max_tool_calls": 1,
+                  "tool_choice": "required", "max_output_tokens": 200},
+                 {"input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+                  "max_output_tokens": 200}):
+        events = _raw_events(served, {"model": "tiny-llama", "stream": True,
+                                      "temperature": 0, **body})
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        for event in events:
+            parsed = event_type.validate_python(event)
+            assert parsed.type == event["type"]
+            seen.add(event["type"])
+        final = Response.model_validate(events[-1]["response"])
+        assert final.status in ("completed", "incomplete") and final.output
+        assert final.completed_at is not None and final.usage is not None
+        stored = served.client().responses.input_items.list(final.id)
+        for item in httpx.get(f"{served.server.url}/v1/responses/{final.id}/input_items",
+                              headers={"Authorization": "Bearer none"}).json()["data"]:
+            item_type.validate_python(item)
+        assert [i.id for i in stored.data]
+    assert {"response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added", "response.output_text.delta",
+            "response.output_text.done", "response.content_part.done",
+            "response.output_item.done", "response.mcp_list_tools.in_progress",
+            "response.mcp_list_tools.completed", "response.mcp_call_arguments.delta",
+            "response.mcp_call_arguments.done", "response.mcp_call.in_progress",
+            "response.mcp_call.completed", "response.function_call_arguments.delta",
+            "response.function_call_arguments.done"} <= seen, seen
+
+
 def test_an_mcp_server_over_streamable_http(served: Served) -> None:
     r = served.create(input="Look up ab.", tools=[{"type": "mcp", "server_label": "web",
                                                    "allowed_tools": ["lookup"]}],

@@ -2,7 +2,7 @@
 
 Owner: :func:`key_scope`, the one name of a caller's API key that every key-scoped
 resource uses: the snapshot namespace of ``/v1/responses``' stored responses
-(``responses.store``) and the fleet's sessions (``runtime.fleet.ingress``: a session a
+(``responses.store``) and the fleet's sessions (``runtime.fleet.sessions``: a session a
 client names is its key's). It is a digest of the ``Authorization: Bearer`` token, never
 the token; a request without one is ``http-anonymous``. Standard library only, so any
 layer above the server may use it.

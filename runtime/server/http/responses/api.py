@@ -47,9 +47,20 @@ from runtime.server.http.conversation.errors import ApiError, guard
 from runtime.server.http.conversation.generation import Exchange, Observer, release
 from runtime.server.http.conversation.keys import key_scope
 from runtime.server.http.conversation.sse import event_stream, sse_response
-from runtime.server.http.conversation.turns import Turn, fill_turns, join_text, make_tools
+from runtime.server.http.conversation.turns import Turn, fill_turns, make_tools
 from runtime.server.http.disconnect import unless_disconnected
 from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
+from runtime.server.http.responses.items import (
+    Event,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    McpCall,
+    Message,
+    ResponseBody,
+    ResponseEvent,
+    encode,
+)
 from runtime.server.http.responses.mcp import McpServers, ServerTools
 from runtime.server.http.responses.run import DEFAULT_MAX_TOOL_CALLS, Plan, Run, usage_body
 from runtime.server.http.responses.schema import (
@@ -76,7 +87,7 @@ class _Setup:
     """A request's checked parts that its conversation is built from."""
 
     adapter: str | None  # the LoRA adapter ``model`` names (None: the base model)
-    items: list[dict[str, Any]]  # the request's input items, in their stored shape
+    items: list[Item]  # the request's input items
     records: Records  # the stored responses of the caller's key
     prev: Record | None  # the response it continues
     tools: list[Tool]  # the client's functions, then the MCP servers' tools
@@ -129,10 +140,8 @@ class ResponsesService:
     # ------------------------------------------------------------------ stored ones
 
     async def get(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
         records = await self._records(request)
-        return JSONResponse((await records.load(request.path_params["rid"])).response)
+        return _json((await records.load(request.path_params["rid"])).response)
 
     async def delete(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -144,8 +153,6 @@ class ResponsesService:
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
         q = request.query_params
         records = await self._records(request)
         items = list((await records.load(request.path_params["rid"])).input_items)
@@ -160,7 +167,7 @@ class ResponsesService:
             raise ApiError(400, "'limit' is an integer from 1 to 100", param="limit")
         if order == "desc":
             items.reverse()
-        ids = [i["id"] for i in items]
+        ids = [i.id for i in items]
         for cursor, step in (("after", 1), ("before", 0)):
             if cursor in q:
                 if q[cursor] not in ids:
@@ -168,12 +175,12 @@ class ResponsesService:
                                    param=cursor)
                 k = ids.index(q[cursor])
                 items = items[k + 1:] if step else items[:k]
-                ids = [i["id"] for i in items]
+                ids = [i.id for i in items]
         page = items[:limit]
-        return JSONResponse({"object": "list", "data": page,
-                             "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None,
-                             "has_more": len(items) > limit})
+        return _json({"object": "list", "data": page,
+                      "first_id": page[0].id if page else None,
+                      "last_id": page[-1].id if page else None,
+                      "has_more": len(items) > limit})
 
     # ----------------------------------------------------------------------- create
 
@@ -254,43 +261,43 @@ class ResponsesService:
             await unless_disconnected(request, answer)
         finally:
             await exchange.close(finished=exchange.completion_tokens > 0)
-        from starlette.responses import JSONResponse
-
-        return JSONResponse(record.response)
+        return _json(record.response)
 
     def _stream(self, run: Run, record: Record, records: Records, store: bool) -> Any:
         """The SSE events of one response (OpenAI's ``event:`` names, JSON data)."""
         exchange = run.exchange
 
-        async def produce(send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-            run.sink = send
-            await run.emit("response.created", response=dict(record.response))
-            await run.emit("response.in_progress", response=dict(record.response))
+        async def produce(send: Callable[[dict[str, str]], Awaitable[None]]) -> None:
+            async def sink(event: Event) -> None:  # encoded now: items change later
+                await send({"event": event.type, "data": encode(event).decode()})
+
+            run.sink = sink
+            for kind in ("response.created", "response.in_progress"):
+                await run.emit(ResponseEvent(type=kind, response=record.response))
             await run.go()
             self._finish(run, record)
             if store:
                 await records.save(run.ctx, record)
             kind = ("response.completed" if run.status == "completed"
                     else "response.incomplete")
-            await run.emit(kind, response=record.response)
+            await run.emit(ResponseEvent(type=kind, response=record.response))
 
-        async def failed(err: ApiError, send: Callable[[dict[str, Any]], Awaitable[None]]
+        async def failed(err: ApiError, send: Callable[[dict[str, str]], Awaitable[None]]
                          ) -> None:
-            record.response.update(status="failed", output=run.output,
-                                   error={"code": err.code or "server_error",
-                                          "message": err.message})
-            await run.emit("response.failed", response=record.response)
+            response = record.response
+            response.status, response.output = "failed", run.output
+            response.error = {"code": err.code or "server_error", "message": err.message}
+            await run.emit(ResponseEvent(type="response.failed", response=response))
 
         async def finish() -> None:
             await exchange.close(finished=exchange.completion_tokens > 0)
 
-        return event_stream(self.get_runtime(), produce, failed,
-                            lambda e: {"event": e["type"], "data": json.dumps(e)}, finish)
+        return event_stream(self.get_runtime(), produce, failed, lambda m: m, finish)
 
     # ----------------------------------------------------------------- the context
 
     async def _context(self, records: Records, prev: Record | None, continued: bool,
-                       req: ResponsesRequest, items: list[dict[str, Any]], tools: list[Tool],
+                       req: ResponsesRequest, items: list[Item], tools: list[Tool],
                        adapter: str | None) -> Context:
         """The context holding the conversation with its assistant turn opened."""
         rt = records.rt
@@ -302,7 +309,7 @@ class ResponsesService:
                 raise not_found(prev.id, "previous_response_id") from None
             turns = turns_of_items(items)
         else:
-            history: list[dict[str, Any]] = []
+            history: list[Item] = []
             if prev is not None:
                 for r in await records.chain(prev):
                     history.extend(r.conversation_items())
@@ -370,35 +377,28 @@ class ResponsesService:
 
     # ------------------------------------------------------------------------ bodies
 
-    def _body(self, rid: str, req: ResponsesRequest, tools: list[Tool]) -> dict[str, Any]:
+    def _body(self, rid: str, req: ResponsesRequest, tools: list[Tool]) -> ResponseBody:
         """The response object before its output (``response.created``'s)."""
         choice: Any = req.tool_choice if req.tool_choice is not None else "auto"
         fmt = req.text.format if req.text is not None and req.text.format else None
-        return {
-            "id": rid, "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "model": req.model, "output": [],
-            "instructions": req.instructions, "previous_response_id":
-                req.previous_response_id,
-            "tools": [msgspec.to_builtins(t) for t in req.tools or ()],
-            "tool_choice": msgspec.to_builtins(choice),
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "text": {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
-            "truncation": "disabled", "metadata": dict(req.metadata or {}),
-            "store": req.store is not False, "background": False, "usage": None,
-            "error": None, "incomplete_details": None, "reasoning": {"effort": None,
-                                                                     "summary": None},
-            "user": req.user, "service_tier": "default",
-        }
+        return ResponseBody(
+            id=rid, created_at=int(time.time()), model=req.model,
+            instructions=req.instructions, previous_response_id=req.previous_response_id,
+            tools=[msgspec.to_builtins(t) for t in req.tools or ()],
+            tool_choice=msgspec.to_builtins(choice),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            max_output_tokens=req.max_output_tokens, max_tool_calls=req.max_tool_calls,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            text={"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
+            metadata=dict(req.metadata or {}), store=req.store is not False, user=req.user)
 
     @staticmethod
     def _finish(run: Run, record: Record) -> None:
-        record.response.update(
-            status=run.status, output=run.output, usage=usage_body(run.exchange),
-            completed_at=int(time.time()),
-            incomplete_details={"reason": run.incomplete} if run.incomplete else None)
+        response = record.response
+        response.status, response.output = run.status, run.output
+        response.usage, response.completed_at = usage_body(run.exchange), int(time.time())
+        response.incomplete_details = {"reason": run.incomplete} if run.incomplete else None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -435,18 +435,22 @@ def _constraint(req: ResponsesRequest) -> Any:
                            missing="text.format json_schema needs 'schema': {...}")
 
 
-def _text(item: dict[str, Any]) -> str:
-    def never(j: int, part: Any) -> ApiError:  # stored items hold text parts only
-        raise RuntimeError(f"a stored item's part {j} is not text: {part!r}")
+def _json(value: Any) -> Any:
+    """A JSON response of typed objects (``items``) or plain data holding them."""
+    from starlette.responses import Response
 
-    return join_text(item.get("content"), lambda p: p.get("text") or p.get("refusal") or "",
-                     never)
+    return Response(encode(value), media_type="application/json")
 
 
-def turns_of_items(items: list[dict[str, Any]], offset: int = 0) -> list[Turn]:
+def _text(item: Message) -> str:
+    return "".join(part.text for part in item.content)
+
+
+def turns_of_items(items: list[Item], offset: int = 0) -> list[Turn]:
     """Stored items as chat turns: messages as their roles (``developer`` is ``system``),
     consecutive calls as one assistant turn (after its text, if any), function outputs as
-    tool turns; an ``mcp_call`` is a call and, after its group of calls, its result.
+    tool turns; an ``mcp_call`` is a call and, after its group of calls, its result
+    (``mcp_list_tools`` adds nothing).
 
     ``offset``: how many of ``items`` came before the request's own (for error indices).
     """
@@ -459,23 +463,22 @@ def turns_of_items(items: list[dict[str, Any]], offset: int = 0) -> list[Turn]:
 
     for k, item in enumerate(items):
         i = k - offset
-        kind = item["type"]
-        if kind in ("function_call", "mcp_call"):
-            call_id = item["call_id"] if kind == "function_call" else item["id"]
-            call = ToolCall(id=call_id, name=item["name"],
-                            arguments=json.loads(item["arguments"] or "{}"))
+        if isinstance(item, FunctionCall | McpCall):
+            call_id = item.call_id if isinstance(item, FunctionCall) else item.id
+            call = ToolCall(id=call_id, name=item.name,
+                            arguments=json.loads(item.arguments or "{}"))
             if not turns or turns[-1].role != "assistant":
                 turns.append(Turn(i, "assistant", ""))
             turns[-1].calls.append(call)
-            if kind == "mcp_call":
-                deferred.append(Turn(i, "tool", item.get("output") or item.get("error") or "",
+            if isinstance(item, McpCall):
+                deferred.append(Turn(i, "tool", item.output or item.error or "",
                                      call_id=call_id))
             continue
         flush()
-        if kind == "function_call_output":
-            turns.append(Turn(i, "tool", item["output"], call_id=item["call_id"]))
-        elif kind == "message":
-            role = "system" if item["role"] == "developer" else item["role"]
+        if isinstance(item, FunctionCallOutput):
+            turns.append(Turn(i, "tool", item.output, call_id=item.call_id))
+        elif isinstance(item, Message):
+            role = "system" if item.role == "developer" else item.role
             turns.append(Turn(i, role, _text(item)))
     flush()
     for turn in turns:

@@ -15,9 +15,9 @@ comes in built (``api``); :meth:`Run.go` then
    the same request. Once the budget is spent the next generation may not call
    (``tool_choice`` ``"none"``), so a loop always ends.
 
-Every item and event follows OpenAI's shapes (``openai.types.responses``): the official
-client and the frameworks built on it parse them. ``sink`` hears each event (the SSE
-stream) or nothing (a plain response).
+Items and events are the typed objects of ``items`` (OpenAI's shapes). ``sink`` hears each
+event the moment it is made (the SSE stream encodes it then, so an item changing later
+does not change an event already sent), or nothing (a plain response).
 """
 
 from __future__ import annotations
@@ -37,6 +37,25 @@ from pie_ctx.tools import Tool, ToolCall
 from runtime.server.http.conversation.decoding import tool_options
 from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.conversation.generation import Exchange
+from runtime.server.http.responses.items import (
+    ArgumentsDelta,
+    Event,
+    FunctionArgumentsDone,
+    FunctionCall,
+    ItemEvent,
+    ItemRef,
+    McpArgumentsDone,
+    McpCall,
+    McpListTools,
+    McpToolInfo,
+    Message,
+    OutputItem,
+    OutputText,
+    PartEvent,
+    TextDelta,
+    TextDone,
+    Usage,
+)
 from runtime.server.http.responses.mcp import McpServers, ServerTools
 from runtime.server.http.responses.schema import item_id
 
@@ -64,22 +83,31 @@ class Plan:
     ignore_eos: bool = False
 
 
-def usage_body(exchange: Exchange) -> dict[str, Any]:
+def usage_body(exchange: Exchange) -> Usage:
     """A response's ``usage``: every generation of it together."""
     prompt, cached = exchange.prompt_tokens, exchange.cached_tokens
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached,
-                                     "cache_write_tokens": prompt - cached},
-            "output_tokens": exchange.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + exchange.completion_tokens}
+    return Usage(input_tokens=prompt,
+                 input_tokens_details={"cached_tokens": cached,
+                                       "cache_write_tokens": prompt - cached},
+                 output_tokens=exchange.completion_tokens,
+                 output_tokens_details={"reasoning_tokens": 0},
+                 total_tokens=prompt + exchange.completion_tokens)
 
 
-Sink = Callable[[dict[str, Any]], Awaitable[None]]
+Sink = Callable[[Event], Awaitable[None]]
 
 
-async def _quiet(event: dict[str, Any]) -> None:
+async def _quiet(event: Event) -> None:
     return None
+
+
+@dataclass(slots=True)
+class _Open:
+    """The assistant message being written: its item, its place in the output, its part."""
+
+    item: Message
+    index: int
+    part: OutputText
 
 
 @dataclass(slots=True)
@@ -92,41 +120,42 @@ class Run:
     mcp: McpServers
     exchange: Exchange
     sink: Sink = _quiet
-    output: list[dict[str, Any]] = field(default_factory=list)
+    output: list[OutputItem] = field(default_factory=list)
     status: str = "in_progress"
     incomplete: str | None = None
     _seq: int = 0
 
-    async def emit(self, kind: str, **fields: Any) -> None:
-        event = {"type": kind, "sequence_number": self._seq, **fields}
+    async def emit(self, event: Event) -> None:
+        """Number ``event`` and hand it to the sink."""
+        event.sequence_number = self._seq
         self._seq += 1
         await self.sink(event)
 
     # -------------------------------------------------------------------------- items
 
-    async def _add(self, item: dict[str, Any]) -> int:
+    async def _add(self, item: OutputItem) -> int:
         self.output.append(item)
         index = len(self.output) - 1
-        await self.emit("response.output_item.added", output_index=index, item=dict(item))
+        await self.emit(ItemEvent(type="response.output_item.added", output_index=index,
+                                  item=item))
         return index
 
     async def _done(self, index: int) -> None:
-        await self.emit("response.output_item.done", output_index=index,
-                        item=self.output[index])
+        await self.emit(ItemEvent(type="response.output_item.done", output_index=index,
+                                  item=self.output[index]))
+
+    async def _progress(self, kind: str, item: OutputItem, index: int) -> None:
+        await self.emit(ItemRef(type=kind, item_id=item.id, output_index=index))
 
     async def list_tools(self) -> None:
         """The ``mcp_list_tools`` items (one per server this response lists)."""
         for server in self.plan.listed:
-            item = {"id": item_id("mcpl"), "type": "mcp_list_tools",
-                    "server_label": server.label, "tools": [], "error": None}
+            item = McpListTools(id=item_id("mcpl"), server_label=server.label)
             index = await self._add(item)
-            await self.emit("response.mcp_list_tools.in_progress", item_id=item["id"],
-                            output_index=index)
-            item["tools"] = [{"name": t.name, "description": t.description,
-                              "input_schema": t.parameters, "annotations": None}
-                             for t in server.tools]
-            await self.emit("response.mcp_list_tools.completed", item_id=item["id"],
-                            output_index=index)
+            await self._progress("response.mcp_list_tools.in_progress", item, index)
+            item.tools = [McpToolInfo(name=t.name, description=t.description,
+                                      input_schema=t.parameters) for t in server.tools]
+            await self._progress("response.mcp_list_tools.completed", item, index)
             await self._done(index)
 
     # ------------------------------------------------------------------------- rounds
@@ -164,8 +193,8 @@ class Run:
         budget = min(plan.max_output - self.exchange.completion_tokens,
                      plan.max_seq_len - self.ctx.seq_len - len(self.ctx.pending_tokens))
         gen = self._generate(max(1, budget), options)
-        message: dict[str, Any] | None = None
-        running: list[tuple[ToolCall, dict[str, Any], int, dict[str, Any]]] = []
+        message: _Open | None = None
+        running: list[tuple[ToolCall, McpCall, int, dict[str, Any]]] = []
         client_calls: list[ToolCall] = []
         try:
             async with anyio.create_task_group() as tg:
@@ -191,11 +220,10 @@ class Run:
         server_calls = []
         for call, item, index, box in running:  # every run has finished (the task group)
             text, failed = box["result"]
-            item.update(status="failed" if failed else "completed",
-                        output=None if failed else text, error=text if failed else None)
-            await self.emit("response.mcp_call.failed" if failed
-                            else "response.mcp_call.completed",
-                            item_id=item["id"], output_index=index)
+            item.status = "failed" if failed else "completed"
+            item.output, item.error = (None, text) if failed else (text, None)
+            await self._progress("response.mcp_call.failed" if failed
+                                 else "response.mcp_call.completed", item, index)
             await self._done(index)
             server_calls.append((call, text))
         return server_calls, client_calls, gen.finish_reason or "stop"
@@ -224,59 +252,56 @@ class Run:
 
     # ------------------------------------------------------------------------- output
 
-    async def _open_message(self) -> dict[str, Any]:
-        item = {"id": item_id("msg"), "type": "message", "role": "assistant",
-                "status": "in_progress", "content": []}
+    async def _open_message(self) -> _Open:
+        item = Message(id=item_id("msg"), role="assistant", status="in_progress")
         index = await self._add(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item["content"].append(part)
-        await self.emit("response.content_part.added", item_id=item["id"],
-                        output_index=index, content_index=0, part=dict(part))
-        return {"item": item, "index": index, "part": part}
+        part = OutputText()
+        item.content.append(part)
+        await self.emit(PartEvent(type="response.content_part.added", item_id=item.id,
+                                  output_index=index, part=part))
+        return _Open(item, index, part)
 
-    async def _text(self, message: dict[str, Any], delta: Delta) -> None:
-        message["part"]["text"] += delta.content
-        await self.emit("response.output_text.delta", item_id=message["item"]["id"],
-                        output_index=message["index"], content_index=0,
-                        delta=delta.content, logprobs=[])
+    async def _text(self, message: _Open, delta: Delta) -> None:
+        message.part.text += delta.content
+        await self.emit(TextDelta(type="response.output_text.delta", item_id=message.item.id,
+                                  output_index=message.index, delta=delta.content))
 
-    async def _close_message(self, message: dict[str, Any]) -> None:
-        item, index, part = message["item"], message["index"], message["part"]
-        await self.emit("response.output_text.done", item_id=item["id"], output_index=index,
-                        content_index=0, text=part["text"], logprobs=[])
-        await self.emit("response.content_part.done", item_id=item["id"],
-                        output_index=index, content_index=0, part=part)
-        item["status"] = "completed"
+    async def _close_message(self, message: _Open) -> None:
+        item, index, part = message.item, message.index, message.part
+        await self.emit(TextDone(type="response.output_text.done", item_id=item.id,
+                                 output_index=index, text=part.text))
+        await self.emit(PartEvent(type="response.content_part.done", item_id=item.id,
+                                  output_index=index, part=part))
+        item.status = "completed"
         await self._done(index)
 
     async def _function_call(self, call: ToolCall) -> None:
         args = json.dumps(call.arguments)
-        item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress",
-                "call_id": call.id, "name": call.name, "arguments": ""}
+        item = FunctionCall(id=item_id("fc"), status="in_progress", call_id=call.id,
+                            name=call.name, arguments="")
         index = await self._add(item)
-        await self.emit("response.function_call_arguments.delta", item_id=item["id"],
-                        output_index=index, delta=args)
-        item.update(arguments=args, status="completed")
-        await self.emit("response.function_call_arguments.done", item_id=item["id"],
-                        output_index=index, name=call.name, arguments=args)
+        await self.emit(ArgumentsDelta(type="response.function_call_arguments.delta",
+                                       item_id=item.id, output_index=index, delta=args))
+        item.arguments, item.status = args, "completed"
+        await self.emit(FunctionArgumentsDone(type="response.function_call_arguments.done",
+                                              item_id=item.id, output_index=index,
+                                              name=call.name, arguments=args))
         await self._done(index)
 
     async def _start_mcp(self, tg: Any, call: ToolCall
-                         ) -> tuple[ToolCall, dict[str, Any], int, dict[str, Any]]:
+                         ) -> tuple[ToolCall, McpCall, int, dict[str, Any]]:
         """Emit an ``mcp_call`` item and start its run (it goes on beside the generation)."""
         label = self.plan.mcp[call.name]
         args = json.dumps(call.arguments)
-        item = {"id": item_id("mcp"), "type": "mcp_call", "server_label": label,
-                "name": call.name, "arguments": "", "output": None, "error": None,
-                "status": "in_progress"}
+        item = McpCall(id=item_id("mcp"), server_label=label, name=call.name,
+                       status="in_progress")
         index = await self._add(item)
-        await self.emit("response.mcp_call_arguments.delta", item_id=item["id"],
-                        output_index=index, delta=args)
-        item["arguments"] = args
-        await self.emit("response.mcp_call_arguments.done", item_id=item["id"],
-                        output_index=index, arguments=args)
-        await self.emit("response.mcp_call.in_progress", item_id=item["id"],
-                        output_index=index)
+        await self.emit(ArgumentsDelta(type="response.mcp_call_arguments.delta",
+                                       item_id=item.id, output_index=index, delta=args))
+        item.arguments = args
+        await self.emit(McpArgumentsDone(type="response.mcp_call_arguments.done",
+                                         item_id=item.id, output_index=index, arguments=args))
+        await self._progress("response.mcp_call.in_progress", item, index)
         box: dict[str, Any] = {}
 
         async def run() -> None:

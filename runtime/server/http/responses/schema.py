@@ -3,9 +3,8 @@
 Owner: the shape of a Responses request. :func:`decode_request` checks the body in one pass
 (types, ranges, unknown fields: refused by name as the chat API does, through
 ``conversation.body.decode``); :func:`input_items` turns ``input`` (a string, or a list of
-items) into the items this server stores and lists back (``GET
-/v1/responses/{id}/input_items``): each with an ``id`` and OpenAI's item shape, so the
-official client parses them.
+items) into the typed items (``items``) this server stores and lists back (``GET
+/v1/responses/{id}/input_items``), each with an ``id``.
 
 Items served: messages (``user``, ``system``, ``developer``, ``assistant``; content a
 string or ``input_text``/``output_text`` parts), ``function_call``,
@@ -25,6 +24,15 @@ import msgspec
 import runtime.server.http.conversation.body as body
 from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.conversation.turns import join_text, parse_arguments
+from runtime.server.http.responses.items import (
+    FunctionCall,
+    FunctionCallOutput,
+    InputText,
+    Item,
+    McpCall,
+    Message,
+    OutputText,
+)
 
 __all__ = ["ResponsesRequest", "FunctionTool", "McpTool", "decode_request", "input_items",
            "item_id", "MAX_ITEMS", "MAX_METADATA"]
@@ -209,15 +217,13 @@ def _text_parts(content: Any, i: int, role: str) -> str:
     return join_text(content, text_of, refuse)
 
 
-def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+def _message(item: dict[str, Any], i: int) -> Message:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise _bad(i, "a message's 'role' is 'user', 'system', 'developer' or 'assistant'")
     text = _text_parts(item.get("content"), i, role)
-    part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
-            else {"type": "input_text", "text": text})
-    return {"id": item_id("msg"), "type": "message", "role": role, "status": "completed",
-            "content": [part]}
+    part = OutputText(text=text) if role == "assistant" else InputText(text=text)
+    return Message(id=item_id("msg"), role=role, content=[part])
 
 
 def _arguments(item: dict[str, Any], i: int) -> str:
@@ -229,7 +235,7 @@ def _arguments(item: dict[str, Any], i: int) -> str:
     return args
 
 
-def _item(item: Any, i: int) -> dict[str, Any] | None:
+def _item(item: Any, i: int) -> Item | None:
     """One input item in its stored shape (None: an item that adds nothing to the
     conversation, as an ``mcp_list_tools`` the client echoes back)."""
     if not isinstance(item, dict):
@@ -238,28 +244,26 @@ def _item(item: Any, i: int) -> dict[str, Any] | None:
     if kind == "message":
         return _message(item, i)
     if kind == "function_call":
-        return {"id": item_id("fc"), "type": "function_call", "status": "completed",
-                "call_id": _string(item, "call_id", i), "name": _string(item, "name", i),
-                "arguments": _arguments(item, i)}
+        return FunctionCall(id=item_id("fc"), call_id=_string(item, "call_id", i),
+                            name=_string(item, "name", i), arguments=_arguments(item, i))
     if kind == "function_call_output":
         out = item.get("output")
         text = out if isinstance(out, str) else _text_parts(out, i, "tool")
-        return {"id": item_id("fco"), "type": "function_call_output", "status": "completed",
-                "call_id": _string(item, "call_id", i), "output": text}
+        return FunctionCallOutput(id=item_id("fco"), call_id=_string(item, "call_id", i),
+                                  output=text)
     if kind == "mcp_call":
-        return {"id": _string(item, "id", i), "type": "mcp_call",
-                "server_label": _string(item, "server_label", i),
-                "name": _string(item, "name", i), "arguments": _arguments(item, i),
-                "output": _string(item, "output", i, required=False),
-                "error": item.get("error") if isinstance(item.get("error"), str) else None,
-                "status": "completed"}
+        error = item.get("error")
+        return McpCall(id=_string(item, "id", i), server_label=_string(item, "server_label", i),
+                       name=_string(item, "name", i), arguments=_arguments(item, i),
+                       output=_string(item, "output", i, required=False),
+                       error=error if isinstance(error, str) else None)
     if kind == "mcp_list_tools":
         return None
     raise _bad(i, f"items of type {str(kind)[:40]!r} are not supported (served: message, "
                   "function_call, function_call_output, mcp_call, mcp_list_tools)")
 
 
-def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+def input_items(value: str | list[Any]) -> list[Item]:
     """``input`` as stored items (a string is one user message).
 
     Raises:

@@ -11,7 +11,9 @@ Owner: what ``/v1/responses`` keeps between requests, written against the public
   after the answer: ``Context.save``, so its pages are shared and refcounted, and a
   follow-up opens it and computes only its new items), and a record in the namespace's
   store (``rt.store``: the response body, its input items, the id it continued and the
-  header it was built with), split into parts of at most ``PART_BYTES``.
+  header it was built with, as JSON of the typed ``Record``), split into parts of at most
+  ``PART_BYTES``. A record decodes straight into the typed items (``items``), records
+  written before they were typed too (the JSON is the same).
 * **Lifetime** (docs/http.md): a stored response expires ``TTL_S`` after it was created
   (30 days, as OpenAI keeps them), and a namespace keeps at most ``MAX_STORED`` of them: the
   oldest are deleted first (ids sort by creation time). ``DELETE`` removes one at once.
@@ -24,15 +26,16 @@ import json
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 
 from pie_ctx import Context, Runtime
 from pie_ctx.proto.errors import OutOfPages, PieError, SnapshotNotFound, StoreFull
 from pie_ctx.transport import LocalTransport
 from runtime.server.http.conversation.errors import ApiError
+from runtime.server.http.responses.items import Item, ResponseBody, encode
 
 __all__ = ["Namespaces", "Record", "Records", "new_response_id", "TTL_S", "MAX_STORED"]
 
@@ -121,13 +124,13 @@ class Namespaces:
 # ---------------------------------------------------------------------------- records
 
 
-@dataclass(slots=True)
-class Record:
-    """A stored response: its body, its input items, what it continued."""
+class Record(msgspec.Struct, kw_only=True):
+    """A stored response: its body, its input items, what it continued. Stored as JSON
+    under its id (records written before they were typed hold no ``id`` field)."""
 
-    id: str
-    response: dict[str, Any]
-    input_items: list[dict[str, Any]]
+    id: str = ""
+    response: ResponseBody
+    input_items: list[Item]
     previous: str | None
     header: dict[str, Any]  # model, instructions and tools its context was built with
     created: float
@@ -136,9 +139,12 @@ class Record:
     def snapshot(self) -> str:
         return _PREFIX + self.id
 
-    def conversation_items(self) -> list[dict[str, Any]]:
+    def conversation_items(self) -> list[Item]:
         """Its input items, then its output items: what it adds to the conversation."""
-        return self.input_items + list(self.response.get("output", []))
+        return self.input_items + list(self.response.output)
+
+
+_decode_record = msgspec.json.Decoder(Record).decode
 
 
 class Records:
@@ -165,10 +171,8 @@ class Records:
             if not isinstance(part, str):
                 raise not_found(rid, param)
             parts.append(part)
-        data = json.loads("".join(parts))
-        record = Record(id=rid, response=data["response"], input_items=data["input_items"],
-                        previous=data["previous"], header=data["header"],
-                        created=data["created"])
+        record = _decode_record("".join(parts))
+        record.id = rid
         if time.time() - record.created > TTL_S:
             await self.delete(rid)
             raise not_found(rid, param)
@@ -196,9 +200,7 @@ class Records:
             except OutOfPages:  # stored responses hold pool pages (a pool without a disk)
                 if attempt == 7 or not await self._drop_oldest(exclude=record.id):
                     raise
-        text = json.dumps({"response": record.response, "input_items": record.input_items,
-                           "previous": record.previous, "header": record.header,
-                           "created": record.created})
+        text = encode(record).decode()
         parts = [text[i:i + PART_BYTES] for i in range(0, len(text), PART_BYTES)] or [""]
         for attempt in range(8):
             try:
