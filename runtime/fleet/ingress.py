@@ -9,8 +9,9 @@ sends it. What a request names, in order:
 * ``previous_response_id`` (Responses API), ``/v1/responses/{id}``: the response's
   session; the id of every response a replica answers with is written into the table, so
   a conversation's next turn goes where its snapshot is resident;
-* ``conversation`` (Responses API), ``snapshot`` (our chat/completions extension): that
-  conversation or snapshot, per API key;
+* ``conversation`` (Responses API), ``snapshot`` (our chat/completions extension),
+  ``prompt_cache_key`` (OpenAI's, chat and Responses): that conversation, snapshot or
+  cache key, per API key;
 * ``/v1/pie/channels/{name}`` and ``/v1/pie/topics/{name}``: the channel or topic, so
   every party of one channel meets on one replica;
 * otherwise a chat or completion prompt's tokens (prefix routing), else nothing

@@ -35,4 +35,7 @@ def session_of(method: str, path: str, headers: Any, body: Any) -> str | None:
         snap = body.get("snapshot")
         if isinstance(snap, str) and snap:
             return f"snap:{key_scope(headers)}:{snap}"
+        cache_key = body.get("prompt_cache_key")  # OpenAI's: same key, same replica
+        if isinstance(cache_key, str) and cache_key:
+            return f"pck:{key_scope(headers)}:{cache_key}"
     return None

@@ -84,3 +84,9 @@ def test_one_key_scope_for_the_store_and_the_fleet() -> None:
     # the fleet's sessions are scoped by the same function
     assert session_of("POST", "/v1/chat/completions", {**a, "x-session-id": "u7"}, {}) == \
         f"s:{key_scope(a)}:u7"
+    # OpenAI's prompt_cache_key: the same key lands on the same replica, per API key
+    assert session_of("POST", "/v1/responses", a, {"prompt_cache_key": "k"}) == \
+        session_of("POST", "/v1/chat/completions", a, {"prompt_cache_key": "k"}) == \
+        f"pck:{key_scope(a)}:k"
+    assert session_of("POST", "/v1/responses", {}, {"prompt_cache_key": "k"}) != \
+        session_of("POST", "/v1/responses", a, {"prompt_cache_key": "k"})
