@@ -442,7 +442,7 @@ class Context(Counters, Turns):
         after ``ttl`` seconds or at ``rt.release_hold``. See docs/pages.md, "Holds".
 
         Args:
-            ttl: seconds to keep the pages, in ``(0, 3600]``.
+            ttl: seconds to keep the pages, in ``(0, 86400]`` (a day).
             priority: an int in ``[0, 100]``; higher is evicted later.
             num_tokens: hold only the leading tokens' whole pages (None: all of them).
 

@@ -86,7 +86,7 @@ def finite(value: Any, what: str) -> float:
     return float(value)
 
 
-MAX_HOLD_TTL = 3600.0
+MAX_HOLD_TTL = 86400.0  # a day: OpenAI's longest prompt_cache_retention ("24h")
 """The longest time to live a hold may ask for, in seconds (docs/pages.md, "Holds")."""
 MAX_HOLD_PRIORITY = 100
 """The highest hold priority; pages of a higher-priority hold are evicted later."""

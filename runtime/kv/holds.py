@@ -17,7 +17,7 @@ is one, and stays there until the hold ends.
 Bounds: an owner's live holds together may cover at most ``max_pages_per_owner`` pages
 (each counted at the length it had when taken); a hold over it raises ``HoldLimit`` and
 changes nothing. A priority is an int in ``[0, 100]``, a time to live a finite number of
-seconds in ``(0, 3600]`` (``pie_ctx.proto.checks.hold_terms``).
+seconds in ``(0, 86400]`` (``pie_ctx.proto.checks.hold_terms``).
 """
 
 from __future__ import annotations

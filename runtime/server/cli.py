@@ -183,6 +183,10 @@ def register(subparsers: Any) -> None:
                        help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for "
                             "any) call the HTTP API: CORS preflights are answered and replies "
                             "carry Access-Control-Allow-Origin (repeatable; needs --http)")
+    serve.add_argument("--tool-hold", type=float, default=None, metavar="SECONDS",
+                       help="how long the HTTP API keeps a turn that ends in tool calls held "
+                            "in the cache while the client runs them (default 30; 0: not "
+                            "held; at most 3600; docs/http.md, \"Caching\")")
     serve.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                        help=argparse.SUPPRESS)
     serve.set_defaults(func=serve_main)
@@ -268,6 +272,8 @@ def serve_main(args: argparse.Namespace) -> int:
             raise PieError("--mcp needs --http (its tools serve /v1/responses)")
         if args.cors_origin and http is None:
             raise PieError("--cors-origin needs --http")
+        if args.tool_hold is not None and not 0 <= args.tool_hold <= 3600:
+            raise PieError(f"--tool-hold is seconds from 0 to 3600, got {args.tool_hold:g}")
         folder = None if args.inferlets is None else InferletFolder(args.inferlets)
         if args.kv_events_replay is not None and args.kv_events is None:
             raise PieError("--kv-events-replay needs --kv-events")
@@ -313,7 +319,8 @@ def serve_main(args: argparse.Namespace) -> int:
         anyio.run(lambda: run_server(engine, address, token=token,
                                      max_frame_bytes=args.max_frame_bytes, ready=ready,
                                      http=http, api_key=api_key, http_ready=http_ready,
-                                     mcp=mcp, cors_origins=args.cors_origin))
+                                     mcp=mcp, cors_origins=args.cors_origin,
+                                     tool_hold_s=args.tool_hold))
     except PieError as err:
         _say(f"error: {err}")
         return 2

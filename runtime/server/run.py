@@ -101,7 +101,8 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                      api_key: str | None = None,
                      http_ready: Callable[[Any], None] | None = None,
                      mcp: dict[str, str] | None = None,
-                     cors_origins: list[str] | None = None) -> None:
+                     cors_origins: list[str] | None = None,
+                     tool_hold_s: float | None = None) -> None:
     """Run ``engine`` behind a server on ``address`` until SIGINT/SIGTERM (or cancellation).
 
     On a signal the server stops accepting, cancels every running request (each client's
@@ -120,6 +121,8 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         http_ready: called with the bound HTTP address once HTTP clients can connect.
         mcp: MCP servers for the HTTP API's server-side tools, name -> command or URL.
         cors_origins: the browser origins the HTTP API answers CORS requests from.
+        tool_hold_s: how long the HTTP API holds a turn that ends in tool calls (None:
+            its default; 0: not held).
 
     If the engine's runner is lost (a tensor-parallel rank died), every pending request
     gets the ``ModelError``, then the server stops and raises it.
@@ -151,8 +154,9 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                 if http_sock is not None:
                     from runtime.server.http.app import create_app, serve_http
 
+                    extra = {} if tool_hold_s is None else {"tool_wait_s": tool_hold_s}
                     app = create_app(engine, api_key=api_key, mcp=mcp,
-                                     cors_origins=cors_origins)
+                                     cors_origins=cors_origins, **extra)
                     await tg.start(serve_http, app, http_sock)
                     if http_ready is not None:
                         http_ready(http)

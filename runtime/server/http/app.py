@@ -29,6 +29,7 @@ import anyio.abc
 
 from pie_ctx import Runtime
 from pie_ctx.proto.errors import InvalidArgument
+from runtime.server.http.conversation.holds import TOOL_WAIT_S, PromptHolds
 
 __all__ = ["HttpAddress", "create_app", "parse_http_address", "serve_http", "is_loopback"]
 
@@ -132,7 +133,8 @@ async def _not_found(request: Any, exc: Any) -> Any:
 
 def create_app(engine: Any, *, api_key: str | None = None,
                mcp: dict[str, str] | None = None,
-               cors_origins: list[str] | None = None) -> Any:
+               cors_origins: list[str] | None = None,
+               tool_wait_s: float = TOOL_WAIT_S) -> Any:
     """The Starlette app for ``engine`` (already running, or started by the caller before
     the app's lifespan begins).
 
@@ -144,6 +146,8 @@ def create_app(engine: Any, *, api_key: str | None = None,
         cors_origins: browser origins allowed to call the API (``serve --cors-origin``;
             ``*`` for any): Starlette's ``CORSMiddleware`` answers their preflights
             (before the key check: a preflight carries no key) and marks the replies.
+        tool_wait_s: how long a turn that ends in tool calls keeps its context held in
+            the cache while the client runs them (``serve --tool-hold``; 0: not held).
     """
     from starlette.applications import Starlette
 
@@ -161,8 +165,10 @@ def create_app(engine: Any, *, api_key: str | None = None,
 
     metrics = Metrics(engine)
     holder: dict[str, Runtime] = {}
+    holds = PromptHolds()  # one table: a key's share counts its holds on every API
     service = OpenAIService(lambda: holder["rt"], engine.model_name, metrics,
-                            adapters=lambda: engine.info().adapters)
+                            adapters=lambda: engine.info().adapters, holds=holds,
+                            tool_wait_s=tool_wait_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -177,9 +183,9 @@ def create_app(engine: Any, *, api_key: str | None = None,
     channels = ChannelRoutes(lambda: holder["rt"])
     inferlets = InferletRoutes(lambda: holder["rt"])
     serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model)
-    messages = MessagesService(lambda: holder["rt"], service.check_model, metrics)
+    messages = MessagesService(lambda: holder["rt"], service.check_model, metrics, holds)
     responses = ResponsesService(engine, lambda: holder["rt"], engine.model_name,
-                                 service.check_model, metrics, mcp)
+                                 service.check_model, metrics, mcp, holds, tool_wait_s)
     embeddings = EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
                                  lambda: engine.info().adapters)
     routes = [*service.routes, *responses.routes, *messages.routes, *serving.routes,

@@ -98,7 +98,7 @@ class _EngineCollector:
 _PATHS = frozenset({
     "/", "/metrics", "/health", "/version", "/tokenize", "/detokenize",
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-    "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+    "/v1/responses", "/v1/responses/input_tokens", "/v1/conversations", "/v1/messages",
     "/v1/messages/count_tokens", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/v1/pie/state"})
 # Routes with a path parameter, counted under one label each (the first match).
@@ -106,6 +106,10 @@ _PATTERNS = ((re.compile(r"/v1/models/.+"), "/v1/models/{model}"),
              (re.compile(r"/v1/responses/[^/]+/input_items"),
               "/v1/responses/{id}/input_items"),
              (re.compile(r"/v1/responses/[^/]+"), "/v1/responses/{id}"),
+             (re.compile(r"/v1/conversations/[^/]+/items/[^/]+"),
+              "/v1/conversations/{id}/items/{item_id}"),
+             (re.compile(r"/v1/conversations/[^/]+/items"), "/v1/conversations/{id}/items"),
+             (re.compile(r"/v1/conversations/[^/]+"), "/v1/conversations/{id}"),
              (re.compile(r"/v1/pie/channels/.+"), "/v1/pie/channels/{name}"),
              (re.compile(r"/v1/pie/topics/.+"), "/v1/pie/topics/{name}"),
              (re.compile(r"/v1/pie/inferlets/.+"), "/v1/pie/inferlets/{name}"))

@@ -11,9 +11,15 @@ blocks; streamed, they are Anthropic's events (``message_start``, ``content_bloc
 ``content_block_stop``, ``message_delta``, ``message_stop``).
 
 ``stop_reason``: ``end_turn`` (an end-of-turn token, or a finished constraint),
-``max_tokens``, ``stop_sequence`` (with the one that matched) or ``tool_use``. ``usage``:
-``input_tokens`` are the prompt tokens the engine computed, ``cache_read_input_tokens``
-the ones it found in its prefix cache, ``output_tokens`` the generated ones.
+``max_tokens``, ``stop_sequence`` (with the one that matched) or ``tool_use``.
+
+Caching: the engine's prefix cache is automatic; a ``cache_control`` breakpoint
+(``schema.cache_points``) also holds the prompt up to the end of its message (its tools,
+its system prompt) in the cache for the breakpoint's ``ttl``, ``5m`` or ``1h``
+(``conversation.holds``: per key, refreshed when asked again). ``usage`` splits the prompt
+exactly, as the pass computed it: ``cache_read_input_tokens`` were found in the cache,
+``cache_creation_input_tokens`` were computed up to the last breakpoint (and are now
+held), ``input_tokens`` were computed after it; ``output_tokens`` are the generated ones.
 
 A last message from the assistant (a prefill) is continued, as Anthropic does: its text is
 written without the end of its turn (not with tools). Errors use Anthropic's body
@@ -33,8 +39,10 @@ from pie_ctx.tools import Tool
 from runtime.server.http.anthropic.schema import (
     ACCEPTS,
     REFUSED,
+    TOOLS,
     CountTokensRequest,
     MessagesRequest,
+    cache_points,
     tool_choice_of,
     turns_of,
 )
@@ -42,6 +50,8 @@ from runtime.server.http.conversation.body import check_refused, decode_body
 from runtime.server.http.conversation.decoding import json_constraint, sampler_of, tool_options
 from runtime.server.http.conversation.errors import ApiError, guard
 from runtime.server.http.conversation.generation import Exchange, Observer
+from runtime.server.http.conversation.holds import PromptHolds
+from runtime.server.http.conversation.keys import key_scope
 from runtime.server.http.conversation.sse import event_stream, sse_response
 from runtime.server.http.conversation.turns import Rendering, build_context, make_tools
 from runtime.server.http.disconnect import unless_disconnected
@@ -81,23 +91,26 @@ class MessagesService:
     """The Messages API's routes over one runtime (``get_runtime()`` per request)."""
 
     def __init__(self, get_runtime: Callable[[], Runtime], check_model: Callable[[Any], Any],
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, holds: PromptHolds | None = None) -> None:
         from starlette.routing import Route
 
         self.get_runtime, self.check_model, self.observer = (
             get_runtime, check_model, observer)
+        self.holds = holds or PromptHolds()
         self.routes = [
             Route("/v1/messages", guard(self.messages, _render), methods=["POST"]),
             Route("/v1/messages/count_tokens", guard(self.count_tokens, _render),
                   methods=["POST"]),
         ]
 
-    async def _build(self, req: CountTokensRequest) -> tuple[Context, _Tools]:
-        """The request's context (not flushed), and its tools with their choice and parallel
-        flag."""
+    async def _build(self, req: CountTokensRequest
+                     ) -> tuple[Context, _Tools, list[tuple[int, float]]]:
+        """The request's context (not flushed), its tools with their choice and parallel
+        flag, and its cache breakpoints as ``(prompt tokens before it, ttl seconds)``."""
         check_refused(req, REFUSED)
         adapter = self.check_model(req.model)
         turns = turns_of(req)
+        points = cache_points(req)
         tools = make_tools((s.name, s.description, s.input_schema) for s in req.tools or ())
         choice, parallel = tool_choice_of(req, tools)
         rendering = None
@@ -106,14 +119,24 @@ class MessagesService:
                 raise ApiError(400, "a last assistant message (a prefill) cannot be combined "
                                     "with 'tools' here", param="messages")
             rendering = Rendering({}, generation_prompt=False, continue_final=True)
-        ctx = await build_context(self.get_runtime(), turns, tools, None, adapter, rendering)
-        return ctx, (tools, choice, parallel)
+        marks: dict[int, int] = {}
+        ctx = await build_context(self.get_runtime(), turns, tools, None, adapter, rendering,
+                                  marks)
+        size = len(ctx.pending_tokens)
+        ends = sorted(marks.items())
+
+        def end_of(index: int) -> int:  # where the prompt up to message ``index`` ends
+            if index == TOOLS and turns:
+                index = turns[0].index
+            return next((n for i, n in ends if i >= index), size)
+
+        return ctx, (tools, choice, parallel), [(end_of(i), ttl) for i, ttl in points]
 
     async def count_tokens(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
         req = await decode_body(request, CountTokensRequest, ACCEPTS)
-        ctx, _ = await self._build(req)
+        ctx, _, _ = await self._build(req)
         try:
             return JSONResponse({"input_tokens": len(ctx.pending_tokens)})
         finally:
@@ -121,11 +144,11 @@ class MessagesService:
 
     async def messages(self, request: Any) -> Any:
         req = await decode_body(request, MessagesRequest, ACCEPTS)
-        ctx, tools = await self._build(req)
-        turn = _Turn(self, req, ctx, tools)
+        ctx, tools, breaks = await self._build(req)
+        turn = _Turn(self, req, ctx, tools, breaks, key_scope(request.headers))
         if not req.stream:
             async def answer() -> None:
-                await turn.exchange.prefill(ctx)
+                await turn.prefill()
                 await turn.run(None)
 
             try:
@@ -136,7 +159,7 @@ class MessagesService:
 
             return JSONResponse(turn.message(final=True))
         try:
-            await turn.exchange.prefill(ctx)
+            await turn.prefill()
         except BaseException:
             await turn.close()
             raise
@@ -147,9 +170,11 @@ class _Turn:
     """One request's generation: its context, its output, its events."""
 
     def __init__(self, service: MessagesService, req: MessagesRequest, ctx: Context,
-                 tools: _Tools) -> None:
+                 tools: _Tools, breaks: list[tuple[int, float]], key: str) -> None:
         self.service, self.req, self.ctx = service, req, ctx
         self.tools, self.choice, self.parallel = tools
+        self.breaks, self.key = breaks, key
+        self.prompt = ctx.pending_tokens if breaks else []
         self.id = "msg_" + secrets.token_hex(12)
         self.exchange = Exchange(service.observer)
         self.exchange.hold(ctx)
@@ -157,6 +182,19 @@ class _Turn:
         self.calls: list[Any] = []
         self.finish: str | None = None
         self.raw = ""
+
+    async def prefill(self) -> None:
+        """Compute the prompt, then hold it up to its breakpoints: up to the last ``1h``
+        one for an hour, up to the last one of all for its ttl when that reaches further."""
+        await self.exchange.prefill(self.ctx)
+        held = 0
+        for ttl in sorted({t for _, t in self.breaks}, reverse=True):
+            end = max(n for n, t in self.breaks if t >= ttl)
+            if end > held:
+                await self.service.holds.hold(self.service.get_runtime(), self.ctx, self.key,
+                                              ttl, num_tokens=end, prompt=self.prompt,
+                                              salt=self.req.model)
+                held = end
 
     async def run(self, on_delta: Callable[[Any], Any] | None) -> None:
         """Generate; ``on_delta(delta)`` hears each delta (streaming)."""
@@ -204,8 +242,10 @@ class _Turn:
 
     def usage(self) -> dict[str, Any]:
         x = self.exchange
-        return {"input_tokens": x.prompt_tokens - x.cached_tokens,
-                "cache_creation_input_tokens": 0,
+        last = max((n for n, _ in self.breaks), default=0)
+        created = max(0, min(last, x.prompt_tokens) - x.cached_tokens)
+        return {"input_tokens": x.prompt_tokens - x.cached_tokens - created,
+                "cache_creation_input_tokens": created,
                 "cache_read_input_tokens": x.cached_tokens,
                 "output_tokens": x.completion_tokens}
 

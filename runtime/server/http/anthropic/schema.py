@@ -13,10 +13,13 @@ choice (``conversation.turns`` builds the context, as for every API):
 * ``tool_choice`` ``auto``/``any``/``tool``/``none`` is ``"auto"``/``"required"``/the
   tool's name/``"none"``; ``disable_parallel_tool_use`` turns parallel calls off.
 
-``output_config.format`` (a JSON Schema) constrains the answer, beside tools too. A field
-this server does not serve is refused by name (``thinking`` unless disabled,
-``mcp_servers``, ``container``, image and document blocks); fields that change nothing
-here are accepted and ignored (``metadata``, ``service_tier``, ``cache_control``,
+``cache_control`` breakpoints (``{"type": "ephemeral", "ttl": "5m" or "1h"}``, at most
+four) on tools, system blocks, message blocks or the request itself become
+:func:`cache_points`: the prefix up to each one is held in the engine's cache for its time
+to live (``api``). ``output_config.format`` (a JSON Schema) constrains the answer, beside
+tools too. A field this server does not serve is refused by name (``thinking`` unless
+disabled, ``mcp_servers``, ``container``, image and document blocks); fields that change
+nothing here are accepted and ignored (``metadata``, ``service_tier``,
 ``output_config.effort``, ``speed``, ``inference_geo``...); an unknown field is refused.
 """
 
@@ -33,12 +36,21 @@ from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.conversation.turns import Turn, join_text
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "ACCEPTS", "REFUSED", "turns_of",
-           "tool_choice_of"]
+           "tool_choice_of", "cache_points", "MAX_BREAKPOINTS", "TOOLS"]
+
+MAX_BREAKPOINTS = 4  # cache_control blocks in one request (Anthropic's limit)
+TTL_S = {"5m": 300.0, "1h": 3600.0}
+TOOLS = -2  # cache_points' index of a breakpoint on the tools (before the system turn)
+
+
+class CacheControl(Body, kw_only=True):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
 
 
 class TextBlock(Body, kw_only=True, tag_field="type", tag="text"):
     text: str
-    cache_control: Any = None  # ignored: the prefix cache is automatic
+    cache_control: CacheControl | None = None
     citations: Any = None  # ignored
 
 
@@ -64,14 +76,14 @@ class ToolUseBlock(Body, kw_only=True, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: Any = None
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(Body, kw_only=True, tag_field="type", tag="tool_result"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool | None = None
-    cache_control: Any = None
+    cache_control: CacheControl | None = None
 
 
 Block = TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
@@ -87,7 +99,7 @@ class ToolSpec(Body, kw_only=True):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-    cache_control: Any = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(Body, kw_only=True):
@@ -119,7 +131,7 @@ class CountTokensRequest(Body, kw_only=True):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    cache_control: Any = None  # ignored: the prefix cache is automatic
+    cache_control: CacheControl | None = None  # a breakpoint after the last message
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -143,6 +155,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
 _BLOCKS = ('a string, or a list of content blocks ({"type": "text", "text": "..."}, '
            '{"type": "tool_use", ...}, {"type": "tool_result", ...})')
+_CACHE = '{"type": "ephemeral", "ttl": "5m" or "1h"}, or null'
 ACCEPTS: dict[str, str] = {
     "model": "a string, the model's id (GET /v1/models lists it)",
     "max_tokens": f"an integer from 1 to {MAX_TOKENS} (required)",
@@ -171,6 +184,13 @@ ACCEPTS: dict[str, str] = {
     "thinking": '{"type": "disabled"} (this model does not think)',
     "output_config": '{"format": {"type": "json_schema", "schema": {JSON Schema}}}',
     "output_config.format": '{"type": "json_schema", "schema": {JSON Schema}}',
+    **{f"{where}cache_control": _CACHE for where in (
+        "", "system[].", "tools[].", "messages[].content[].",
+        "messages[].content[].content[].")},
+    **{f"{where}cache_control.{field}": text for where in (
+        "", "system[].", "tools[].", "messages[].content[].",
+        "messages[].content[].content[].") for field, text in (
+        ("type", '"ephemeral"'), ("ttl", '"5m" or "1h" (default "5m")'))},
 }
 
 
@@ -198,7 +218,7 @@ def turns_of(req: CountTokensRequest) -> list[Turn]:
     turns: list[Turn] = []
     system = _text(req.system, "system")
     if system:
-        turns.append(Turn(0, "system", system))
+        turns.append(Turn(-1, "system", system))
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
         blocks = [TextBlock(text=m.content)] if isinstance(m.content, str) else m.content
@@ -240,3 +260,30 @@ def tool_choice_of(req: CountTokensRequest, tools: list[Tool]) -> tuple[str | No
     kind = {"auto": "auto", "any": "required", "none": "none", "tool": "named"}[choice.type]
     picked = checked_choice(kind, tools, name=choice.name, quiet_without_tools=("none",))
     return picked, (not choice.disable_parallel_tool_use) if tools else True
+
+
+def cache_points(req: CountTokensRequest) -> list[tuple[int, float]]:
+    """The request's ``cache_control`` breakpoints as ``(index, ttl seconds)``, in prompt
+    order: ``index`` is the message whose end the breakpoint holds up to (``-1``: the
+    system prompt's, :data:`TOOLS`: the tools'; a block's breakpoint holds its whole
+    message, the request's own the last message).
+
+    Raises:
+        ApiError: more than :data:`MAX_BREAKPOINTS` breakpoints.
+    """
+    points: list[tuple[int, CacheControl]] = []
+    points += [(TOOLS, t.cache_control) for t in req.tools or () if t.cache_control]
+    if isinstance(req.system, list):
+        points += [(-1, b.cache_control) for b in req.system if b.cache_control]
+    for i, m in enumerate(req.messages):
+        for block in m.content if isinstance(m.content, list) else ():
+            marked = [getattr(block, "cache_control", None)]
+            if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                marked += [b.cache_control for b in block.content]
+            points += [(i, c) for c in marked if c is not None]
+    if req.cache_control is not None:
+        points.append((len(req.messages) - 1, req.cache_control))
+    if len(points) > MAX_BREAKPOINTS:
+        raise ApiError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may "
+                            f"be provided. Found {len(points)}.", param="cache_control")
+    return [(i, TTL_S[c.ttl or "5m"]) for i, c in points]

@@ -38,6 +38,9 @@ def field_range(kind: Any, low: float, high: float) -> Any:
 Probability = field_range(float, 0, 1)
 Temperature = field_range(float, 0, 2)
 TokenCount = field_range(int, 1, MAX_TOKENS)
+# OpenAI's prompt_cache_retention: how long the prompt is held in the cache
+# (conversation.holds.RETENTION_S).
+Retention = Literal["in_memory", "24h"]
 Seed = field_range(int, -(1 << 62), 1 << 62)
 
 
@@ -52,6 +55,7 @@ COMMON_ACCEPTS: dict[str, str] = {
     "parallel_tool_calls": "true or false",
     "user": "a string", "service_tier": "a string", "safety_identifier": "a string",
     "prompt_cache_key": "a string", "store": "true or false",
+    "prompt_cache_retention": '"in_memory" or "24h", or null',
     "metadata": "an object whose values are strings, or null",
 }
 

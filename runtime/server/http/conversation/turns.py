@@ -118,10 +118,12 @@ class Rendering:
 
 async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
                         snapshot: str | None, adapter: str | None = None,
-                        rendering: Rendering | None = None) -> Context:
+                        rendering: Rendering | None = None,
+                        marks: dict[int, int] | None = None) -> Context:
     """A context holding the conversation, its assistant turn opened, on LoRA ``adapter``
     (None: the base model; a snapshot keeps the adapter it was saved under). With a
-    ``rendering``, the template renders the whole conversation with its variables.
+    ``rendering``, the template renders the whole conversation with its variables (and
+    ``marks`` stays empty). ``marks``: see :func:`fill_turns`.
 
     Raises:
         ApiError: tool messages that answer no call, tools a snapshot cannot take.
@@ -132,20 +134,28 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
         if rendering is not None:
             ctx.append(_rendered(rt, turns, rendering))
         else:
-            fill_turns(ctx, turns, tools)
+            fill_turns(ctx, turns, tools, marks)
     except BaseException:
         await ctx.release()
         raise
     return ctx
 
 
-def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
+def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool],
+               marks: dict[int, int] | None = None) -> None:
     """Fill ``turns`` into ``ctx`` (declaring ``tools`` first) and open the assistant turn.
     Without tools (none given, none declared by a snapshot), past calls and their results
     are written as plain text (:func:`plain_history`): no call markup the model could copy
-    into an answer that no parser would read."""
+    into an answer that no parser would read.
+
+    ``marks`` (when given) receives, for each turn's ``index``, the context's length in
+    tokens once that index's last turn is in (the tools are declared with the first turn):
+    where a cache breakpoint after that message falls.
+    """
     if tools:
         rest = _declare(ctx, turns, tools)
+        if marks is not None and len(rest) < len(turns):
+            marks[turns[0].index] = _length(ctx)
     else:
         rest = turns if ctx.tools else plain_history(turns)
     for turn in rest:
@@ -158,7 +168,13 @@ def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool]) -> None:
                 getattr(ctx, turn.role)(turn.text)
         except InvalidArgument as err:
             raise ApiError(400, f"messages[{turn.index}]: {err}", param="messages") from None
+        if marks is not None:
+            marks[turn.index] = _length(ctx)
     ctx.cue()
+
+
+def _length(ctx: Context) -> int:
+    return ctx.seq_len + len(ctx.pending_tokens)
 
 
 def plain_history(turns: list[Turn]) -> list[Turn]:

@@ -45,6 +45,8 @@ from runtime.server.http.conversation.errors import (
     guard,
 )
 from runtime.server.http.conversation.generation import Exchange, Observer
+from runtime.server.http.conversation.holds import RETENTION_S, TOOL_WAIT_S, PromptHolds
+from runtime.server.http.conversation.keys import key_scope
 from runtime.server.http.conversation.sse import event_stream, sse_response
 from runtime.server.http.conversation.turns import build_context
 from runtime.server.http.disconnect import unless_disconnected
@@ -139,10 +141,13 @@ class OpenAIService:
 
     def __init__(self, get_runtime: Callable[[], Runtime], model_name: str,
                  observer: Observer | None = None,
-                 adapters: Callable[[], list[Any]] | None = None) -> None:
+                 adapters: Callable[[], list[Any]] | None = None,
+                 holds: PromptHolds | None = None, tool_wait_s: float = TOOL_WAIT_S) -> None:
         from starlette.routing import Route
 
         self.get_runtime, self.model_name, self.observer = get_runtime, model_name, observer
+        self.holds = holds or PromptHolds()
+        self.tool_wait_s = tool_wait_s
         # the engine's adapters now (any runtime may load one), else this runtime's view
         self.adapters = adapters or (lambda: self.get_runtime().info.adapters)
         self.created = int(time.time())
@@ -234,6 +239,25 @@ class OpenAIService:
         ident = ("chatcmpl-" if chat else "cmpl-") + _new_id()
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": body.model}  # base or adapter
+        key = key_scope(request.headers)
+
+        async def start() -> list[Context]:
+            """Build, prefill, and hold the prompt when ``prompt_cache_retention`` asks."""
+            ctx = await build(rt)
+            retention = body.prompt_cache_retention
+            prompt = ctx.pending_tokens if retention else []
+            contexts = await exchange.prefill(ctx, d.n)
+            if retention:
+                await self.holds.hold(rt, ctx, key, RETENTION_S[retention], prompt=prompt,
+                                      salt=f"{body.model}:{body.snapshot}")
+            return contexts
+
+        async def tool_waits(contexts: list[Context], done: list[_Choice]) -> None:
+            """Hold each choice that ends in tool calls while the client runs them."""
+            for c in done:
+                if c.finish_reason == "tool_calls" and self.tool_wait_s > 0:
+                    await self.holds.hold(rt, contexts[c.index], key, self.tool_wait_s)
+
         if not body.stream:
             choices: list[_Choice] = []
 
@@ -241,9 +265,11 @@ class OpenAIService:
                 return None
 
             async def answer() -> list[_Choice]:
-                contexts = await exchange.prefill(await build(rt), d.n)
-                return await gather(*(_run_choice(rt, exchange, d, i, c, quiet)
+                contexts = await start()
+                done = await gather(*(_run_choice(rt, exchange, d, i, c, quiet)
                                       for i, c in enumerate(contexts)))
+                await tool_waits(contexts, done)
+                return done
 
             try:
                 choices = await unless_disconnected(request, answer)
@@ -255,7 +281,7 @@ class OpenAIService:
             return JSONResponse({**head, "choices": out, "usage": _usage(exchange)})
         # Streaming: prefill first, so a refused prompt is still a plain error response.
         try:
-            contexts = await exchange.prefill(await build(rt), d.n)
+            contexts = await start()
         except BaseException:
             await exchange.close(finished=False)
             raise
@@ -264,10 +290,12 @@ class OpenAIService:
             body.stream_options.include_usage is True
         return sse_response(self._stream(rt, exchange, d, contexts,
                                          {**head, "object": chunk_object}, chat,
-                                         include_usage))
+                                         include_usage, tool_waits))
 
     def _stream(self, rt: Runtime, exchange: Exchange, d: Decoding, contexts: list[Context],
-                head: dict[str, Any], chat: bool, include_usage: bool) -> Any:
+                head: dict[str, Any], chat: bool, include_usage: bool,
+                tool_waits: Callable[[list[Context], list[_Choice]], Awaitable[None]]
+                ) -> Any:
         """SSE events: a role chunk per choice (chat), content chunks, finish chunks, the
         usage chunk if asked, ``[DONE]``. Leaving early (the client went away) cancels the
         generations and releases the contexts."""
@@ -299,6 +327,7 @@ class OpenAIService:
             done = await gather(*(_run_choice(rt, exchange, d, i, c, on_delta)
                                   for i, c in enumerate(contexts)))
             finished.extend(done)
+            await tool_waits(contexts, done)
             for c in done:
                 await send(chunk(c.index, {}, c.finish_reason))
             if include_usage:

@@ -36,6 +36,7 @@ from runtime.server.http.conversation.body import (
     JsonSchemaFields,
     OpenAIFields,
     Probability,
+    Retention,
     TokenCount,
     check_refused,
     field_range,
@@ -187,6 +188,7 @@ class _Request(OpenAIFields, kw_only=True):
 
     n: Choices | None = None
     stop: Stop | None = None
+    prompt_cache_retention: Retention | None = None  # holds the prompt (holds.py)
     max_tokens: TokenCount | None = None
     presence_penalty: Penalty | None = None  # refused unless 0
     frequency_penalty: Penalty | None = None  # refused unless 0
@@ -227,7 +229,7 @@ class ChatRequest(_Request, kw_only=True):
     store: bool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # routes in the fleet (runtime.fleet.sessions)
     # refused unless null (modalities: unless ["text"])
     audio: Any = None
     function_call: Any = None

@@ -45,11 +45,18 @@ from runtime.server.http.conversation.decoding import (
 )
 from runtime.server.http.conversation.errors import ApiError, guard
 from runtime.server.http.conversation.generation import Exchange, Observer, release
+from runtime.server.http.conversation.holds import RETENTION_S, TOOL_WAIT_S, PromptHolds
 from runtime.server.http.conversation.keys import key_scope
 from runtime.server.http.conversation.sse import event_stream, sse_response
 from runtime.server.http.conversation.turns import Turn, fill_turns, make_tools
 from runtime.server.http.disconnect import unless_disconnected
 from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
+from runtime.server.http.responses.conversations import (
+    Conversation,
+    ConversationRoutes,
+    Conversations,
+    page,
+)
 from runtime.server.http.responses.items import (
     Event,
     FunctionCall,
@@ -60,6 +67,7 @@ from runtime.server.http.responses.items import (
     ResponseBody,
     ResponseEvent,
     encode,
+    json_response,
 )
 from runtime.server.http.responses.mcp import McpServers, ServerTools
 from runtime.server.http.responses.run import DEFAULT_MAX_TOOL_CALLS, Plan, Run, usage_body
@@ -94,7 +102,8 @@ class _Setup:
     mcp_names: dict[str, str]  # tool name -> MCP server label
     servers: list[ServerTools]  # the MCP servers the request names
     header: dict[str, Any]  # model, instructions and tools: the snapshot's key
-    continued: bool  # the previous response's snapshot is used as it is
+    continued: bool  # the previous response's (or the conversation's) snapshot is used
+    conv: Conversation | None = None  # the conversation the response runs in
 
 
 class ResponsesService:
@@ -107,12 +116,17 @@ class ResponsesService:
         model_name: the base model's name (a count of input tokens may leave it out).
         check_model: the LoRA adapter a request's ``model`` names (None: the base model).
         mcp: the configured MCP servers, name -> command or URL (``serve --mcp``).
+        holds: the holds HTTP requests took (``prompt_cache_retention``, tool waits).
+        tool_wait_s: how long a response that ends in function calls is held.
     """
 
     def __init__(self, engine: Any, get_runtime: Callable[[], Runtime], model_name: str,
                  check_model: Callable[[Any], str | None], observer: Observer | None = None,
-                 mcp: Mapping[str, str] | None = None) -> None:
+                 mcp: Mapping[str, str] | None = None, holds: PromptHolds | None = None,
+                 tool_wait_s: float = TOOL_WAIT_S) -> None:
         from starlette.routing import Route
+
+        self.holds, self.tool_wait_s = holds or PromptHolds(), tool_wait_s
 
         self.get_runtime, self.model_name, self.check_model = (
             get_runtime, model_name, check_model)
@@ -120,6 +134,7 @@ class ResponsesService:
         self.namespaces = Namespaces(engine, get_runtime)
         self.mcp = McpServers(mcp or {}, get_runtime)
         self.routes = [
+            *ConversationRoutes(self.namespaces).routes,
             Route("/v1/responses", guard(self.create), methods=["POST"]),
             Route("/v1/responses/input_tokens", guard(self.count_input_tokens),
                   methods=["POST"]),
@@ -141,7 +156,7 @@ class ResponsesService:
 
     async def get(self, request: Any) -> Any:
         records = await self._records(request)
-        return _json((await records.load(request.path_params["rid"])).response)
+        return json_response((await records.load(request.path_params["rid"])).response)
 
     async def delete(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -153,34 +168,9 @@ class ResponsesService:
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: Any) -> Any:
-        q = request.query_params
         records = await self._records(request)
-        items = list((await records.load(request.path_params["rid"])).input_items)
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, "'order' is 'asc' or 'desc'", param="order")
-        try:
-            limit = int(q.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise ApiError(400, "'limit' is an integer from 1 to 100", param="limit")
-        if order == "desc":
-            items.reverse()
-        ids = [i.id for i in items]
-        for cursor, step in (("after", 1), ("before", 0)):
-            if cursor in q:
-                if q[cursor] not in ids:
-                    raise ApiError(400, f"'{cursor}' names no item of this response",
-                                   param=cursor)
-                k = ids.index(q[cursor])
-                items = items[k + 1:] if step else items[:k]
-                ids = [i.id for i in items]
-        page = items[:limit]
-        return _json({"object": "list", "data": page,
-                      "first_id": page[0].id if page else None,
-                      "last_id": page[-1].id if page else None,
-                      "has_more": len(items) > limit})
+        record = await records.load(request.path_params["rid"])
+        return json_response(page(record.input_items, request.query_params))
 
     # ----------------------------------------------------------------------- create
 
@@ -189,17 +179,26 @@ class ResponsesService:
         adapter = self.check_model(req.model)
         items = input_items(req.input)
         records = await self._records(request)
-        prev = None
+        prev = conv = None
         if req.previous_response_id is not None:
+            if req.conversation is not None:
+                raise ApiError(400, "'previous_response_id' and 'conversation' cannot be used "
+                                    "together: a conversation holds its own history",
+                               param="conversation")
             prev = await records.load(req.previous_response_id, param="previous_response_id")
+        if req.conversation is not None:
+            cid = req.conversation if isinstance(req.conversation, str) else \
+                req.conversation.id
+            conv = await Conversations(records.rt).load(cid, param="conversation")
         functions = _function_tools(req)
         mcp_tools, mcp_names, servers = await self._mcp_tools(req, {t.name for t in functions})
         tools = functions + mcp_tools
         header = {"model": req.model, "instructions": req.instructions,
                   "tools": [t.to_openai() for t in tools]}
-        continued = prev is not None and prev.header == header
+        continued = (prev is not None and prev.header == header) or (
+            conv is not None and conv.fresh(header))
         return _Setup(adapter, items, records, prev, tools, mcp_names, servers, header,
-                      continued)
+                      continued, conv)
 
     async def count_input_tokens(self, request: Any) -> Any:
         """``POST /v1/responses/input_tokens``: the input tokens a response to this body
@@ -218,8 +217,7 @@ class ResponsesService:
             body.setdefault("input", [])
         req = decode_request(json.dumps(body).encode())
         s = await self._setup(request, req)
-        ctx = await self._context(s.records, s.prev, s.continued, req, s.items, s.tools,
-                                  s.adapter)
+        ctx = await self._context(s, req)
         try:
             count = ctx.seq_len + len(ctx.pending_tokens)
         finally:
@@ -229,7 +227,7 @@ class ResponsesService:
     async def create(self, request: Any) -> Any:
         req = decode_request(await read_body(request))
         s = await self._setup(request, req)
-        records, prev, tools, continued = s.records, s.prev, s.tools, s.continued
+        records, tools, continued = s.records, s.tools, s.continued
         plan = Plan(tools=tools, mcp=s.mcp_names, listed=[] if continued else s.servers,
                     choice=_choice(req, tools, s.mcp_names), parallel=req.parallel_tool_calls
                     is not False, constrain=_constraint(req),
@@ -239,7 +237,7 @@ class ResponsesService:
                     max_seq_len=records.rt.info.max_seq_len,
                     ignore_eos=bool(req.ignore_eos))
         rid = new_response_id()
-        ctx = await self._context(records, prev, continued, req, s.items, tools, s.adapter)
+        ctx = await self._context(s, req)
         response = self._body(rid, req, tools)
         store = req.store is not False
         record = Record(id=rid, response=response, input_items=s.items,
@@ -248,12 +246,15 @@ class ResponsesService:
         exchange = Exchange(self.observer)
         exchange.hold(ctx)
         run = Run(ctx, plan, self.mcp, exchange)
+        key = key_scope(request.headers)
         if req.stream:
-            return sse_response(self._stream(run, record, records, store))
+            return sse_response(self._stream(run, record, s, store, key, req))
 
         async def answer() -> None:
             await run.go()
+            await self._hold(run, records, key, req)
             self._finish(run, record)
+            await self._record_turn(s, run, record)
             if store:
                 await records.save(ctx, record)
 
@@ -261,11 +262,12 @@ class ResponsesService:
             await unless_disconnected(request, answer)
         finally:
             await exchange.close(finished=exchange.completion_tokens > 0)
-        return _json(record.response)
+        return json_response(record.response)
 
-    def _stream(self, run: Run, record: Record, records: Records, store: bool) -> Any:
+    def _stream(self, run: Run, record: Record, s: _Setup, store: bool, key: str,
+                req: ResponsesRequest) -> Any:
         """The SSE events of one response (OpenAI's ``event:`` names, JSON data)."""
-        exchange = run.exchange
+        exchange, records = run.exchange, s.records
 
         async def produce(send: Callable[[dict[str, str]], Awaitable[None]]) -> None:
             async def sink(event: Event) -> None:  # encoded now: items change later
@@ -275,7 +277,9 @@ class ResponsesService:
             for kind in ("response.created", "response.in_progress"):
                 await run.emit(ResponseEvent(type=kind, response=record.response))
             await run.go()
+            await self._hold(run, records, key, req)
             self._finish(run, record)
+            await self._record_turn(s, run, record)
             if store:
                 await records.save(run.ctx, record)
             kind = ("response.completed" if run.status == "completed"
@@ -296,27 +300,30 @@ class ResponsesService:
 
     # ----------------------------------------------------------------- the context
 
-    async def _context(self, records: Records, prev: Record | None, continued: bool,
-                       req: ResponsesRequest, items: list[Item], tools: list[Tool],
-                       adapter: str | None) -> Context:
+    async def _context(self, s: _Setup, req: ResponsesRequest) -> Context:
         """The context holding the conversation with its assistant turn opened."""
-        rt = records.rt
+        rt, prev, conv, items, tools = s.records.rt, s.prev, s.conv, s.items, s.tools
         ctx = None
-        if continued and prev is not None:
+        snapshot = (prev.snapshot if prev is not None else
+                    conv.snapshot if conv is not None else None)
+        if s.continued and snapshot is not None:
             try:
-                ctx = await Context.open(rt, prev.snapshot)
+                ctx = await Context.open(rt, snapshot)
             except SnapshotNotFound:  # saved by a server without a snapshot directory
-                raise not_found(prev.id, "previous_response_id") from None
+                if prev is not None:
+                    raise not_found(prev.id, "previous_response_id") from None
             turns = turns_of_items(items)
-        else:
+        if ctx is None:
             history: list[Item] = []
             if prev is not None:
-                for r in await records.chain(prev):
+                for r in await s.records.chain(prev):
                     history.extend(r.conversation_items())
+            elif conv is not None:
+                history = list(conv.items)
             turns = turns_of_items(history + items, offset=len(history))
             if req.instructions:
                 turns.insert(0, Turn(-1, "system", req.instructions))
-            ctx = Context(rt, adapter=adapter)
+            ctx = Context(rt, adapter=s.adapter)
         try:
             fill_turns(ctx, turns, tools)
         except ApiError as err:
@@ -391,7 +398,29 @@ class ResponsesService:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             text={"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
-            metadata=dict(req.metadata or {}), store=req.store is not False, user=req.user)
+            metadata=dict(req.metadata or {}), store=req.store is not False, user=req.user,
+            conversation=None if req.conversation is None else {"id": (
+                req.conversation if isinstance(req.conversation, str)
+                else req.conversation.id)})
+
+    async def _hold(self, run: Run, records: Records, key: str, req: ResponsesRequest
+                    ) -> None:
+        """Hold the response's context (its prompt and answer, what a follow-up continues)
+        for ``prompt_cache_retention``'s time, or while the client runs the functions it
+        called, whichever is longer."""
+        ttl = max(RETENTION_S.get(req.prompt_cache_retention or "", 0.0),
+                  self.tool_wait_s if run.awaits_client else 0.0)
+        if ttl > 0:
+            await self.holds.hold(records.rt, run.ctx, key, ttl)
+
+    @staticmethod
+    async def _record_turn(s: _Setup, run: Run, record: Record) -> None:
+        """Append the response's items to its conversation (when it has one and did not
+        fail), with its context as the conversation's snapshot."""
+        if s.conv is None or run.status not in ("completed", "incomplete"):
+            return
+        await Conversations(s.records.rt).record_turn(
+            s.conv.id, s.conv.version, s.header, run.ctx, s.items + list(record.response.output))
 
     @staticmethod
     def _finish(run: Run, record: Record) -> None:
@@ -433,13 +462,6 @@ def _constraint(req: ResponsesRequest) -> Any:
         return None
     return json_constraint(fmt.type, fmt.schema, where="text.format", param="text",
                            missing="text.format json_schema needs 'schema': {...}")
-
-
-def _json(value: Any) -> Any:
-    """A JSON response of typed objects (``items``) or plain data holding them."""
-    from starlette.responses import Response
-
-    return Response(encode(value), media_type="application/json")
 
 
 def _text(item: Message) -> str:

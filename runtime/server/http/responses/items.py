@@ -25,7 +25,7 @@ __all__ = ["InputText", "OutputText", "Message", "FunctionCall", "FunctionCallOu
            "McpToolInfo", "McpListTools", "McpCall", "Item", "OutputItem", "Usage",
            "ResponseBody", "Event", "ResponseEvent", "ItemEvent", "ItemRef", "PartEvent",
            "TextDelta", "TextDone", "ArgumentsDelta", "FunctionArgumentsDone",
-           "McpArgumentsDone", "encode", "decode_items"]
+           "McpArgumentsDone", "encode", "json_response"]
 
 
 class _Shape(msgspec.Struct, kw_only=True):
@@ -139,6 +139,7 @@ class ResponseBody(_Shape, kw_only=True):
         default_factory=lambda: {"effort": None, "summary": None})
     user: str | None = None
     service_tier: str = "default"
+    conversation: dict[str, str] | None = None  # {"id": "conv_..."}: the one it ran in
     completed_at: int | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -219,7 +220,6 @@ class McpArgumentsDone(ItemRef, kw_only=True):
 # ---------------------------------------------------------------------------- coding
 
 _encoder = msgspec.json.Encoder()
-_items = msgspec.json.Decoder(list[Item])
 
 
 def encode(value: Any) -> bytes:
@@ -227,6 +227,8 @@ def encode(value: Any) -> bytes:
     return _encoder.encode(value)
 
 
-def decode_items(raw: bytes | str) -> list[Item]:
-    """Stored items (JSON) as typed items."""
-    return _items.decode(raw)
+def json_response(value: Any) -> Any:
+    """A JSON response (Starlette's) of objects of this module or plain data holding them."""
+    from starlette.responses import Response
+
+    return Response(encode(value), media_type="application/json")

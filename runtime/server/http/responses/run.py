@@ -123,6 +123,7 @@ class Run:
     output: list[OutputItem] = field(default_factory=list)
     status: str = "in_progress"
     incomplete: str | None = None
+    awaits_client: bool = False  # it ended in calls of the client's functions
     _seq: int = 0
 
     async def emit(self, event: Event) -> None:
@@ -177,6 +178,7 @@ class Run:
                                 "are spent", calls_made, self.plan.max_calls)
                 break
             if client_calls or not server_calls:
+                self.awaits_client = bool(client_calls)
                 break
             for call, text in server_calls:
                 self.ctx.tool_result(call.id, text)

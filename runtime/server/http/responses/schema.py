@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -86,6 +87,10 @@ class TextConfig(body.Body, kw_only=True):
     verbosity: str | None = None  # ignored
 
 
+class ConversationRef(body.Body, kw_only=True):
+    id: str
+
+
 class StreamOptions(body.Body, kw_only=True):
     include_obfuscation: bool | None = None  # ignored: nothing is obfuscated
 
@@ -108,16 +113,17 @@ class ResponsesRequest(body.OpenAIFields, kw_only=True):
                         msgspec.Meta(max_length=MAX_METADATA)] | None = None
     # ignored: they change nothing about the output
     safety_identifier: IgnoredText = None
-    prompt_cache_key: IgnoredText = None
     truncation: Literal["auto", "disabled"] | None = None
-    prompt_cache_retention: IgnoredText = None
+    # the fleet routes by the key (runtime.fleet.sessions); the retention holds the prompt
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: body.Retention | None = None
     service_tier: IgnoredText = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # refused unless 0
+    conversation: str | ConversationRef | None = None  # the conversation it runs in
     # refused unless null (or false)
     reasoning: Any = None
     background: bool | None = None
-    conversation: Any = None
     prompt: Any = None
 
 
@@ -125,8 +131,6 @@ _REFUSED_HERE: body.Refused = {
     "reasoning": (lambda v: v is not None and any(x is not None for x in (
         v.values() if isinstance(v, dict) else [v])), "this model does not reason"),
     "background": (lambda v: bool(v), "background responses are not supported"),
-    "conversation": (lambda v: v is not None, "the Conversations API is not served: "
-                                              "chain responses with previous_response_id"),
     "prompt": (lambda v: v is not None, "stored prompt templates are not supported"),
     "top_logprobs": (lambda v: v not in (None, 0), "logprobs are not served by "
                                                    "/v1/responses (use /v1/chat/completions)"),
@@ -159,6 +163,7 @@ RESPONSES_ACCEPTS: dict[str, str] = {
     "include": "a list of strings (ignored), or null",
     "stream_options": '{"include_obfuscation": true or false}, or null',
     "top_logprobs": "0 or null",
+    "conversation": 'the id of a conversation (conv_...) or {"id": "conv_..."}, or null',
     "ignore_eos": "true or false, or null",
 }
 
@@ -217,13 +222,13 @@ def _text_parts(content: Any, i: int, role: str) -> str:
     return join_text(content, text_of, refuse)
 
 
-def _message(item: dict[str, Any], i: int) -> Message:
+def _message(item: dict[str, Any], i: int, new_id: Callable[[str], str]) -> Message:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise _bad(i, "a message's 'role' is 'user', 'system', 'developer' or 'assistant'")
     text = _text_parts(item.get("content"), i, role)
     part = OutputText(text=text) if role == "assistant" else InputText(text=text)
-    return Message(id=item_id("msg"), role=role, content=[part])
+    return Message(id=new_id("msg"), role=role, content=[part])
 
 
 def _arguments(item: dict[str, Any], i: int) -> str:
@@ -235,21 +240,27 @@ def _arguments(item: dict[str, Any], i: int) -> str:
     return args
 
 
-def _item(item: Any, i: int) -> Item | None:
+def _item(item: Any, i: int, keep_ids: bool) -> Item | None:
     """One input item in its stored shape (None: an item that adds nothing to the
     conversation, as an ``mcp_list_tools`` the client echoes back)."""
     if not isinstance(item, dict):
         raise _bad(i, f"an item is an object, e.g. {_ITEM}")
+    given = item.get("id")
+
+    def new_id(prefix: str) -> str:  # the client's id, kept when asked (a valid string)
+        keep = keep_ids and isinstance(given, str) and 0 < len(given) <= 128
+        return given if keep else item_id(prefix)
+
     kind = item.get("type", "message")
     if kind == "message":
-        return _message(item, i)
+        return _message(item, i, new_id)
     if kind == "function_call":
-        return FunctionCall(id=item_id("fc"), call_id=_string(item, "call_id", i),
+        return FunctionCall(id=new_id("fc"), call_id=_string(item, "call_id", i),
                             name=_string(item, "name", i), arguments=_arguments(item, i))
     if kind == "function_call_output":
         out = item.get("output")
         text = out if isinstance(out, str) else _text_parts(out, i, "tool")
-        return FunctionCallOutput(id=item_id("fco"), call_id=_string(item, "call_id", i),
+        return FunctionCallOutput(id=new_id("fco"), call_id=_string(item, "call_id", i),
                                   output=text)
     if kind == "mcp_call":
         error = item.get("error")
@@ -263,8 +274,9 @@ def _item(item: Any, i: int) -> Item | None:
                   "function_call, function_call_output, mcp_call, mcp_list_tools)")
 
 
-def input_items(value: str | list[Any]) -> list[Item]:
-    """``input`` as stored items (a string is one user message).
+def input_items(value: str | list[Any], *, keep_ids: bool = False) -> list[Item]:
+    """``input`` as stored items (a string is one user message); ``keep_ids``: an item
+    keeps the ``id`` it carries (items added to a conversation), else each gets a new one.
 
     Raises:
         ApiError: an item this server cannot read (400 naming ``input[i]``).
@@ -275,7 +287,7 @@ def input_items(value: str | list[Any]) -> list[Item]:
         raise ApiError(400, "'input' must not be empty", param="input")
     items = []
     for i, raw in enumerate(value):
-        item = _item(raw, i)
+        item = _item(raw, i, keep_ids)
         if item is not None:
             items.append(item)
     return items

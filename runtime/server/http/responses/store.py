@@ -37,7 +37,8 @@ from pie_ctx.transport import LocalTransport
 from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.responses.items import Item, ResponseBody, encode
 
-__all__ = ["Namespaces", "Record", "Records", "new_response_id", "TTL_S", "MAX_STORED"]
+__all__ = ["Namespaces", "Record", "Records", "new_response_id", "TTL_S", "MAX_STORED",
+           "new_id", "read_parts", "write_parts", "delete_parts"]
 
 TTL_S = 30 * 24 * 3600  # a stored response's lifetime
 MAX_STORED = 1000  # stored responses per namespace (API key); the oldest go first
@@ -46,14 +47,61 @@ PART_BYTES = 60_000  # a record's part in the store (under max_store_value_bytes
 _PREFIX = "responses/"
 
 
+def new_id(prefix: str) -> str:
+    """``prefix_`` + the creation time (ns, hex) + 64 random bits: ids sort by age."""
+    return f"{prefix}_{time.time_ns():016x}{secrets.token_hex(8)}"
+
+
 def new_response_id() -> str:
-    """``resp_`` + the creation time (ns, hex) + 64 random bits: ids sort by age."""
-    return f"resp_{time.time_ns():016x}{secrets.token_hex(8)}"
+    """A new response id (``resp_...``)."""
+    return new_id("resp")
 
 
-def _valid_id(rid: Any) -> bool:
-    return (isinstance(rid, str) and rid.startswith("resp_") and len(rid) == 37
-            and all(c in "0123456789abcdef" for c in rid[5:]))
+def valid_id(value: Any, prefix: str) -> bool:
+    """Whether ``value`` is an id :func:`new_id` could have made with ``prefix``."""
+    n = len(prefix) + 1
+    return (isinstance(value, str) and value.startswith(prefix + "_") and len(value) == n + 32
+            and all(c in "0123456789abcdef" for c in value[n:]))
+
+
+# ----------------------------------------------------------------------- stored values
+
+
+async def read_parts(store: Any, key: str) -> str | None:
+    """The text :func:`write_parts` stored under ``key`` (None: none, or a part is gone)."""
+    raw = await store.get(key)
+    if not isinstance(raw, str):
+        return None
+    head = json.loads(raw)
+    parts = [head["data"]]
+    for k in range(1, head["parts"]):
+        part = await store.get(f"{key}#{k}")
+        if not isinstance(part, str):
+            return None
+        parts.append(part)
+    return "".join(parts)
+
+
+async def write_parts(store: Any, key: str, text: str) -> None:
+    """Store ``text`` under ``key`` in parts of at most ``PART_BYTES`` (the head, which
+    names the count, written last: a reader never sees a part missing).
+
+    Raises:
+        StoreFull: the namespace's store has no room.
+    """
+    parts = [text[i:i + PART_BYTES] for i in range(0, len(text), PART_BYTES)] or [""]
+    for k in range(1, len(parts)):
+        await store.set(f"{key}#{k}", parts[k])
+    await store.set(key, json.dumps({"parts": len(parts), "data": parts[0]}))
+
+
+async def delete_parts(store: Any, key: str) -> bool:
+    """Remove what :func:`write_parts` stored under ``key``; False if there was nothing."""
+    found = False
+    for name in await store.keys(key):
+        if name == key or name.startswith(f"{key}#"):
+            found = await store.delete(name) or found
+    return found
 
 
 def not_found(rid: str, param: str | None = None) -> ApiError:
@@ -159,19 +207,12 @@ class Records:
         Raises:
             ApiError: 404 when it is missing, expired or not this namespace's.
         """
-        if not _valid_id(rid):
+        if not valid_id(rid, "resp"):
             raise not_found(str(rid), param)
-        raw = await self.rt.store.get(_PREFIX + rid)
-        if not isinstance(raw, str):
+        text = await read_parts(self.rt.store, _PREFIX + rid)
+        if text is None:
             raise not_found(rid, param)
-        head = json.loads(raw)
-        parts = [head["data"]]
-        for k in range(1, head["parts"]):
-            part = await self.rt.store.get(f"{_PREFIX}{rid}#{k}")
-            if not isinstance(part, str):
-                raise not_found(rid, param)
-            parts.append(part)
-        record = _decode_record("".join(parts))
+        record = _decode_record(text)
         record.id = rid
         if time.time() - record.created > TTL_S:
             await self.delete(rid)
@@ -201,13 +242,9 @@ class Records:
                 if attempt == 7 or not await self._drop_oldest(exclude=record.id):
                     raise
         text = encode(record).decode()
-        parts = [text[i:i + PART_BYTES] for i in range(0, len(text), PART_BYTES)] or [""]
         for attempt in range(8):
             try:
-                for k in range(1, len(parts)):
-                    await self.rt.store.set(f"{_PREFIX}{record.id}#{k}", parts[k])
-                await self.rt.store.set(_PREFIX + record.id,  # the head: written last
-                                        json.dumps({"parts": len(parts), "data": parts[0]}))
+                await write_parts(self.rt.store, _PREFIX + record.id, text)
                 return
             except StoreFull:
                 if attempt == 7 or not await self._drop_oldest(exclude=record.id):
@@ -218,10 +255,7 @@ class Records:
 
     async def delete(self, rid: str) -> bool:
         """Remove ``rid``'s record and snapshot; False if there was none."""
-        found = False
-        for key in await self.rt.store.keys(_PREFIX + rid):
-            if key == _PREFIX + rid or key.startswith(f"{_PREFIX}{rid}#"):
-                found = await self.rt.store.delete(key) or found
+        found = await delete_parts(self.rt.store, _PREFIX + rid)
         try:
             await Context.delete(self.rt, _PREFIX + rid)
             found = True
