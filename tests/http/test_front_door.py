@@ -142,6 +142,7 @@ def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
     from runtime.server.http.openai import decoding as openai_decoding
     from runtime.server.http.openai import schema as openai_schema
     from runtime.server.http.responses import api as responses_api
+    from runtime.server.http.responses import compact as responses_compact
     from runtime.server.http.responses import conversations as responses_conversations
     from runtime.server.http.responses import items as responses_items
     from runtime.server.http.responses import mcp as responses_mcp
@@ -152,7 +153,8 @@ def test_the_openai_api_is_an_inferlet_over_the_public_sdk() -> None:
     modules = (openai_api, openai_chat, openai_schema, openai_decoding, access_log,
                anthropic_api, anthropic_schema, serving_api, disconnect, limits,
                body, decoding, errors, generation, holds, keys, sse, turns,
-               responses_api, responses_conversations, responses_items, responses_mcp,
+               responses_api, responses_compact, responses_conversations, responses_items,
+               responses_mcp,
                responses_run, responses_schema, responses_store)
     own = {m.__name__ for m in modules}
     every: set[str] = set()

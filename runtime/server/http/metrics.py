@@ -98,7 +98,8 @@ class _EngineCollector:
 _PATHS = frozenset({
     "/", "/metrics", "/health", "/version", "/tokenize", "/detokenize",
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-    "/v1/responses", "/v1/responses/input_tokens", "/v1/conversations", "/v1/messages",
+    "/v1/responses", "/v1/responses/input_tokens", "/v1/responses/compact",
+    "/v1/conversations", "/v1/messages",
     "/v1/messages/count_tokens", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/v1/pie/state"})
 # Routes with a path parameter, counted under one label each (the first match).

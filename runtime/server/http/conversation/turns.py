@@ -142,8 +142,9 @@ async def build_context(rt: Runtime, turns: list[Turn], tools: list[Tool],
 
 
 def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool],
-               marks: dict[int, int] | None = None) -> None:
-    """Fill ``turns`` into ``ctx`` (declaring ``tools`` first) and open the assistant turn.
+               marks: dict[int, int] | None = None, *, cue: bool = True) -> None:
+    """Fill ``turns`` into ``ctx`` (declaring ``tools`` first) and open the assistant turn
+    (unless not ``cue``).
     Without tools (none given, none declared by a snapshot), past calls and their results
     are written as plain text (:func:`plain_history`): no call markup the model could copy
     into an answer that no parser would read.
@@ -170,7 +171,8 @@ def fill_turns(ctx: Context, turns: list[Turn], tools: list[Tool],
             raise ApiError(400, f"messages[{turn.index}]: {err}", param="messages") from None
         if marks is not None:
             marks[turn.index] = _length(ctx)
-    ctx.cue()
+    if cue:
+        ctx.cue()
 
 
 def _length(ctx: Context) -> int:

@@ -51,6 +51,7 @@ from runtime.server.http.conversation.sse import event_stream, sse_response
 from runtime.server.http.conversation.turns import Turn, fill_turns, make_tools
 from runtime.server.http.disconnect import unless_disconnected
 from runtime.server.http.limits import DEFAULT_MAX_OUTPUT_TOKENS
+from runtime.server.http.responses.compact import compact_context, default_budget
 from runtime.server.http.responses.conversations import (
     Conversation,
     ConversationRoutes,
@@ -58,6 +59,7 @@ from runtime.server.http.responses.conversations import (
     page,
 )
 from runtime.server.http.responses.items import (
+    Compaction,
     Event,
     FunctionCall,
     FunctionCallOutput,
@@ -72,12 +74,15 @@ from runtime.server.http.responses.items import (
 from runtime.server.http.responses.mcp import McpServers, ServerTools
 from runtime.server.http.responses.run import DEFAULT_MAX_TOOL_CALLS, Plan, Run, usage_body
 from runtime.server.http.responses.schema import (
+    CompactionOptions,
     FunctionTool,
     McpTool,
     NamedFunctionChoice,
     ResponsesRequest,
+    decode_compact,
     decode_request,
     input_items,
+    item_id,
 )
 from runtime.server.http.responses.store import (
     Namespaces,
@@ -138,6 +143,7 @@ class ResponsesService:
             Route("/v1/responses", guard(self.create), methods=["POST"]),
             Route("/v1/responses/input_tokens", guard(self.count_input_tokens),
                   methods=["POST"]),
+            Route("/v1/responses/compact", guard(self.compact), methods=["POST"]),
             Route("/v1/responses/{rid}", guard(self.get), methods=["GET"]),
             Route("/v1/responses/{rid}", guard(self.delete), methods=["DELETE"]),
             Route("/v1/responses/{rid}/input_items", guard(self.input_items),
@@ -190,6 +196,16 @@ class ResponsesService:
             cid = req.conversation if isinstance(req.conversation, str) else \
                 req.conversation.id
             conv = await Conversations(records.rt).load(cid, param="conversation")
+        for k in range(len(items) - 1, -1, -1):  # a compaction item: its stored context
+            item = items[k]
+            if isinstance(item, Compaction):
+                if prev is not None or req.conversation is not None:
+                    raise ApiError(400, "a 'compaction' item in 'input' continues its "
+                                        "compacted context: give no previous_response_id "
+                                        "or conversation with it", param="input")
+                prev = await records.load(item.encrypted_content, param="input")
+                items = items[k + 1:]  # those before it are in the compacted context
+                break
         functions = _function_tools(req)
         mcp_tools, mcp_names, servers = await self._mcp_tools(req, {t.name for t in functions})
         tools = functions + mcp_tools
@@ -223,6 +239,56 @@ class ResponsesService:
         finally:
             await release(ctx)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+    async def compact(self, request: Any) -> Any:
+        """``POST /v1/responses/compact``: the context a response to this body would start
+        from (without its answer), compacted by KV compaction (``compact``), stored as a
+        response. Answers OpenAI's compacted response: the conversation's user messages,
+        then a ``compaction`` item whose ``encrypted_content`` names that stored context;
+        sent back as input (or its id as ``previous_response_id``), it is continued with
+        no prefill of what it holds. The instructions and tools are the previous
+        response's (unless ``instructions`` is given), so that its follow-ups, sent with
+        them, continue the compacted context."""
+        req = decode_compact(await read_body(request))
+        instructions, tools = req.instructions, None
+        if req.previous_response_id is not None:
+            header = (await (await self._records(request)).load(
+                req.previous_response_id, param="previous_response_id")).header
+            instructions = header["instructions"] if instructions is None else instructions
+            tools = [FunctionTool(name=t["function"]["name"],
+                                  description=t["function"]["description"] or None,
+                                  parameters=t["function"]["parameters"])
+                     for t in header["tools"]] or None
+        as_response = ResponsesRequest(model=req.model, input=req.input or [],
+                                       instructions=instructions, tools=tools,
+                                       previous_response_id=req.previous_response_id,
+                                       prompt_cache_key=req.prompt_cache_key)
+        s = await self._setup(request, as_response)
+        ctx = await self._context(s, as_response, cue=False)
+        exchange = Exchange(self.observer)
+        exchange.hold(ctx)
+        opts = req.compaction or CompactionOptions()
+        rid = new_response_id()
+        item = Compaction(id=item_id("cmp"), encrypted_content=rid)
+        response = self._body(rid, as_response, s.tools)
+        try:
+            await exchange.prefill(ctx)
+            budget = opts.budget or default_budget(ctx.seq_len, opts.window)
+            await compact_context(ctx, budget, opts.window, opts.policy)
+            response.status, response.output = "completed", [item]
+            response.usage, response.completed_at = usage_body(exchange), int(time.time())
+            history = [] if s.prev is None else [
+                i for r in await s.records.chain(s.prev) for i in r.conversation_items()]
+            await s.records.save(ctx, Record(
+                id=rid, response=response, input_items=s.items,
+                previous=None if s.prev is None else s.prev.id, header=s.header,
+                created=time.time()))
+        finally:
+            await exchange.close(finished=True)
+        users = [i for i in history + s.items if isinstance(i, Message) and i.role == "user"]
+        return json_response({"id": rid, "object": "response.compaction",
+                              "created_at": response.created_at, "output": [*users, item],
+                              "usage": response.usage})
 
     async def create(self, request: Any) -> Any:
         req = decode_request(await read_body(request))
@@ -300,8 +366,10 @@ class ResponsesService:
 
     # ----------------------------------------------------------------- the context
 
-    async def _context(self, s: _Setup, req: ResponsesRequest) -> Context:
-        """The context holding the conversation with its assistant turn opened."""
+    async def _context(self, s: _Setup, req: ResponsesRequest, *, cue: bool = True
+                       ) -> Context:
+        """The context holding the conversation with its assistant turn opened (unless not
+        ``cue``)."""
         rt, prev, conv, items, tools = s.records.rt, s.prev, s.conv, s.items, s.tools
         ctx = None
         snapshot = (prev.snapshot if prev is not None else
@@ -325,7 +393,7 @@ class ResponsesService:
                 turns.insert(0, Turn(-1, "system", req.instructions))
             ctx = Context(rt, adapter=s.adapter)
         try:
-            fill_turns(ctx, turns, tools)
+            fill_turns(ctx, turns, tools, cue=cue)
         except ApiError as err:
             await release(ctx)
             raise ApiError(400, err.message.replace("messages[", "input["),

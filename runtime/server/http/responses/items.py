@@ -5,7 +5,7 @@ Owner: the shapes ``/v1/responses`` answers with and stores. Each encodes to Ope
 them; nothing else in the package builds one of these objects as a dict.
 
 * **Items** are tagged by ``type`` (``message``, ``function_call``,
-  ``function_call_output``, ``mcp_call``, ``mcp_list_tools``), so a stored record decodes
+  ``function_call_output``, ``mcp_call``, ``mcp_list_tools``, ``compaction``), so a stored record decodes
   back into them in one pass (``Item``). A record written before the items were typed
   holds the same JSON, and fields this module leaves out or has since added are filled
   with their defaults: old records decode as they are.
@@ -22,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = ["InputText", "OutputText", "Message", "FunctionCall", "FunctionCallOutput",
-           "McpToolInfo", "McpListTools", "McpCall", "Item", "OutputItem", "Usage",
+           "McpToolInfo", "McpListTools", "McpCall", "Compaction", "Item", "OutputItem", "Usage",
            "ResponseBody", "Event", "ResponseEvent", "ItemEvent", "ItemRef", "PartEvent",
            "TextDelta", "TextDone", "ArgumentsDelta", "FunctionArgumentsDone",
            "McpArgumentsDone", "encode", "json_response"]
@@ -94,8 +94,17 @@ class McpCall(_Shape, tag_field="type", tag="mcp_call", kw_only=True):
     status: str = "completed"
 
 
-Item = Message | FunctionCall | FunctionCallOutput | McpCall | McpListTools
-OutputItem = Item  # what a response's ``output`` lists (no function_call_output)
+class Compaction(_Shape, tag_field="type", tag="compaction", kw_only=True):
+    """The output of ``/v1/responses/compact``: ``encrypted_content`` is opaque to the
+    client (here: the id of the stored response that holds the compacted context)."""
+
+    id: str
+    encrypted_content: str
+    created_by: str | None = None
+
+
+Item = Message | FunctionCall | FunctionCallOutput | McpCall | McpListTools | Compaction
+OutputItem = Item  # what a response's ``output`` lists
 
 
 # -------------------------------------------------------------------------- response

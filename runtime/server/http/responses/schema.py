@@ -8,8 +8,8 @@ items) into the typed items (``items``) this server stores and lists back (``GET
 
 Items served: messages (``user``, ``system``, ``developer``, ``assistant``; content a
 string or ``input_text``/``output_text`` parts), ``function_call``,
-``function_call_output``, and ``mcp_call``/``mcp_list_tools`` items a client sends back
-from an earlier response. Any other item type (images, files, reasoning, computer calls...)
+``function_call_output``, and ``mcp_call``/``mcp_list_tools`` and ``compaction`` items a
+client sends back from an earlier response (or ``/v1/responses/compact``). Any other item type (images, files, reasoning, computer calls...)
 is a 400 naming it.
 """
 
@@ -26,6 +26,7 @@ import runtime.server.http.conversation.body as body
 from runtime.server.http.conversation.errors import ApiError
 from runtime.server.http.conversation.turns import join_text, parse_arguments
 from runtime.server.http.responses.items import (
+    Compaction,
     FunctionCall,
     FunctionCallOutput,
     InputText,
@@ -35,7 +36,8 @@ from runtime.server.http.responses.items import (
     OutputText,
 )
 
-__all__ = ["ResponsesRequest", "FunctionTool", "McpTool", "decode_request", "input_items",
+__all__ = ["ResponsesRequest", "CompactRequest", "FunctionTool", "McpTool", "decode_request",
+           "decode_compact", "input_items",
            "item_id", "MAX_ITEMS", "MAX_METADATA"]
 
 MAX_ITEMS = 4096  # input items in one request
@@ -176,6 +178,50 @@ def decode_request(raw: bytes) -> ResponsesRequest:
     """
     req = body.decode(raw, ResponsesRequest, RESPONSES_ACCEPTS)
     body.check_refused(req, _REFUSED_HERE)
+    if not req.input:
+        raise ApiError(400, "'input' must not be empty", param="input")
+    return req
+
+
+class CompactionOptions(body.Body, kw_only=True):
+    """pie-ctx's extension of ``/v1/responses/compact``: how the context is compacted."""
+
+    budget: Annotated[int, msgspec.Meta(ge=16)] | None = None  # tokens kept
+    window: Annotated[int, msgspec.Meta(ge=1, le=256)] = 32  # the observation window
+    policy: Literal["snapkv", "streaming"] = "snapkv"
+
+
+class CompactRequest(body.Body, kw_only=True):
+    """The body of ``POST /v1/responses/compact`` (OpenAI's fields this server reads)."""
+
+    model: str
+    input: str | Annotated[list[Any], msgspec.Meta(max_length=MAX_ITEMS)] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None  # the fleet routes by it
+    compaction: CompactionOptions | None = None
+
+
+COMPACT_ACCEPTS: dict[str, str] = {
+    "model": RESPONSES_ACCEPTS["model"], "input": RESPONSES_ACCEPTS["input"],
+    "instructions": RESPONSES_ACCEPTS["instructions"],
+    "previous_response_id": RESPONSES_ACCEPTS["previous_response_id"],
+    "compaction": '{"budget": tokens kept (>= 16), "window": 1-256, "policy": "snapkv" or '
+                  '"streaming"}, or null',
+}
+
+
+def decode_compact(raw: bytes) -> CompactRequest:
+    """The body of a compaction request, checked.
+
+    Raises:
+        ApiError: 400 naming the first field that is wrong or unknown, or a body that names
+            no context (neither ``input`` nor ``previous_response_id``).
+    """
+    req = body.decode(raw, CompactRequest, COMPACT_ACCEPTS)
+    if not req.input and req.previous_response_id is None:
+        raise ApiError(400, "give 'input', 'previous_response_id' or both: the context to "
+                            "compact", param="input")
     return req
 
 
@@ -270,8 +316,12 @@ def _item(item: Any, i: int, keep_ids: bool) -> Item | None:
                        error=error if isinstance(error, str) else None)
     if kind == "mcp_list_tools":
         return None
+    if kind == "compaction":
+        return Compaction(id=new_id("cmp"),
+                          encrypted_content=_string(item, "encrypted_content", i))
     raise _bad(i, f"items of type {str(kind)[:40]!r} are not supported (served: message, "
-                  "function_call, function_call_output, mcp_call, mcp_list_tools)")
+                  "function_call, function_call_output, mcp_call, mcp_list_tools, "
+                  "compaction)")
 
 
 def input_items(value: str | list[Any], *, keep_ids: bool = False) -> list[Item]:
@@ -283,8 +333,6 @@ def input_items(value: str | list[Any], *, keep_ids: bool = False) -> list[Item]
     """
     if isinstance(value, str):
         value = [{"role": "user", "content": value}]
-    if not value:
-        raise ApiError(400, "'input' must not be empty", param="input")
     items = []
     for i, raw in enumerate(value):
         item = _item(raw, i, keep_ids)
