@@ -246,6 +246,10 @@ def test_the_input_token_count_endpoint(client) -> None:
                                                  previous_response_id=r.id)
     assert follow.input_tokens > count.input_tokens
     assert client.responses.input_tokens.count(input="Hi.").input_tokens > 0  # no model
+    # no input: the previous response's whole context (prompt and answer), cued
+    alone = client.responses.input_tokens.count(model=MODEL, instructions="Be brief.",
+                                                previous_response_id=r.id)
+    assert r.usage.input_tokens < alone.input_tokens < follow.input_tokens
 
 
 def test_reasoning_fields_are_accepted_and_left_out_of_the_prompt(server) -> None:

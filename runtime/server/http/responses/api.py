@@ -231,7 +231,7 @@ class ResponsesService:
         if isinstance(body, dict):
             body.setdefault("model", self.model_name)
             body.setdefault("input", [])
-        req = decode_request(json.dumps(body).encode())
+        req = decode_request(json.dumps(body).encode(), need_input=False)
         s = await self._setup(request, req)
         ctx = await self._context(s, req)
         try:

@@ -170,15 +170,16 @@ RESPONSES_ACCEPTS: dict[str, str] = {
 }
 
 
-def decode_request(raw: bytes) -> ResponsesRequest:
-    """The request body, checked (see the module docstring).
+def decode_request(raw: bytes, *, need_input: bool = True) -> ResponsesRequest:
+    """The request body, checked (see the module docstring); ``need_input``: an empty
+    ``input`` is refused (a count of input tokens may have none).
 
     Raises:
         ApiError: 400 naming the first field that is wrong, unknown or refused.
     """
     req = body.decode(raw, ResponsesRequest, RESPONSES_ACCEPTS)
     body.check_refused(req, _REFUSED_HERE)
-    if not req.input:
+    if need_input and not req.input:
         raise ApiError(400, "'input' must not be empty", param="input")
     return req
 
