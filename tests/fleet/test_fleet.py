@@ -239,14 +239,16 @@ def test_an_engine_killed_mid_stream_gives_one_openai_error(fleet) -> None:
     info = fleet.replicas()[victim]
     folder = Path(info["socket"]).parent
     assert folder.is_dir()
+    # Answers that no end-of-turn token cuts short (ignore_eos): both streams are still
+    # generating when the engine dies, however fast the machine (the two fit its pool).
     body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}],
-            "max_tokens": 400, "temperature": 0, "stream": True}
+            "max_tokens": 800, "temperature": 0, "stream": True, "ignore_eos": True}
     # the session is the key's: the raw stream names the openai client's key too
     headers = {"x-session-id": "doomed", "authorization": "Bearer none"}
     # Two streams on the victim: one through the openai client, one raw.
     stream = client.chat.completions.create(
-        model=MODEL, messages=body["messages"], max_tokens=400, temperature=0, stream=True,
-        extra_headers=headers)
+        model=MODEL, messages=body["messages"], max_tokens=800, temperature=0, stream=True,
+        extra_headers=headers, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
     with httpx.Client(timeout=120) as raw:
