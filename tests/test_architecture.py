@@ -201,6 +201,7 @@ ALLOWED_RUNTIME_TO_SDK = {"runtime.server.http.conversation.turns": {"pie_ctx.to
                           "runtime.server.http.anthropic.schema": {"pie_ctx.tools"},
                           "runtime.server.http.responses.api": {"pie_ctx.tools"},
                           "runtime.server.http.responses.run": {"pie_ctx.tools"},
+                          "runtime.server.http.responses.compact": {"pie_ctx.policies"},
                           "runtime.server.http.responses.mcp": {"pie_ctx.tools",
                                                                 "pie_ctx.tools.mcp"},
                           # a runtime per API key, each in its own snapshot namespace

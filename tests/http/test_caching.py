@@ -159,19 +159,21 @@ def test_bad_cache_requests_are_400s_naming_the_field(server) -> None:
 def test_a_turn_that_ends_in_tool_calls_is_held_while_the_client_runs_them(server) -> None:
     before = metric(server, "pie_ctx_holds")
     r = server.client("tools").chat.completions.create(
-        model="tiny-llama", max_tokens=200, tools=[WEATHER], tool_choice="required",
+        model="tiny-llama", max_tokens=200, temperature=0, tools=[WEATHER],
+        tool_choice="required",
         messages=[{"role": "user", "content": "Weather in Oslo?"}])
     assert r.choices[0].finish_reason == "tool_calls"
     assert metric(server, "pie_ctx_holds") == before + 1
     # (another key: a key's share counts its holds on every API, and the chat turn's
     # context took most of this one's)
     resp = server.client("tools2").responses.create(
-        model="tiny-llama", input="Weather in Rome?", max_output_tokens=200,
+        model="tiny-llama", input="Weather in Rome?", max_output_tokens=200, temperature=0,
         tool_choice="required", tools=[{"type": "function", **WEATHER["function"]}])
     assert resp.output[-1].type == "function_call"
     assert metric(server, "pie_ctx_holds") == before + 2
-    plain = server.client("tools2").responses.create(
-        model="tiny-llama", input="Hi.", max_output_tokens=2, prompt_cache_retention="in_memory")
+    plain = server.client("tools3").responses.create(  # (a key of its own, as above)
+        model="tiny-llama", input="Hi.", max_output_tokens=2, temperature=0,
+        prompt_cache_retention="in_memory")
     assert plain.status in ("completed", "incomplete")
     assert metric(server, "pie_ctx_holds") == before + 3
 
@@ -197,7 +199,8 @@ def test_one_key_cannot_take_every_held_page(tmp_path_factory) -> None:
         assert metric(srv, "pie_ctx_holds") == 3  # the other key still got its hold
         # --tool-hold 0: a turn ending in calls takes no hold
         r = srv.client("tools").chat.completions.create(
-            model="tiny-llama", max_tokens=200, tools=[WEATHER], tool_choice="required",
+            model="tiny-llama", max_tokens=200, temperature=0, tools=[WEATHER],
+            tool_choice="required",
             messages=[{"role": "user", "content": "Weather in Oslo?"}])
         assert r.choices[0].finish_reason == "tool_calls"
         assert metric(srv, "pie_ctx_holds") == 3
