@@ -180,8 +180,10 @@ class ResponsesService:
 
     # ----------------------------------------------------------------------- create
 
-    async def _setup(self, request: Any, req: ResponsesRequest) -> _Setup:
-        """What a request's conversation is built from (checked; no context yet)."""
+    async def _setup(self, request: Any, req: ResponsesRequest,
+                     prev_record: Record | None = None) -> _Setup:
+        """What a request's conversation is built from (checked; no context yet);
+        ``prev_record``: ``req.previous_response_id``'s record, when the caller read it."""
         adapter = self.check_model(req.model)
         items = input_items(req.input)
         records = await self._records(request)
@@ -191,7 +193,8 @@ class ResponsesService:
                 raise ApiError(400, "'previous_response_id' and 'conversation' cannot be used "
                                     "together: a conversation holds its own history",
                                param="conversation")
-            prev = await records.load(req.previous_response_id, param="previous_response_id")
+            prev = prev_record or await records.load(req.previous_response_id,
+                                                     param="previous_response_id")
         if req.conversation is not None:
             cid = req.conversation if isinstance(req.conversation, str) else \
                 req.conversation.id
@@ -250,10 +253,11 @@ class ResponsesService:
         response's (unless ``instructions`` is given), so that its follow-ups, sent with
         them, continue the compacted context."""
         req = decode_compact(await read_body(request))
-        instructions, tools = req.instructions, None
+        instructions, tools, prev = req.instructions, None, None
         if req.previous_response_id is not None:
-            header = (await (await self._records(request)).load(
-                req.previous_response_id, param="previous_response_id")).header
+            prev = await (await self._records(request)).load(
+                req.previous_response_id, param="previous_response_id")
+            header = prev.header
             instructions = header["instructions"] if instructions is None else instructions
             tools = [FunctionTool(name=t["function"]["name"],
                                   description=t["function"]["description"] or None,
@@ -263,7 +267,7 @@ class ResponsesService:
                                        instructions=instructions, tools=tools,
                                        previous_response_id=req.previous_response_id,
                                        prompt_cache_key=req.prompt_cache_key)
-        s = await self._setup(request, as_response)
+        s = await self._setup(request, as_response, prev)
         ctx = await self._context(s, as_response, cue=False)
         exchange = Exchange(self.observer)
         exchange.hold(ctx)
