@@ -23,7 +23,8 @@ the oracle of tests/model/test_fused_step.py):
   bf16 KV pages (:func:`_pages_readable`), head dim a multiple of 16, no q/k norms (Qwen3),
   one rank (no tensor parallelism);
 * every projection's chosen kernel, for the 1-row and the batch bucket, has a C++ form:
-  ``mkl``, ``mm``, ``onednn``, ``int_mm``, ``int_mm_kn``, ``fbgemm``, ``int4pack``,
+  ``mkl``, ``mm``, ``onednn``, ``f32_strips``, ``int_mm``, ``int_mm_kn``, ``int8_strips``,
+  ``fbgemm``, ``int4pack``,
   ``blocks``, ``blocks_q8``, ``kquant``, ``kquant_q8``, each also as a deterministic
   choice's padded ``name@p``
   (the C++ step pads a call of fewer rows with zero rows, as ``Projection`` does);
@@ -110,7 +111,7 @@ def _spec(p: Projection, name: str) -> tuple | None:
     if spec is None:
         return None
     # (kind, w, scale, bias, packed, group, rows, pad, *blocks_q8's outlier idx and side)
-    rows = spec[6] if len(spec) > 6 else 0  # blocks_q8: its output rows (strips pad to 16s)
+    rows = spec[6] if len(spec) > 6 else 0  # output rows where strips pad them to 16s
     return (*spec[:6], rows, int(pad or 1), *spec[7:])
 
 
@@ -124,6 +125,8 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
     layout = p.layout(name)  # the weight as the kernel reads it, where it has a copy
     if name == "onednn" and layout is not None:
         return (kind, layout, _NONE, bias, None, 0)
+    if name == "f32_strips" and layout is not None:  # [N/16, K, 16]
+        return (kind, layout, _NONE, bias, None, 0, w.shape[0])  # type: ignore[union-attr]
     if isinstance(w, Int8Weight):
         b = None if bias is None else bias.float()
         if name == "int_mm":
@@ -132,6 +135,9 @@ def _base_spec(p: Projection, name: str) -> tuple | None:
             return (kind, layout, w.scale, b, None, 0)
         if name == "fbgemm" and layout is not None:  # bias inside the prepacked weight
             return (kind, _NONE, _NONE, None, layout, 0)
+        if name == "int8_strips" and layout is not None:  # (packed strips, row sums)
+            packed, sums = layout  # type: ignore[misc]
+            return (kind, packed, w.scale, b, sums, 0, w.q.shape[0])
     if isinstance(w, KQuantWeight) and kernels.kquant_ops() is not None:  # its op registered
         return (kind, _NONE, w.codes, bias, [p.raw for p in w.parts], int(name == "kquant_q8"))
     if isinstance(w, BlockWeight):

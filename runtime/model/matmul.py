@@ -11,8 +11,12 @@ vs oneDNN rank differently on an AVX2 EPYC and an AVX-512 Xeon), so nothing is d
 rule.
 
 Float candidates on CPU: ``mkl`` (``F.linear``), ``mm`` (``W @ x.T``, good for few rows on
-some CPUs) and ``onednn`` (a oneDNN-packed copy of W, only for models whose weights take at
-most ``PACK_MAX_BYTES``; ``PIE_CTX_PACKED_WEIGHTS=0/1`` forces it off/on), and for bf16 /
+some CPUs), ``onednn`` (a oneDNN-packed copy of W, only for models whose weights take at
+most ``PACK_MAX_BYTES``; ``PIE_CTX_PACKED_WEIGHTS=0/1`` forces it off/on), ``f32_strips``
+(fp32 weights, packed like ``onednn``: pie-ctx's kernel on a copy of W in 16-row strips,
+``runtime/model/kernels/strips_mm.cpp``, each output one chain of FMAs in input order, so
+row-count invariant by construction; on the Sapphire Rapids Xeon it beat MKL and oneDNN
+at 1, 8 and 256 rows), and for bf16 /
 fp16 weights ``f32`` (fp32 GEMM on the weight widened once, rounded back: a row-count-
 invariant class where the half-precision GEMMs are not, as oneDNN's on AMX cores). Other
 devices: ``F.linear``.
@@ -22,9 +26,12 @@ so a row's result never depends on the other rows of its batch; the integer prod
 exact, so the candidates compute the same numbers up to fp32 rounding of the final scaling
 (~1e-7): ``int_mm`` (``torch._int_mm`` for any row count, on W as stored), ``int_mm_kn``
 (the same on a transposed copy of W: the two layouts rank differently on different CPUs;
-on the AVX-512 Xeon the stored one was 1.4x faster at 8 rows) and ``fbgemm`` (one row
-only: fbgemm's int8 linear with fp32 output, fed that row's own scale and the zero point
-128 that makes its uint8 input the same integers).
+on the AVX-512 Xeon the stored one was 1.4x faster at 8 rows), ``int8_strips`` (pie-ctx's
+kernel on a copy of W in 16-row strips, ``runtime/model/kernels/strips_mm.cpp``, where the CPU
+has AVX-512 VNNI: the same int32 sums as ``torch._int_mm`` and the same scaling, so the
+same bits; ~10x faster at one row on the Xeon) and ``fbgemm`` (one row only: fbgemm's int8
+linear with fp32 output, fed that row's own scale and the zero point 128 that makes its
+uint8 input the same integers).
 
 Block candidates (CPU, a :class:`runtime.model.blocks.BlockWeight`: a GGUF file's Q4_0,
 Q4_1, Q5_0, Q5_1 or Q8_0 blocks): ``blocks`` (pie-ctx's kernel over the blocks, fp32 activations,
@@ -259,10 +266,17 @@ class Projection:
         if self.device.type != "cpu":
             return ["mkl"] if not self.is_int8 else ["int_mm"]
         if self.is_int8:
-            return ["int_mm", "int_mm_kn"] + (["fbgemm"] if _fbgemm_op() is not None else [])
+            names = ["int_mm", "int_mm_kn"]
+            ops = kernels.ops()
+            if ops is not None and ops.int8_strips_native():
+                names.append("int8_strips")
+            return names + (["fbgemm"] if _fbgemm_op() is not None else [])
         names = ["mkl", "mm"]
         if self.pack and _packing_ops() is not None:
             names.append("onednn")
+        if self.pack and self.weight.dtype == torch.float32 \
+                and kernels.ops() is not None:  # type: ignore[union-attr]
+            names.append("f32_strips")
         if self.weight.dtype in (torch.bfloat16, torch.float16):  # type: ignore[union-attr]
             # where the half-precision GEMMs round a row by its batch (oneDNN on AMX
             # cores), deterministic numerics still have an invariant kernel: fp32 GEMM on
@@ -302,6 +316,12 @@ class Projection:
             if ops is None:
                 return lambda x: F.linear(x.float(), wide, wide_b).to(x.dtype)
             return lambda x: ops[1](x.float(), wide, wide_b, "none", [], "").to(x.dtype)
+        if name == "f32_strips":
+            packed = self._layouts.get(name)
+            if packed is None:  # [N/16, K, 16]: kernels/strips_mm.cpp
+                packed = self._layouts[name] = kernels.ops().pack_f32_strips(w)
+            n, mm, bias = w.shape[0], kernels.ops().f32_strips_mm, _NO_BIAS if b is None else b
+            return lambda x: mm(x, packed, bias, n)
         if name == "onednn":
             reorder, linear = _packing_ops()  # type: ignore[misc]
             packed = self._layouts.get(name)
@@ -315,12 +335,19 @@ class Projection:
         assert isinstance(w, Int8Weight)
         if name == "int_mm":
             qt = w.q.t()  # a view of W as stored, [out, in] row-major
-            return lambda x: _int8_int_mm(x, qt, w.scale, b)
+            return lambda x: _int8_linear(x, lambda xq: torch._int_mm(xq, qt), w.scale, b)
         if name == "int_mm_kn":
             qt = self._layouts.get(name)
             if qt is None:
                 qt = self._layouts[name] = w.q.t().contiguous()  # a copy, [in, out] row-major
-            return lambda x: _int8_int_mm(x, qt, w.scale, b)
+            return lambda x: _int8_linear(x, lambda xq: torch._int_mm(xq, qt), w.scale, b)
+        if name == "int8_strips":
+            strips = self._layouts.get(name)
+            if strips is None:  # (packed [N/16, K/4, 16, 4], each row's sum)
+                strips = self._layouts[name] = tuple(kernels.ops().pack_int8_strips(w.q))
+            packed, sums = strips  # type: ignore[misc]
+            n, mm = w.q.shape[0], kernels.ops().int8_strips_mm
+            return lambda x: _int8_linear(x, lambda xq: mm(xq, packed, sums, n), w.scale, b)
         if name == "fbgemm":
             packed = self._layouts.get(name)
             if packed is None:
@@ -373,7 +400,8 @@ class Projection:
         """The weight in the layout kernel ``name`` (a base name, no ``@p``) reads, where
         that kernel keeps a copy of its own and it was built: ``onednn`` and ``f32`` their
         oneDNN-packed weights (``f32``: widened to fp32), ``int_mm_kn`` W transposed
-        (``[in, out]`` row-major int8), ``fbgemm`` its prepacked weight (bias inside),
+        (``[in, out]`` row-major int8), ``f32_strips`` (W in 16-row strips), ``int8_strips``
+        (W in 16-row strips, each row's sum), ``fbgemm`` its prepacked weight (bias inside),
         ``blocks_q8`` a :class:`runtime.model.blocks.StripBlocks`, ``int4pack`` an
         :class:`Int4Weight`. None otherwise (the other kernels read :attr:`weight`)."""
         return self._layouts.get(name)
@@ -433,11 +461,13 @@ def _padded(kernel: Kernel, rows: int) -> Kernel:
     return run
 
 
-def _int8_int_mm(x: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def _int8_linear(x: torch.Tensor, int_mm: Callable[[torch.Tensor], torch.Tensor],
+                 scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int8 projection: ``x``'s rows quantized, ``int_mm`` of them (their exact int32
+    products with W, ``[m, out]``), scaled back (and the bias added)."""
     xf = x if x.dtype == torch.float32 else x.float()
     xq, xs = _quantize_rows(xf)
-    acc = torch._int_mm(xq, qt)  # [m, out] int32, exact
+    acc = int_mm(xq)  # [m, out] int32, exact
     ops = kernels.ops()
     if ops is not None and acc.device.type == "cpu":  # the same bits in one pass
         out = ops.dequantize_int32(acc, xs, scale, _NO_BIAS if bias is None else bias.float())

@@ -221,16 +221,25 @@ def _blocks(p: Projection, kernel: str = "blocks") -> Projection:
     return proj
 
 
-@pytest.mark.parametrize("weights", ["int8", "blocks", "blocks_q8", "blocks_q8_split",
-                                     "blocks-Q5_1", "blocks_q8_split-Q5_0"])
+@pytest.mark.parametrize("weights", ["int8", "int8_strips", "f32_strips", "blocks",
+                                     "blocks_q8", "blocks_q8_split", "blocks-Q5_1",
+                                     "blocks_q8_split-Q5_0"])
 def test_int8_and_block_weights_match_the_eager_step(weights: str) -> None:
     hf = make_hf_model("qwen2", seed=7)  # q/k/v biases too
+    if weights == "int8_strips" and not kernels.ops().int8_strips_native():
+        pytest.skip("int8_strips needs AVX-512 VNNI")
 
     def make() -> ModelRunner:
-        if weights == "int8":
+        if weights in ("int8", "int8_strips", "f32_strips"):
             runner = make_runner(hf, num_pages=32)
-            return ModelRunner(runner.config, hf.state_dict(), runner.pool_kv, 16,
-                               weight_format="int8", calibration=random_tokens(64, seed=9))
+            if weights != "f32_strips":
+                runner = ModelRunner(runner.config, hf.state_dict(), runner.pool_kv, 16,
+                                     weight_format="int8", calibration=random_tokens(64, seed=9))
+            if weights.endswith("_strips"):  # strips_mm.cpp's kernel for every row count
+                for lw in runner.model.layers:
+                    for proj in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                        proj.use([weights] * proj.buckets)
+            return runner
         runner = make_runner(hf, num_pages=32)
         for lw in runner.model.layers:
             lw.qkv, lw.o_proj = _blocks(lw.qkv, weights), _blocks(lw.o_proj, weights)

@@ -124,6 +124,57 @@ def test_an_int8_projection_gives_the_same_bits_with_the_kernels(ops, monkeypatc
     assert torch.equal(fast["int_mm"], slow) and torch.equal(fast["int_mm_kn"], slow)
 
 
+@pytest.mark.parametrize("shape", [(80, 96), (37, 13), (3072, 576)], ids=str)
+def test_the_int8_strips_kernel_gives_int_mms_bits_at_every_row_count(ops, shape):
+    """strips_mm.cpp's sums are exact, so the kernel is int_mm's class of deterministic
+    numerics: the same bits for every row count, a ragged strip and K tail included."""
+    from runtime.model.matmul import Int8Weight, Projection
+
+    if not ops.int8_strips_native():
+        pytest.skip("int8_strips needs AVX-512 VNNI")
+    torch.manual_seed(7)
+    n, k = shape
+    w = Int8Weight.quantize(torch.randn(n, k))
+    b = torch.randn(n)
+    assert "int8_strips" in Projection(w).candidate_names()
+    for bias in (None, b):
+        proj = Projection(w, bias)
+        x = torch.randn(21, k) * 4
+        for rows in (1, 2, 3, 4, 5, 8, 9, 21):
+            want = proj.kernel("int_mm")(x[:rows])
+            assert torch.equal(proj.kernel("int8_strips")(x[:rows]), want), rows
+    q = torch.randint(-127, 128, (5, k), dtype=torch.int8)  # the integer sums themselves
+    packed, sums = ops.pack_int8_strips(w.q)
+    assert torch.equal(ops.int8_strips_mm(q, packed, sums, n), torch._int_mm(q, w.q.t()))
+    with pytest.raises(RuntimeError, match="pack_int8_strips"):
+        ops.int8_strips_mm(q[:, :-4], packed, sums, n)  # another K
+
+
+@pytest.mark.parametrize("shape", [(80, 96), (37, 13), (3072, 576)], ids=str)
+def test_the_f32_strips_kernel_is_row_count_invariant_and_linear(ops, shape):
+    """strips_mm.cpp's fp32 kernel: each output one FMA chain in input order, so a row gets
+    the same bits in every call (tiles of 6 rows and 4 strips, ragged ones too, threads),
+    and F.linear's values to float rounding."""
+    from runtime.model.matmul import Projection
+
+    torch.manual_seed(8)
+    n, k = shape
+    w, b = torch.randn(n, k), torch.randn(n)
+    assert "f32_strips" in Projection(w, pack=True).candidate_names()
+    for bias in (None, b):
+        kernel = Projection(w, bias).kernel("f32_strips")
+        x = torch.randn(40, k)
+        whole = kernel(x)
+        torch.testing.assert_close(whole, torch.nn.functional.linear(x, w, bias),
+                                   rtol=1e-4, atol=1e-4)
+        for rows in (1, 2, 5, 6, 7, 13, 25):
+            for start in (0, 3):
+                got = kernel(x[start:start + rows])
+                assert torch.equal(got, whole[start:start + rows]), (rows, start)
+    with pytest.raises(RuntimeError, match="pack_f32_strips"):
+        ops.f32_strips_mm(torch.randn(2, k + 1), ops.pack_f32_strips(w), b, n)
+
+
 def test_the_model_with_kernels_matches_the_model_without(ops, monkeypatch):
     """Prefill, then decodes and a draft, paged: logits within float rounding either way."""
     hf_model = make_hf_model("llama3", seed=7, num_layers=2)

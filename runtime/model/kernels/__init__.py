@@ -20,6 +20,9 @@ The kernels (docs/forward.md):
   positions (so a row's bits do not depend on its batch);
 * ``rms_norm``, ``quantize_rows``, ``rope_``, ``write_kv`` and ``silu_mul``: one pass each
   instead of 2-6 eager ops, bit for bit the eager results;
+* ``f32_strips_mm`` and ``int8_strips_mm`` (``strips_mm.cpp``, the same module): projections
+  over a weight packed in 16-row strips, row-count invariant by construction
+  (``runtime.model.matmul``'s ``f32_strips`` and ``int8_strips``);
 * ``DecodeStep`` (``decode_step.cpp``, built into the same module): every layer of a small
   decode batch in one call, with grouped LoRA deltas (``runtime.model.fused_step``
   prepares and runs it).
@@ -72,10 +75,11 @@ BLOCK_SOURCE = Path(__file__).with_name("block_mm.cpp")
 SAMPLING_SOURCE = Path(__file__).with_name("sampling.cpp")
 KQUANT_SOURCE = Path(__file__).with_name("kquant_mm.cpp")
 # the files each module is compiled from: the decode step (runtime/model/fused_step.py)
-# is built into the cpu_ops module. HEADER is the vectors and the exp all three include:
+# and the strip projection kernels (strips_mm.cpp) are built into the cpu_ops module. HEADER is the vectors and the exp all three include:
 # part of each build folder's digest, not a compiled source.
 HEADER = Path(__file__).with_name("vec16.h")
-SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp")),
+SOURCES = {SOURCE: (SOURCE, Path(__file__).with_name("decode_step.cpp"),
+                   Path(__file__).with_name("strips_mm.cpp")),
            BLOCK_SOURCE: (BLOCK_SOURCE,), SAMPLING_SOURCE: (SAMPLING_SOURCE,),
            KQUANT_SOURCE: (KQUANT_SOURCE,)}
 _lock = threading.Lock()

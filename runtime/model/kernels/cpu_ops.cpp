@@ -1098,9 +1098,12 @@ EXACT torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch:
 
 // decode_step.cpp: the whole decode step in one call (its class joins this module)
 void register_decode_step(pybind11::module_& m);
+// strips_mm.cpp: projection kernels over weights packed in 16-row strips (same module)
+void register_strips_mm(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_step(m);
+  register_strips_mm(m);
   m.def("dequantize_int32", &dequantize_int32, "int8 projection's int32 result to fp32");
   m.def("rope_", &rope_, "rotate q and k heads of a qkv buffer in place");
   m.def("write_kv", &write_kv, "store new K/V into the pool");

@@ -8,7 +8,7 @@
 // kernel_choice.py's choose_kernels picked for its row bucket, as the same ATen op
 // (at::linear, at::mm, mkldnn::_linear_pointwise, at::_int_mm, fbgemm's int8 linear,
 // at::_weight_int4pack_mm_for_cpu, block_mm.cpp's block_mm and block_mm_q8, kquant_mm.cpp's
-// kquant_mm_parts), so the step
+// kquant_mm_parts, strips_mm.cpp's f32_strips_mm and int8_strips_mm), so the step
 // computes the eager forward's numbers.
 //
 // LoRA: one grouped kernel per projection for every adapter of the batch: the rows of one
@@ -47,6 +47,11 @@ void write_kv(torch::Tensor pool, int64_t layer, torch::Tensor kv, torch::Tensor
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor dequantize_int32(torch::Tensor acc, torch::Tensor xs, torch::Tensor ws,
                                torch::Tensor bias);
+// strips_mm.cpp's
+torch::Tensor int8_strips_mm(torch::Tensor xq, torch::Tensor packed, torch::Tensor sums,
+                             int64_t N);
+torch::Tensor f32_strips_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor bias,
+                            int64_t N);
 
 namespace {
 
@@ -89,7 +94,7 @@ inline float dot_bf16(const float* x, const uint16_t* w, int64_t n) {
 // (runtime/model/kernel_choice.py, step_kinds).
 enum Kind : int64_t {
   MKL = 0, MM = 1, ONEDNN = 2, INT_MM = 3, FBGEMM = 4, INT4 = 5, BLOCKS = 6, BLOCKS_Q8 = 7,
-  KQUANT = 8
+  KQUANT = 8, INT8_STRIPS = 9, F32_STRIPS = 10
 };
 
 struct Kernel {
@@ -97,12 +102,13 @@ struct Kernel {
   torch::Tensor w;      // the weight in the layout the kernel reads
   torch::Tensor scale;  // int8: per output row; int4: scales_and_zeros; blocks: d
   torch::Tensor bias;   // or undefined
-  c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the minimums, or empty)
+  c10::IValue packed;   // fbgemm: its prepacked weight; blocks: m (the minimums, or empty);
+                        // int8_strips: each weight row's sum
   int64_t group = 0;    // int4: group size; blocks: bits (4, 5 or 8)
-  int64_t rows = 0;     // blocks_q8: output rows (its strips are padded to 16s)
+  int64_t rows = 0;     // blocks_q8, *_strips: output rows (strips are padded to 16s)
   int64_t pad = 1;      // matmul.py's "name@p" (deterministic): calls of fewer rows padded
   torch::Tensor idx, side;  // blocks_q8: its outlier channels and their exact weights
-  torch::Tensor m, bias_or_empty;  // blocks_q8: the minimums and the bias as tensors
+  torch::Tensor m, bias_or_empty;  // blocks_q8: the minimums; it and f32_strips: the bias
 };
 
 // block_mm.cpp's block_mm_q8_out, called typed (no boxing): its C++ signature exactly.
@@ -158,12 +164,11 @@ Kernel make_kernel(py::tuple spec) {
     k.idx = spec[8].cast<torch::Tensor>();
     k.side = spec[9].cast<torch::Tensor>();
   }
-  TORCH_CHECK(k.kind >= MKL && k.kind <= KQUANT, "decode step: unknown projection kernel");
-  if (k.kind == BLOCKS_Q8) {
-    k.m = k.packed.toTensor();
+  TORCH_CHECK(k.kind >= MKL && k.kind <= F32_STRIPS, "decode step: unknown projection kernel");
+  if (k.kind == BLOCKS_Q8) k.m = k.packed.toTensor();
+  if (k.kind == BLOCKS_Q8 || k.kind == F32_STRIPS)
     k.bias_or_empty = k.bias.defined() ? k.bias.to(at::kFloat).contiguous()
                                        : torch::empty({0}, torch::kFloat32);
-  }
   return k;
 }
 
@@ -186,9 +191,17 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
       op.callBoxed(&s);
       return s[0].toTensor();
     }
-    case INT_MM: {  // matmul.py's _int8_int_mm
+    case INT_MM: {  // matmul.py's "int_mm" (_int8_linear over at::_int_mm)
       auto qs = quantize_rows(x);
       auto acc = at::_int_mm(qs[0], k.w);
+      return dequantize_int32(acc, qs[1], k.scale,
+                              k.bias.defined() ? k.bias : torch::empty({0}, x.options()));
+    }
+    case F32_STRIPS:  // matmul.py's "f32_strips": strips_mm.cpp's kernel
+      return f32_strips_mm(x, k.w, k.bias_or_empty, k.rows);
+    case INT8_STRIPS: {  // matmul.py's "int8_strips": strips_mm.cpp's kernel
+      auto qs = quantize_rows(x);
+      auto acc = int8_strips_mm(qs[0], k.w, k.packed.toTensor(), k.rows);
       return dequantize_int32(acc, qs[1], k.scale,
                               k.bias.defined() ? k.bias : torch::empty({0}, x.options()));
     }
@@ -526,7 +539,8 @@ void register_decode_step(py::module_& m) {
   const std::pair<const char*, Kind> names[] = {
       {"mkl", MKL}, {"mm", MM}, {"onednn", ONEDNN}, {"int_mm", INT_MM}, {"int_mm_kn", INT_MM},
       {"fbgemm", FBGEMM}, {"int4pack", INT4}, {"blocks", BLOCKS}, {"blocks_q8", BLOCKS_Q8},
-      {"kquant", KQUANT}, {"kquant_q8", KQUANT}};
+      {"kquant", KQUANT}, {"kquant_q8", KQUANT}, {"int8_strips", INT8_STRIPS},
+      {"f32_strips", F32_STRIPS}};
   for (const auto& [name, kind] : names) kinds[name] = static_cast<int64_t>(kind);
   m.attr("STEP_KINDS") = kinds;
   py::class_<DecodeStep>(m, "DecodeStep")
