@@ -201,10 +201,11 @@ class ModelRunner:
                 x = step.run(self.model, tokens, meta, self.pool_kv, self._fused, batch)
                 return self.model.finish(x, rows, return_hidden)
             lora = self._lora_batch(batch)
+            scoring = Scoring(batch, meta) if any(s.scores for s in batch) else None
+            if scoring is not None:  # the paged kernel scores the sequences it attends
+                meta.scores = scoring.capture
             self.backend.prepare(meta, self.pool_kv)
             pool, backend = self.pool_kv, self.backend
-
-            scoring = Scoring(batch, meta) if any(s.scores for s in batch) else None
 
             def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 out = backend.forward(layer, q, kv, pool, meta)

@@ -50,6 +50,9 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [T] int64 slot within that page
     masks: list[torch.Tensor | None]  # [B] bool [query_len, kv_len] or None (causal)
     backend_state: Any = field(default=None)
+    # the attention scores asked for, which pie-ctx's paged kernel writes as it attends
+    # (runtime.model.scores.ScoreCapture), or None
+    scores: Any = field(default=None)
 
     @property
     def num_tokens(self) -> int:

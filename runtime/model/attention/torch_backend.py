@@ -29,7 +29,7 @@ boundary that depends on the batch). Custom-masked passes still go to SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from runtime.kv.layout import SCALE_BYTES, decode
 from runtime.model import kernels
 from runtime.model.attention.base import AttentionMetadata, consecutive_run, write_kv
 from runtime.model.attention.cascade import CascadeGroup, run_prefix_len, shared_prefix_clusters
+
+if TYPE_CHECKING:
+    from runtime.model.scores import ScoreCapture
 
 __all__ = ["TorchAttention", "fused_gqa"]
 
@@ -113,18 +116,26 @@ class KernelGroup:
         return cls(ops, seqs, rows, padded, torch.tensor(starts, dtype=torch.int32),
                    torch.tensor(cached, dtype=torch.int32), pages)
 
-    def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, pool_kv: torch.Tensor,
+               scores: ScoreCapture | None = None) -> torch.Tensor:
         """[Tg, H, D] queries -> [Tg, H*D] (the kernel takes fp32 queries: an int8 pool of
-        a bf16 model has its queries widened and the result rounded back)."""
+        a bf16 model has its queries widened and the result rounded back); the asking
+        rows' scores into ``scores``' buffers where it has this layer's."""
         if q.dtype != torch.float32:
-            return self.attend(layer, q.float(), pool_kv).to(q.dtype)
-        if self.pages is None:
-            return self.ops.paged_attention(q, pool_kv, layer, self.page_tables,
-                                            self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
-        # [n, S, 2, KVH, D] fp32, seen by the kernel as a one-layer pool
-        pool = decode(pool_kv[:, :, layer].index_select(0, self.pages), torch.float32)
-        return self.ops.paged_attention(q, pool.float().unsqueeze(2), 0, self.page_tables,
-                                        self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
+            return self.attend(layer, q.float(), pool_kv, scores).to(q.dtype)
+        args: tuple = (pool_kv, layer)
+        if self.pages is not None:
+            # [n, S, 2, KVH, D] fp32, seen by the kernel as a one-layer pool
+            pool = decode(pool_kv[:, :, layer].index_select(0, self.pages), torch.float32)
+            args = (pool.float().unsqueeze(2), 0)
+        tables = (self.page_tables, self.seq_start, self.num_cached, q.shape[-1] ** -0.5)
+        bufs = scores.buffers(layer, q.shape[1]) if scores is not None else None
+        if bufs is None:
+            return self.ops.paged_attention(q, *args, *tables)
+        slot, logits = bufs
+        if self.rows is not None:
+            slot = slot.index_select(0, self.rows)
+        return self.ops.paged_attention_scored(q, *args, *tables, slot, logits)
 
 
 @dataclass(slots=True)
@@ -231,7 +242,11 @@ class TorchAttention:
                 or pool_kv.device.type != "cpu" or head_dim(pool_kv) % 16:
             return None
         ops = kernels.ops()
-        return KernelGroup.build(ops, meta, seqs, gather) if ops is not None else None
+        if ops is None:
+            return None
+        if meta.scores is not None:  # the kernel scores the asking rows it attends
+            meta.scores.take(seqs)
+        return KernelGroup.build(ops, meta, seqs, gather)
 
     @staticmethod
     def _run_prefixes(meta: AttentionMetadata, clusters: list[tuple[list[int], int]],
@@ -324,13 +339,14 @@ class TorchAttention:
         if len(groups) == 1 and groups[0].rows is None:
             g = groups[0]
             if isinstance(g, KernelGroup):
-                return g.attend(layer, q, pool_kv)
+                return g.attend(layer, q, pool_kv, meta.scores)
             return self.attend(g, layer, q, pool_kv, ps)
         t, h, d = q.shape
         out = q.new_empty(t, h * d)  # [T, H*D]
         for g in groups:
             if isinstance(g, KernelGroup):
-                out.index_copy_(0, g.rows, g.attend(layer, q.index_select(0, g.rows), pool_kv))
+                out.index_copy_(0, g.rows, g.attend(layer, q.index_select(0, g.rows), pool_kv,
+                                                    meta.scores))
                 continue
             if isinstance(g.rows, slice):
                 out[g.rows] = self.attend(g, layer, q[g.rows], pool_kv, ps)

@@ -243,6 +243,12 @@ struct Paged {
   float* out;                // [T, H * D]
   float* part_ml;            // per (row, head, split): m and l
   float* part_acc;           // per (row, head, split): D outputs
+  // attention scores (paged_attention_scored; scores == nullptr: none asked): the scaled
+  // logits of query row r, head h, key k at scores[(score_slot[r] * H + h) * score_len + k]
+  // for the rows with a slot (>= 0)
+  const int64_t* score_slot = nullptr;
+  float* scores = nullptr;
+  int64_t score_len = 0;
 };
 
 // A thread's buffers, reused from call to call.
@@ -253,29 +259,34 @@ struct Scratch {
   std::vector<float> ks, vs;  // attend_rows on an int8 pool: each key's K and V scale
   std::vector<const float*> qs;  // each query head's query (see heads_of)
   std::vector<int64_t> lim;      // each query head's last key
+  std::vector<float*> sd;        // each query head's row of scores, or nullptr
 };
 
 // Query heads [ab, ae) of KV head g in a task (row j, head i -> a = j * G + i): each one's
-// query, qs[a - ab], and the last key it sees, lim[a - ab]: worked out once for all the
-// blocks a unit runs them over, not once a block.
+// query, qs[a - ab], the last key it sees, lim[a - ab], and where its scores go, sd[a - ab]
+// (nullptr: not asked): worked out once for all the blocks a unit runs them over.
 template <typename KV>
 void heads_of(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, int64_t ae,
-              const float** qs, int64_t* lim) {
+              const float** qs, int64_t* lim, float** sd) {
   const int64_t* rows = c.task_rows + task.first;
   for (int64_t a = ab; a < ae; ++a) {
-    const int64_t row = rows[a / c.G];
-    qs[a - ab] = c.qp + row * c.q_row + (g * c.G + a % c.G) * c.q_head;
+    const int64_t row = rows[a / c.G], h = g * c.G + a % c.G;
+    qs[a - ab] = c.qp + row * c.q_row + h * c.q_head;
     lim[a - ab] = c.row_limit[row];
+    const int64_t slot = c.scores != nullptr ? c.score_slot[row] : -1;
+    sd[a - ab] = slot >= 0 ? c.scores + (slot * c.H + h) * c.score_len : nullptr;
   }
 }
 
 // The scores, softmax update and weighted values of one KV head over one block, for na
-// query heads (heads_of's qs and lim; all nqt of a unit of whole tasks). kp, vp: each key's
-// K and V. acc, st, w: query head a's at a.
+// query heads (heads_of's qs, lim and sd; all nqt of a unit of whole tasks). kp, vp: each
+// key's K and V. acc, st, w: query head a's at a. A head with a row of scores gets the
+// block's scaled logits there (keys it does not see: -inf), as the softmax reads them.
 template <typename KV, typename T>
 void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
-                const T* const* kp, const T* const* vp, int64_t k0, int64_t kb, v16 k_scale,
-                v16 v_scale, v16* acc, Partial* st, float* w, int64_t na) {
+                float* const* sd, const T* const* kp, const T* const* vp, int64_t k0,
+                int64_t kb, v16 k_scale, v16 v_scale, v16* acc, Partial* st, float* w,
+                int64_t na) {
   constexpr bool QUANT = std::is_same<KV, int8_t>::value;
   const int64_t nv = c.nv;
   bool live[64];  // chunk a0 / QMAX sees a key of this block (64 chunks; more: always)
@@ -313,6 +324,11 @@ void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
         sc = out ? splat(NEG_INF) : sum16(dots[a]) * k_scale * c.scale;
       else
         sc = out ? splat(NEG_INF) : sum16(dots[a]) * c.scale;
+      if (sd[qa] != nullptr) {
+        float lane[BLOCK];
+        store(lane, sc);
+        std::memcpy(sd[qa] + k0, lane, kb * sizeof(float));
+      }
       const float bm = hmax(sc);
       if (bm == NEG_INF) {
         store(wa, v16{});
@@ -361,8 +377,10 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
   s.w.resize(nqt * BLOCK);
   s.qs.resize(heads * nqt);
   s.lim.resize(nqt);
+  s.sd.resize(heads * nqt);
   for (int64_t g = g0; g < g1; ++g)
-    heads_of(c, task, g, 0, nqt, s.qs.data() + (g - g0) * nqt, s.lim.data());
+    heads_of(c, task, g, 0, nqt, s.qs.data() + (g - g0) * nqt, s.lim.data(),
+             s.sd.data() + (g - g0) * nqt);
   // several chunks of query heads read each key: widen the block once, into fp32
   const bool widen = !std::is_same<KV, float>::value && nqt > QMAX;
   if (widen) {
@@ -427,6 +445,7 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
       v16* acc = s.acc.data() + (g - g0) * nqt * nv;
       Partial* st = s.st.data() + (g - g0) * nqt;
       const float* const* qs = s.qs.data() + (g - g0) * nqt;
+      float* const* sd = s.sd.data() + (g - g0) * nqt;
       if (widen) {
         const float* kf[BLOCK];
         const float* vf[BLOCK];
@@ -440,11 +459,11 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
           kf[k] = kd;
           vf[k] = vd;
         }
-        head_block<KV, float>(c, qs, s.lim.data(), kf, vf, k0, kb, k_scale, v_scale, acc, st,
-                              s.w.data(), nqt);
+        head_block<KV, float>(c, qs, s.lim.data(), sd, kf, vf, k0, kb, k_scale, v_scale,
+                              acc, st, s.w.data(), nqt);
       } else {
-        head_block<KV, KV>(c, qs, s.lim.data(), kp, vp, k0, kb, k_scale, v_scale, acc, st,
-                           s.w.data(), nqt);
+        head_block<KV, KV>(c, qs, s.lim.data(), sd, kp, vp, k0, kb, k_scale, v_scale, acc,
+                           st, s.w.data(), nqt);
       }
     }
   }
@@ -536,7 +555,8 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     s.w.resize(na * BLOCK);
     s.qs.resize(na);
     s.lim.resize(na);
-    heads_of(c, task, g, gb, ge, s.qs.data(), s.lim.data());
+    s.sd.resize(na);
+    heads_of(c, task, g, gb, ge, s.qs.data(), s.lim.data(), s.sd.data());
     int64_t group_end = lo;  // the keys this group sees
     for (int64_t a = 0; a < na; ++a) group_end = std::max(group_end, std::min(hi, s.lim[a] + 1));
     for (int64_t k0 = lo; k0 < group_end; k0 += BLOCK) {
@@ -554,8 +574,8 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
           v_scale[k] = s.vs[at];
         }
       }
-      head_block<KV, float>(c, s.qs.data(), s.lim.data(), kf, vf, k0, kb, k_scale, v_scale,
-                            s.acc.data(), s.st.data(), s.w.data(), na);
+      head_block<KV, float>(c, s.qs.data(), s.lim.data(), s.sd.data(), kf, vf, k0, kb,
+                            k_scale, v_scale, s.acc.data(), s.st.data(), s.w.data(), na);
     }
     for (int64_t a = gb; a < ge; ++a) {  // write out, as attend_unit does
       const int64_t row = rows[a / G], h = g * G + a % G;
@@ -644,10 +664,13 @@ inline int64_t plan_units(const std::vector<Task>& tasks, int64_t KVH, int64_t G
 // Returns: [T, H * D] float32.
 // KV: float (an fp32 pool), at::BFloat16 (kv_dtype "bf16": read widened, every sum and
 // the softmax in fp32) or int8_t (kv_dtype "int8": each entry times its scale, in fp32).
+// score_slot, scores, score_len: see Paged (nullptr scores: none asked).
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t layer,
                                    torch::Tensor page_tables, torch::Tensor seq_start,
-                                   torch::Tensor num_cached, double scale) {
+                                   torch::Tensor num_cached, double scale,
+                                   const int64_t* score_slot = nullptr,
+                                   float* scores = nullptr, int64_t score_len = 0) {
   TORCH_CHECK(pool.dim() == 6 && pool.stride(5) == 1, "paged_attention: pool layout");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q [T, H, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -743,6 +766,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   c.out = out.data_ptr<float>();
   c.part_ml = part_ml.data();
   c.part_acc = part_acc.data();
+  c.score_slot = score_slot;
+  c.scores = scores;
+  c.score_len = score_len;
 
   // A unit takes every KV head of its task (each key's entry, all heads side by side in
   // the pool, is read as one run of lines) when the threads stay as busy so; one head a
@@ -880,6 +906,44 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor pool, int64_t layer
     return paged_attention_impl<at::BFloat16>(q, pool, layer, page_tables, seq_start,
                                               num_cached, scale);
   return paged_attention_impl<float>(q, pool, layer, page_tables, seq_start, num_cached, scale);
+}
+
+// paged_attention, and the attention scores of the rows with a slot: score_slot [T] int64
+// (-1: none), scores [R, H, L] float32: row slot's scaled logits, what the softmax reads
+// (keys it does not see are -inf, or left as they were past the block of its last key:
+// fill it with -inf first; its weights are their softmax). L covers the longest asking
+// sequence's keys. runtime/model/scores.py's ScoreCapture hands the buffers.
+torch::Tensor paged_attention_scored(torch::Tensor q, torch::Tensor pool, int64_t layer,
+                                     torch::Tensor page_tables, torch::Tensor seq_start,
+                                     torch::Tensor num_cached, double scale,
+                                     torch::Tensor score_slot, torch::Tensor scores) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
+              (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 ||
+               pool.dtype() == torch::kInt8),
+              "paged_attention: float32 queries, a float32, bfloat16 or int8 pool");
+  const int64_t T = q.size(0), H = q.size(1);
+  TORCH_CHECK(score_slot.dtype() == torch::kInt64 && score_slot.numel() == T &&
+              score_slot.is_contiguous() && scores.dtype() == torch::kFloat32 &&
+              scores.dim() == 3 && scores.size(1) == H && scores.is_contiguous(),
+              "paged_attention_scored: slots [T] int64, scores [R, H, L] float32");
+  const int64_t* slot = score_slot.data_ptr<int64_t>();
+  const int32_t* starts = seq_start.data_ptr<int32_t>();
+  const int32_t* cached = num_cached.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_cached.size(0); ++i)  // every asked row's keys fit
+    for (int64_t r = starts[i]; r < starts[i + 1]; ++r)
+      TORCH_CHECK(slot[r] < scores.size(0) &&
+                  (slot[r] < 0 || cached[i] + starts[i + 1] - starts[i] <= scores.size(2)),
+                  "paged_attention_scored: a slot past scores, or keys past its length");
+  float* sc = scores.data_ptr<float>();
+  const int64_t L = scores.size(2);
+  if (pool.dtype() == torch::kInt8)
+    return paged_attention_impl<int8_t>(q, pool, layer, page_tables, seq_start, num_cached,
+                                        scale, slot, sc, L);
+  if (pool.dtype() == torch::kBFloat16)
+    return paged_attention_impl<at::BFloat16>(q, pool, layer, page_tables, seq_start,
+                                              num_cached, scale, slot, sc, L);
+  return paged_attention_impl<float>(q, pool, layer, page_tables, seq_start, num_cached, scale,
+                                     slot, sc, L);
 }
 
 // RMSNorm of each row: x / sqrt(mean(x^2) + eps) * weight, in float32.
@@ -1121,6 +1185,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new K/V into the pool");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention over the paged KV pool");
+  m.def("paged_attention_scored", &paged_attention_scored,
+        "paged_attention, and the scores of the rows that ask");
   m.def("prefetch_paged_kv", &prefetch_paged_kv, "ask for one layer's K/V entries ahead");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("quantize_rows", &quantize_rows, "symmetric int8 per row");
