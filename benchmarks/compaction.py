@@ -3,7 +3,9 @@
     python benchmarks/compaction.py [--cases 50] [--context 8192] [--budget 0.25]
                                     [--ppl-tokens 512] [--decode-tokens 64] [--smoke]
 
-On the default model, the KV budget a fraction ``--budget`` of ``--context`` tokens:
+On the default model, the KV budget a fraction ``--budget`` of ``--context`` tokens
+(cut to what the model's positions hold with the generated tokens after it: 8,128 for the
+default model's 8,192 at ``--decode-tokens 64``):
 
 * passkey retrieval: a five-digit number hidden at a random depth (50%-87.5% of the
   context: 4k-7k tokens of 8k) of filler text, asked for at the end; ``--cases`` cases,
@@ -154,8 +156,14 @@ async def speed(rt: Runtime, args: argparse.Namespace, budget: int) -> dict[str,
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    budget = max(int(args.context * args.budget), SNAP_WINDOW + SINKS + 8)
     async with Runtime.local(kv_memory_gb=args.kv_memory_gb) as rt:
+        # the prompt and what is generated after it must fit the model's positions
+        room = rt.info.max_seq_len - max(args.decode_tokens, 8)
+        if args.context > room:
+            print(f"--context {args.context}: the model holds {rt.info.max_seq_len} tokens "
+                  f"and {max(args.decode_tokens, 8)} are generated after it; using {room}")
+            args.context = room
+        budget = max(int(args.context * args.budget), SNAP_WINDOW + SINKS + 8)
         result: dict[str, Any] = {"context": args.context, "budget_tokens": budget,
                                   "cases": args.cases}
         result.update(await passkey(rt, args, budget))
