@@ -117,20 +117,10 @@ std::vector<torch::Tensor> pack_int8_strips(torch::Tensor q) {
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2, "pack_int8_strips: int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1);
   const int64_t strips = (N + LANES - 1) / LANES, K4 = (K + 3) / 4;
-  auto packed = torch::zeros({strips, K4, LANES, 4}, q.options());
-  auto sums = torch::zeros({strips * LANES}, q.options().dtype(torch::kInt32));
-  auto src = q.accessor<int8_t, 2>();
-  int8_t* dst = packed.data_ptr<int8_t>();
-  int32_t* sum = sums.data_ptr<int32_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t s = n / LANES, r = n % LANES;
-    int32_t total = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      dst[((s * K4 + k / 4) * LANES + r) * 4 + k % 4] = src[n][k];
-      total += src[n][k];
-    }
-    sum[n] = total;
-  }
+  auto padded = torch::zeros({strips * LANES, K4 * 4}, q.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
+  auto packed = padded.view({strips, LANES, K4, 4}).permute({0, 2, 1, 3}).contiguous();
+  auto sums = padded.sum(1, /*keepdim=*/false, torch::kInt32);
   return {packed, sums};
 }
 
@@ -199,11 +189,9 @@ constexpr int64_t FST = 1;
 torch::Tensor pack_f32_strips(torch::Tensor w) {
   TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2, "pack_f32_strips: float32 [N, K]");
   const int64_t N = w.size(0), K = w.size(1), strips = (N + LANES - 1) / LANES;
-  auto packed = torch::zeros({strips, K, LANES}, w.options());
-  auto src = w.accessor<float, 2>();
-  float* dst = packed.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[((n / LANES) * K + k) * LANES + n % LANES] = src[n][k];
+  auto padded = torch::zeros({strips * LANES, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  auto packed = padded.view({strips, LANES, K}).transpose(1, 2).contiguous();
   return packed;
 }
 
