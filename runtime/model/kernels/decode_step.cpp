@@ -191,20 +191,16 @@ torch::Tensor run_kernel(const Kernel& k, const torch::Tensor& x) {
       op.callBoxed(&s);
       return s[0].toTensor();
     }
-    case INT_MM: {  // matmul.py's "int_mm" (_int8_linear over at::_int_mm)
+    case INT_MM:         // matmul.py's _int8_linear over at::_int_mm ("int_mm"),
+    case INT8_STRIPS: {  // or over strips_mm.cpp's int8_strips_mm ("int8_strips")
       auto qs = quantize_rows(x);
-      auto acc = at::_int_mm(qs[0], k.w);
+      auto acc = k.kind == INT_MM ? at::_int_mm(qs[0], k.w)
+                                  : int8_strips_mm(qs[0], k.w, k.packed.toTensor(), k.rows);
       return dequantize_int32(acc, qs[1], k.scale,
                               k.bias.defined() ? k.bias : torch::empty({0}, x.options()));
     }
     case F32_STRIPS:  // matmul.py's "f32_strips": strips_mm.cpp's kernel
       return f32_strips_mm(x, k.w, k.bias_or_empty, k.rows);
-    case INT8_STRIPS: {  // matmul.py's "int8_strips": strips_mm.cpp's kernel
-      auto qs = quantize_rows(x);
-      auto acc = int8_strips_mm(qs[0], k.w, k.packed.toTensor(), k.rows);
-      return dequantize_int32(acc, qs[1], k.scale,
-                              k.bias.defined() ? k.bias : torch::empty({0}, x.options()));
-    }
     case FBGEMM: {  // matmul.py's _int8_fbgemm: the row's own max |x| / 127, zero point 128
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
           "quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "");

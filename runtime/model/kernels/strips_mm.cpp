@@ -63,7 +63,7 @@ std::vector<int32_t> flipped(const torch::Tensor& xq, int64_t K4) {
 // the weight rows' sums, stored to out's [rt, 16 * st] block (the last strip masked at N).
 template <int R, int S>
 inline void tile(const int32_t* x, int64_t K4, const int8_t* w, int64_t strip_bytes,
-                 const int32_t* sums, int32_t* out, int64_t out_stride, int64_t n0,
+                 const int32_t* sums, int32_t* out, int64_t n0,
                  int64_t N) {
   __m512i acc[R][S];
   for (int r = 0; r < R; ++r)
@@ -83,19 +83,19 @@ inline void tile(const int32_t* x, int64_t K4, const int8_t* w, int64_t strip_by
     const int64_t left = std::min<int64_t>(LANES, N - n);
     const __mmask16 mask = left >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_epi32(out + r * out_stride + n, mask, _mm512_sub_epi32(acc[r][s], off));
+      _mm512_mask_storeu_epi32(out + r * N + n, mask, _mm512_sub_epi32(acc[r][s], off));
   }
 }
 
 template <int S>
 inline void tile_rows(int rt, const int32_t* x, int64_t K4, const int8_t* w,
                       int64_t strip_bytes, const int32_t* sums, int32_t* out,
-                      int64_t out_stride, int64_t n0, int64_t N) {
+                      int64_t n0, int64_t N) {
   switch (rt) {
-    case 1: return tile<1, S>(x, K4, w, strip_bytes, sums, out, out_stride, n0, N);
-    case 2: return tile<2, S>(x, K4, w, strip_bytes, sums, out, out_stride, n0, N);
-    case 3: return tile<3, S>(x, K4, w, strip_bytes, sums, out, out_stride, n0, N);
-    default: return tile<4, S>(x, K4, w, strip_bytes, sums, out, out_stride, n0, N);
+    case 1: return tile<1, S>(x, K4, w, strip_bytes, sums, out, n0, N);
+    case 2: return tile<2, S>(x, K4, w, strip_bytes, sums, out, n0, N);
+    case 3: return tile<3, S>(x, K4, w, strip_bytes, sums, out, n0, N);
+    default: return tile<4, S>(x, K4, w, strip_bytes, sums, out, n0, N);
   }
 }
 #endif
@@ -156,10 +156,10 @@ torch::Tensor int8_strips_mm(torch::Tensor xq, torch::Tensor packed, torch::Tens
         int32_t* orow = o + m0 * N;
         const int64_t n0 = s0 * LANES;
         switch (st) {
-          case 1: tile_rows<1>(rt, xr, K4, ws, strip_bytes, sum, orow, N, n0, N); break;
-          case 2: tile_rows<2>(rt, xr, K4, ws, strip_bytes, sum, orow, N, n0, N); break;
-          case 3: tile_rows<3>(rt, xr, K4, ws, strip_bytes, sum, orow, N, n0, N); break;
-          default: tile_rows<4>(rt, xr, K4, ws, strip_bytes, sum, orow, N, n0, N); break;
+          case 1: tile_rows<1>(rt, xr, K4, ws, strip_bytes, sum, orow, n0, N); break;
+          case 2: tile_rows<2>(rt, xr, K4, ws, strip_bytes, sum, orow, n0, N); break;
+          case 3: tile_rows<3>(rt, xr, K4, ws, strip_bytes, sum, orow, n0, N); break;
+          default: tile_rows<4>(rt, xr, K4, ws, strip_bytes, sum, orow, n0, N); break;
         }
 #endif
       }
