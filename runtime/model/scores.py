@@ -64,9 +64,9 @@ class ScoreCapture:
         self._layers = layers
         self._num_rows = num_rows
         self._device = device
-        self.taken: list[int] = []  # the sequences the kernel scores, in slot order
         self.slot: torch.Tensor | None = None  # [T] int64
-        self.first: dict[int, int] = {}  # sequence -> its first slot
+        # the sequences the kernel scores (in slot order) -> each one's first slot
+        self.first: dict[int, int] = {}
         self.held: list[int] = []  # the layers in the buffers, in order
         self.room = 0  # layers the buffers hold
         self.scores: torch.Tensor | None = None  # [room, R, H, L] float32, -inf if unwritten
@@ -75,23 +75,22 @@ class ScoreCapture:
         """The kernel attends ``seqs`` (every layer); those that ask are scored in it."""
         slot = torch.full((self._num_rows,), -1, dtype=torch.int64)
         n = 0
-        self.taken, self.first = [], {}
+        self.first = {}
         for i in seqs:
             rows = self._asked.get(i)
             if rows:
-                self.taken.append(i)
                 self.first[i] = n
                 slot[rows] = torch.arange(n, n + len(rows))
                 n += len(rows)
-        self.slot = slot.to(self._device) if self.taken else None
+        self.slot = slot.to(self._device) if self.first else None
 
     def buffers(self, layer: int, heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(slot, scores) for the kernel's call of ``layer``, or None (not asked)."""
         if self.slot is None or layer not in self._layers:
             return None
         if self.scores is None:
-            rows = sum(len(self._asked[i]) for i in self.taken)
-            length = max(self._kv_lens[i] for i in self.taken)
+            rows = sum(len(self._asked[i]) for i in self.first)
+            length = max(self._kv_lens[i] for i in self.first)
             self.room = max(1, min(len(self._layers), _GROUP_ELEMENTS // (rows * heads * length)))
             self.scores = torch.full((self.room, rows, heads, length), float("-inf"),
                                      device=self._device)
@@ -170,7 +169,7 @@ class Scoring:
             return
         if self.capture.full:  # scored in the pass: the weights of the layers held
             self._flush()
-        if self.capture.scores is None or len(self.capture.taken) < len(self._seqs):
+        if self.capture.scores is None or len(self.capture.first) < len(self._seqs):
             self._q[layer] = q.index_select(0, self._rows)  # for the second pass
 
     def _flush(self) -> None:
