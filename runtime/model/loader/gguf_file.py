@@ -1,6 +1,7 @@
 """Read a GGUF file: metadata -> HF config dict, tensors -> HF-named fp32 arrays.
 
-Owner: the GGUF loader. Read-only over the file (memory-mapped by ``gguf.GGUFReader``).
+Owner: the GGUF loader. Read-only over the file (memory-mapped, indexed by
+:func:`runtime.model.loader.gguf_header.index_gguf`).
 Tensors are dequantized with ``gguf.quants.dequantize`` to float32 and renamed from
 llama.cpp names (``blk.0.attn_q.weight``) to Hugging Face names
 (``model.layers.0.self_attn.q_proj.weight``). For the Llama family, llama.cpp's converter
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from pie_ctx.proto.errors import ModelError
+
+from .gguf_header import GGUFTensor, index_gguf
 
 __all__ = [
     "GGUFModel", "hf_tensor_name", "permute_qk", "unpermute_qk", "gguf_config_dict",
@@ -210,22 +213,13 @@ class GGUFModel:
         Raises:
             ModelError: the file is missing, not a GGUF, or truncated.
         """
-        import gguf  # heavy-ish; only needed when a GGUF is actually read
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelError(f"GGUF file {self.path} does not exist; check the path")
-        try:
-            self._reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # the reader raises ValueError/IndexError/struct errors
-            raise ModelError(f"GGUF file {self.path} is corrupt or truncated ({e}); "
-                             "download it again") from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if not key.startswith("GGUF."):
-                self.metadata[key] = field.contents()
-        self.shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
-                       for t in self._reader.tensors}
+        header = index_gguf(self.path)
+        self.metadata: dict[str, Any] = header.metadata
+        self._tensors = header.tensors
+        self.shapes = {t.name: t.shape for t in self._tensors}
         self.config = gguf_config_dict(self.metadata, self.shapes)
         if self.config["rope_scaling"] == {"rope_type": "llama3"}:
             freqs = self._dequantize(self._tensor("rope_freqs.weight"))
@@ -233,19 +227,18 @@ class GGUFModel:
                 freqs, self.config["rope_theta"], self.config["head_dim"])
         self.arch: str = self.metadata["general.architecture"]
 
-    def _tensor(self, name: str) -> Any:
-        for t in self._reader.tensors:
+    def _tensor(self, name: str) -> GGUFTensor:
+        for t in self._tensors:
             if t.name == name:
                 return t
         raise ModelError(f"GGUF file {self.path} has no tensor {name!r}")
 
-    def _dequantize(self, t: Any) -> np.ndarray:
+    def _dequantize(self, t: GGUFTensor) -> np.ndarray:
         import gguf
 
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
             return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                              dtype=np.float32).reshape(shape)
+                              dtype=np.float32).reshape(t.shape)
         except NotImplementedError:
             raise ModelError(f"GGUF tensor {t.name} uses quantization {t.tensor_type.name}, which "
                              "the installed gguf package cannot dequantize; upgrade gguf") from None
@@ -253,7 +246,7 @@ class GGUFModel:
     @property
     def num_tensors(self) -> int:
         """How many tensors :meth:`iter_tensors` yields (at most)."""
-        return len(self._reader.tensors)
+        return len(self._tensors)
 
     def iter_weights(self, *, blocks: bool, floats: bool = True) -> Iterator[tuple[str, Any]]:
         """Yield ``(hf_name, weight)`` in file order, read in place.
@@ -280,7 +273,7 @@ class GGUFModel:
         heads = self.config["num_attention_heads"]
         kv_heads = self.config["num_key_value_heads"]
         dequantized: Counter[str] = Counter()
-        for t in self._reader.tensors:
+        for t in self._tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
@@ -288,7 +281,7 @@ class GGUFModel:
             n = (heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name
                  else 0) if self.arch in _PERMUTED_ARCHS else 0
             if blocks and kind not in FLOAT_FORMATS and len(t.shape) == 2:
-                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                shape = (t.shape[0], t.shape[1])
                 w = weight_from_gguf(t.data, kind, shape)  # t.data: a view of the mapping
                 if w is not None:
                     if n:

@@ -40,17 +40,12 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     Raises:
         ModelError: the file is not a readable GGUF.
     """
-    import gguf
+    from .gguf_header import index_gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors
-        raise ModelError(f"GGUF file {path} is corrupt or truncated ({e}); download it "
-                         "again") from None
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    small = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors
+    header = index_gguf(path)
+    small = {t.name: np.asarray(t.data, dtype=np.float32) for t in header.tensors
              if t.name.startswith("rope_factors") and t.tensor_type.name == "F32"}
-    return meta, small
+    return header.metadata, small
 
 
 def _transformers(what: str) -> Any:
