@@ -108,16 +108,18 @@ class QuantEmbedding:
 
 
 class _Recorder:
-    """Stands in for a projection during calibration and keeps ``max|x|`` per input channel."""
+    """Stands in for a projection during calibration and keeps ``max|x|`` per input channel.
+    ``product`` False: only the input is wanted (the lm_head, whose output the pass drops:
+    a 128k vocabulary made its logits the pass's biggest product); it returns no columns."""
 
-    def __init__(self, proj: Projection) -> None:
-        self.proj = proj
+    def __init__(self, proj: Projection, product: bool = True) -> None:
+        self.proj, self.product = proj, product
         self.amax: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.detach().abs().amax(dim=0).float()
         self.amax = m if self.amax is None else torch.maximum(self.amax, m)
-        return self.proj(x)
+        return self.proj(x) if self.product else x.new_empty((x.shape[0], 0))
 
 
 _NAMES = ("qkv", "o_proj", "gate_up", "down")
@@ -230,7 +232,7 @@ def _dense_pass(model: Any, tokens: list[int]) -> tuple[list[dict[str, torch.Ten
     from runtime.model.reference import dense_forward  # the reference imports the model
 
     recorders = [{n: _Recorder(getattr(lw, n)) for n in _NAMES} for lw in model.layers]
-    head = _Recorder(model.lm_head)
+    head = _Recorder(model.lm_head, product=False)
     for lw, recs in zip(model.layers, recorders, strict=True):
         for n, r in recs.items():
             setattr(lw, n, r)

@@ -81,6 +81,10 @@ def test_the_exact_kernel_is_the_product_with_the_files_weights(kind: str, compi
     if compiled:  # a row's bits do not depend on its batch
         for lo, n in ((0, 1), (3, 1), (2, 5), (8, 1), (0, 4)):
             assert torch.equal(w.matmul(x[lo:lo + n]), got[lo:lo + n])
+        # nor a column's on the columns beside it (the kernel dequantizes blocks of rows
+        # and tiles them two at a time)
+        for cols in ([5], [0, 36], [3, 4, 5], list(range(17, 37))):
+            assert torch.equal(w.take_rows(torch.tensor(cols)).matmul(x), got[:, cols])
 
 
 def test_q8k_rounding_is_the_eager_twins() -> None:

@@ -141,20 +141,30 @@ inline float hsum(v16 v) {
   return a;
 }
 
-// out[r * os] = x[r] . w for R rows of x (one weight row w of K floats): each row's two
-// chains of fmas over K in the same order whatever R.
-template <int R>
-void dot_tile(const float* x, int64_t xs, const float* w, int64_t K, float* out, int64_t os) {
-  v16 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
+// out[r * os + c] = x[r] . w[c] for R rows of x and C weight rows (K floats each, ``ws``
+// apart): each (row, column)'s two chains of fmas over K in the same order whatever R and C.
+template <int R, int C>
+void dot_tile(const float* x, int64_t xs, const float* w, int64_t ws, int64_t K, float* out,
+              int64_t os) {
+  v16 acc[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = v16{};
   for (int64_t k = 0; k < K; k += 32) {
-    const v16 w0 = load(w + k), w1 = load(w + k + 16);
+    v16 w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      w0[c] = load(w + c * ws + k);
+      w1[c] = load(w + c * ws + k + 16);
+    }
     for (int r = 0; r < R; ++r) {
-      acc[r][0] = fmadd(load(x + r * xs + k), w0, acc[r][0]);
-      acc[r][1] = fmadd(load(x + r * xs + k + 16), w1, acc[r][1]);
+      const v16 x0 = load(x + r * xs + k), x1 = load(x + r * xs + k + 16);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c][0] = fmadd(x0, w0[c], acc[r][c][0]);
+        acc[r][c][1] = fmadd(x1, w1[c], acc[r][c][1]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r][0] + acc[r][1]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * os + c] = hsum(acc[r][c][0] + acc[r][c][1]);
 }
 
 void check_weight(const torch::Tensor& raw, int64_t kind, const char* op) {
@@ -635,7 +645,15 @@ inline const Part& part_of(const std::vector<Part>& parts, int64_t n) {
 }
 
 // out [M, N] = x @ W^T on the exact weights: one parallel region (threads split the output
-// columns); each output row dequantized once, then every activation row.
+// columns). A block of output rows is dequantized at a time (at most 512 KB, so it stays in
+// L2) and every activation row passes over the block: the activations are read once a
+// block, not once an output row (which made many rows memory-bound).
+#ifdef __AVX512F__
+constexpr int EXACT_COLS = 2;  // 4 x 2 tiles: 16 accumulators + 6 operands in 32 registers
+#else
+constexpr int EXACT_COLS = 1;  // 4 x 1: AVX2 holds a v16 in two of its 16 registers
+#endif
+
 void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
                  const torch::Tensor& out) {
   const int64_t M = x.size(0), K = nb * QK;
@@ -643,14 +661,30 @@ void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t block = std::max<int64_t>(EXACT_COLS, std::min<int64_t>(16, (128 << 10) / K));
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> wrow(K);
-    for (int64_t n = begin; n < end; ++n) {
-      const Part& p = part_of(parts, n);
-      dequant_row(p.kind, p.w + (n - p.lo) * p.ws, nb, wrow.data());
+    std::vector<float> wbuf(block * K);
+    for (int64_t n0 = begin; n0 < end; n0 += block) {
+      const int64_t cols = std::min(block, end - n0);
+      for (int64_t c = 0; c < cols; ++c) {
+        const Part& p = part_of(parts, n0 + c);
+        dequant_row(p.kind, p.w + (n0 + c - p.lo) * p.ws, nb, wbuf.data() + c * K);
+      }
+      const float* w = wbuf.data();
+      float* o = op + n0;
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) dot_tile<4>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
-      for (; r < M; ++r) dot_tile<1>(xp + r * xs, xs, wrow.data(), K, op + r * os + n, os);
+      for (; r + 4 <= M; r += 4) {
+        int64_t c = 0;
+        for (; c + EXACT_COLS <= cols; c += EXACT_COLS)
+          dot_tile<4, EXACT_COLS>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
+        for (; c < cols; ++c) dot_tile<4, 1>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
+      }
+      for (; r < M; ++r) {
+        int64_t c = 0;
+        for (; c + EXACT_COLS <= cols; c += EXACT_COLS)
+          dot_tile<1, EXACT_COLS>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
+        for (; c < cols; ++c) dot_tile<1, 1>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
+      }
     }
   });
 }
