@@ -253,7 +253,11 @@ class Projection:
         if isinstance(self.weight, KQuantWeight):
             if self.device.type != "cpu":
                 return ["blocks_f32"]
-            return ["kquant", "blocks_f32"] + (["kquant_q8"] if kquant_int8_activations() else [])
+            # blocks_f32 dequantizes the whole weight on every call: the exact kernel's work
+            # and a GEMM besides, which only a chunk's rows can repay (the lm_head, decode
+            # rows only, never takes it: a 128k vocabulary's 1 GB a call took 44 s to probe)
+            f32 = ["blocks_f32"] if self.buckets > bucket(CHUNK_ROWS) else []
+            return ["kquant", *f32] + (["kquant_q8"] if kquant_int8_activations() else [])
         if self.is_blocks:
             if self.device.type != "cpu":
                 return ["blocks_f32"]
