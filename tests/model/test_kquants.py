@@ -117,6 +117,24 @@ def test_the_int8_activation_kernel_on_each_path(kind: str, isa: str) -> None:
         assert torch.equal(w.matmul_q8(x[lo:lo + n], isa), got[lo:lo + n])
 
 
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512_vnni"])
+def test_many_rows_give_each_rows_own_bits(isa: str) -> None:
+    """Calls of many rows (AVX-512: weight rows decoded once, two columns at a time, the
+    rows in chunks) give every row the bits a call of that row alone gives, over a fused
+    weight whose parts differ in format and whose columns are odd."""
+    _ops()
+    if isa not in built_isas():
+        pytest.skip(f"{isa} is not built on this CPU")
+    a, _ = _weight("Q4_K", rows=37, seed=8)
+    b, _ = _weight("Q6_K", rows=12, seed=9)
+    fused = cat_weights([a, b])
+    x = torch.randn(301, 512, generator=torch.Generator().manual_seed(10))  # > one chunk
+    got = fused.matmul_q8(x, isa)
+    for lo, n in ((0, 1), (5, 1), (300, 1), (17, 16), (250, 51), (0, 64), (3, 21)):
+        assert torch.equal(fused.matmul_q8(x[lo:lo + n], isa), got[lo:lo + n])
+    assert torch.equal(got, torch.cat([a.matmul_q8(x, isa), b.matmul_q8(x, isa)], 1))
+
+
 def test_a_fused_weight_keeps_its_parts_formats_and_bytes(compiled: bool) -> None:
     a, wa = _weight("Q4_K", rows=20, seed=5)
     b, wb = _weight("Q6_K", rows=12, seed=6)
