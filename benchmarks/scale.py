@@ -23,7 +23,10 @@ engine's model thread as in ``vs_llamacpp.py``, whose llama.cpp driver this reus
 4. --decode8-n contexts of --decode8-prompt-len tokens decoding together, tok/s over all;
 5. best-of---n: a --bon-prompt-len prompt, --n samples of --bon-new-tokens, wall s;
 6. load time: a fresh process loads the file (pie-ctx: ``boot_engine`` with --weights,
-   kernels chosen; llama.cpp: ``Llama(path)``), seconds;
+   kernels chosen; llama.cpp: ``Llama(path)``), seconds. pie-ctx loads twice: first as
+   the first load on a machine (``PIE_CTX_MACHINE_CACHE=refresh``: the kernel probe and
+   the calibration pass run and are kept; ``scale_L_ours_first_load_s``), then as every
+   later load does (the ratio's figure);
 7. resident memory (VmRSS) of that process after a 64-token prefill and 8 decode steps,
    MB (the whole process: pie-ctx's includes torch);
 8. the machine's memory bandwidth, measured in the same run: a copy loop over 1 GiB on
@@ -143,13 +146,17 @@ def probe(side: str, gguf: str, threads: int, weights: str,
 
 
 def probe_in_child(side: str, gguf: Path, threads: int, weights: str,
-                   extra_buffers: str) -> dict[str, float]:
-    """:func:`probe` in a fresh interpreter (its load time and memory are its own)."""
+                   extra_buffers: str, first: bool = False) -> dict[str, float]:
+    """:func:`probe` in a fresh interpreter (its load time and memory are its own).
+    ``first``: as the first load on this machine (``PIE_CTX_MACHINE_CACHE=refresh``: the
+    kernel probe and the calibration run, and are kept for the loads after it)."""
     cmd = [sys.executable, str(Path(__file__)), "--probe", side, "--probe-gguf", str(gguf),
            "--threads", str(threads), "--weights", weights,
            "--llamacpp-extra-buffers", extra_buffers]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if first:
+        env["PIE_CTX_MACHINE_CACHE"] = "refresh"
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"the {side} probe failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -280,7 +287,8 @@ def report(shape: Shape, gguf: Path, res: dict[str, Any], loads: dict[str, dict[
                              ("bon", f"best-of-n ({sz['bon_prompt']} + {sz['bon_new']}) s", True)):
         lines.append((label, f"{cell(ours, key)}{cell(theirs, key)}  {fmt(ratio(key, wall))}"))
     lo, lt = loads.get("ours", {}), loads.get("llamacpp", {})
-    for key, label in (("load_s", "load s (fresh process)"), ("rss_mb", "resident MB")):
+    for key, label in (("first_load_s", "first load on a machine s"),
+                       ("load_s", "load s (fresh process)"), ("rss_mb", "resident MB")):
         a, b = lo.get(key), lt.get(key)
         lines.append((label, f"{cell(lo, key)}{cell(lt, key)}  "
                              f"{fmt(a / b if a and b else None)} (ours / theirs)"))
@@ -310,6 +318,8 @@ def report(shape: Shape, gguf: Path, res: dict[str, Any], loads: dict[str, dict[
             out[f"{L}{side}_{name}"] = vals.get(key)
     for side, vals in (("ours", lo), ("llamacpp", lt)):
         out[f"{L}{side}_load_s"] = vals.get("load_s")
+        if side == "ours":
+            out[f"{L}ours_first_load_s"] = vals.get("first_load_s")
         out[f"{L}{side}_rss_mb"] = vals.get("rss_mb")
 
 
@@ -369,7 +379,9 @@ def main() -> None:
         shape = SHAPES[key]
         gguf = build(shape, work, args.ftype, lib, args.threads)
         extra = args.llamacpp_extra_buffers
+        first = probe_in_child("ours", gguf, args.threads, args.weights, extra, first=True)
         loads = {"ours": probe_in_child("ours", gguf, args.threads, args.weights, extra)}
+        loads["ours"]["first_load_s"] = first["load_s"]
         if lib is not None:
             loads["llamacpp"] = probe_in_child("llamacpp", gguf, args.threads, args.weights,
                                                extra)
