@@ -86,28 +86,17 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
         raise InvalidArgument("weights='gguf' runs on CPU; on a GPU use dtype bfloat16")
     if model.weight_format != "fp32":
         raise InvalidArgument(f"the model is already {model.weight_format}")
-    layer_amax, head_amax = [], None
-    if calibration and int8_activations():
-        # on the float weights; kept per machine (runtime.model.quant.calibrate)
-        layer_amax, head_amax = calibrate(model, calibration)
+    chosen: list[dict[str, GGUFWeight | None]] = []
     for i, lw in enumerate(model.layers):
+        layer: dict[str, GGUFWeight | None] = {}
         for kind in _PARTS:
             proj: Projection = getattr(lw, kind)
             if proj.is_blocks:  # built on the file's blocks (load_model(blocks=True))
-                w = proj.weight
+                layer[kind] = proj.weight  # type: ignore[assignment]
             else:
-                w = (_fused(blocks, i, kind) if blocks is not None
-                     else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
-            if w is not None:
-                # blocks_q8 keeps every projection's (and the lm_head's) largest input
-                # channels out of its rounding: qkv and gate_up alone reached greedy
-                # agreement 0.982 in simulation, all 0.989 (docs/performance.md)
-                outliers = outlier_channels(layer_amax[i][kind]) if layer_amax else None
-                # down_proj's inputs (SiLU(gate) * up, heavy-tailed within a group) take
-                # blocks_q8's rounding in two levels: one level left greedy agreement
-                # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md)
-                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
-                                             act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
+                layer[kind] = (_fused(blocks, i, kind) if blocks is not None
+                               else BlockWeight.quantize_q4_1(proj.weight))  # type: ignore[arg-type]
+        chosen.append(layer)
     built = model.embed.table if isinstance(model.embed, BlockEmbedding) else None
     tied = model.lm_head.weight is model.embed or (
         built is not None and model.lm_head.weight is built)
@@ -118,6 +107,27 @@ def use_blocks(model: Any, blocks: dict[str, GGUFWeight] | None,
     else:
         table = quantize_q8_0(model.embed)
         head = table if tied else quantize_q8_0(model.lm_head.weight)
+    layer_amax, head_amax = [], None
+    # the outlier channels serve blocks_q8 (legacy blocks) only: kquant_q8 has no split, so
+    # a file all in K-quants skips the pass (~15 s of a 1B model's first load)
+    legacy = any(isinstance(w, BlockWeight) for layer in chosen for w in layer.values()) \
+        or isinstance(head, BlockWeight)
+    if calibration and legacy and int8_activations():
+        # on the float weights; kept per machine (runtime.model.quant.calibrate)
+        layer_amax, head_amax = calibrate(model, calibration)
+    for i, (lw, layer) in enumerate(zip(model.layers, chosen, strict=True)):
+        for kind, w in layer.items():
+            if w is not None:
+                proj = getattr(lw, kind)
+                # blocks_q8 keeps every projection's (and the lm_head's) largest input
+                # channels out of its rounding: qkv and gate_up alone reached greedy
+                # agreement 0.982 in simulation, all 0.989 (docs/performance.md)
+                outliers = outlier_channels(layer_amax[i][kind]) if layer_amax else None
+                # down_proj's inputs (SiLU(gate) * up, heavy-tailed within a group) take
+                # blocks_q8's rounding in two levels: one level left greedy agreement
+                # 0.969-0.975 vs fp32, two reach ~0.985 (docs/performance.md)
+                setattr(lw, kind, Projection(w, proj.bias, outliers=outliers,
+                                             act_levels=TWO_LEVEL_KINDS.get(kind, 1)))
     if head is not None:
         model.lm_head = Projection(head, buckets=2, outliers=(
             outlier_channels(head_amax) if head_amax is not None else None))

@@ -22,8 +22,12 @@ HEAD_DIM = HIDDEN // HEADS
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row bytes]: random super-blocks of ``kind`` whose weights are about
-    N(0, 1 / cols) in size (a minimum near the middle of the grid where there is one)."""
+    N(0, 1 / cols) in size (a minimum near the middle of the grid where there is one).
+    A legacy format (Q8_0, Q5_0...): gguf's quantizer over such weights."""
     rng = np.random.default_rng(seed)
+    if kind not in LAYOUT:
+        w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
     size, scales = LAYOUT[kind]
     nb = cols // 256
     raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)

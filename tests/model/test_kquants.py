@@ -19,7 +19,7 @@ from kquant_fixtures import Q4_K_M, dequantized, random_blocks, write_kquant_ggu
 
 from runtime.cli import main as cli_main
 from runtime.model import blocks as blocks_mod
-from runtime.model import fused_step, kernels
+from runtime.model import fused_step, gguf_weights, kernels
 from runtime.model.blocks import BLOCK_FORMATS, BlockWeight
 from runtime.model.formats import FAMILIES, cat_weights, family_of, weight_from_gguf
 from runtime.model.kquants import KQUANT_FORMATS, KQuantWeight, built_isas, round_q8k
@@ -230,6 +230,34 @@ def test_a_q4_k_m_model_runs_on_its_super_blocks(tmp_path: Path, q8: bool,
         got = _forward(ours, ids)
         assert 0 < (got - want).abs().max().item() <= 2e-2 * scale
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize(("formats", "calibrated"), [
+    ({}, False), ({"blk.0.ffn_down": "Q8_0"}, True)], ids=["all-k-quant", "a-legacy-block"])
+def test_calibration_runs_only_for_legacy_blocks(tmp_path: Path, formats: dict[str, str],
+                                                 calibrated: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration pass finds blocks_q8's outlier channels; kquant_q8 has no outlier
+    split, so a file all in K-quants loads without the pass."""
+    monkeypatch.setattr(blocks_mod, "INT8_ACTIVATIONS", True)
+    calls = []
+    real = gguf_weights.calibrate
+
+    def spy(model, tokens):  # type: ignore[no-untyped-def]
+        calls.append(len(tokens))
+        return real(model, tokens)
+
+    monkeypatch.setattr(gguf_weights, "calibrate", spy)
+    path = write_kquant_gguf(tmp_path / "tiny.gguf", {**Q4_K_M, **formats})
+    loaded = load_model(path, device="cpu", progress=False)
+    blocks = load_blocks(loaded.path)
+    c = loaded.config
+    runner = ModelRunner(c, loaded.weights, _pool(c), 16, weight_format="gguf", blocks=blocks,
+                         calibration=[3, 7, 1, 9, 4])
+    assert calls == ([5] if calibrated else [])
+    legacy = [p for p in runner.model.projections() if isinstance(p.weight, BlockWeight)]
+    assert bool(legacy) == calibrated
+    assert all(p.outliers is not None for p in legacy)
 
 
 @pytest.mark.parametrize("kernel", ["kquant", "kquant_q8"])
