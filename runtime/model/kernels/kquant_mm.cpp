@@ -739,6 +739,12 @@ void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t
 // Q6_K 1.15 -> 1.42 ms) decoding per tile is faster.
 constexpr int64_t CHUNK_BYTES = 128 << 10;
 constexpr int64_t DECODED_MIN_ROWS = 16;
+// Few rows: each weight row's bytes are prefetched PREFETCH_ROWS rows ahead. The hardware
+// prefetchers stop at every 4 KB page, which a Q4_K row of 2048 weights (1152 bytes)
+// crosses every 3-4 rows. Measured on the 1B shape's 16 layers from memory (1 row, Xeon,
+// 2 threads): Q4_K gate_up 1.39 -> 1.06-1.09 ms, Q6_K down 0.73 -> 0.53-0.66 ms; 4, 8 and
+// 16 rows, and 4-64 KB ahead, measured no better.
+constexpr int64_t PREFETCH_ROWS = 2;
 
 // out [M, N] = q8_K(x) @ W^T on path isa: the activations quantized once per layout the
 // parts need, then one parallel region (threads split the output columns; a few
@@ -790,6 +796,10 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
       const Part& p = part_of(parts, n);
       const Acts& a = p.kind == Q6_K ? a6 : a45;
       const uint8_t* w = p.w + (n - p.lo) * p.ws;
+      if (n + PREFETCH_ROWS < std::min(end, p.hi)) {
+        const uint8_t* ahead = w + PREFETCH_ROWS * p.ws;
+        for (int64_t at = 0; at < nb * block_bytes(p.kind); at += 64) __builtin_prefetch(ahead + at, 0, 3);
+      }
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) tile<4>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
       for (; r < M; ++r) tile<1>(isa, p.kind, w, a, r, op + r * os + n, os, sp);
