@@ -452,6 +452,12 @@ inline float finish_512(__m512 acc, __m128 accm) {
   return _mm512_reduce_add_ps(acc) - ((m[0] + m[1]) + (m[2] + m[3]));
 }
 
+// One super-block of ``kind`` at ``blk`` decoded into ``o``.
+inline void load_block(int64_t kind, const uint8_t* blk, const Spread& sp, Block512& o) {
+  if (kind == Q6_K) load_q6(blk, sp, o);
+  else load_q45(kind, blk, sp, o);
+}
+
 template <int R>
 void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
               const Spread& sp) {
@@ -464,8 +470,7 @@ void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* 
   }
   Block512 blk;
   for (int64_t b = 0; b < nb; ++b) {
-    if (kind == Q6_K) load_q6(w + b * bb, sp, blk);
-    else load_q45(kind, w + b * bb, sp, blk);
+    load_block(kind, w + b * bb, sp, blk);
     for (int r = 0; r < R; ++r) step_512(kind, blk, a, r0 + r, b, acc[r], accm[r]);
   }
   for (int r = 0; r < R; ++r) out[r * os] = finish_512(acc[r], accm[r]);
@@ -500,10 +505,16 @@ inline void decode_512(int64_t kind, const uint8_t* w, int64_t ws, int64_t nb, i
                        const Spread& sp, Block512* blks) {
   const int64_t bb = block_bytes(kind);
   for (int c = 0; c < C; ++c)
-    for (int64_t b = 0; b < nb; ++b) {
-      if (kind == Q6_K) load_q6(w + c * ws + b * bb, sp, blks[c * nb + b]);
-      else load_q45(kind, w + c * ws + b * bb, sp, blks[c * nb + b]);
-    }
+    for (int64_t b = 0; b < nb; ++b) load_block(kind, w + c * ws + b * bb, sp, blks[c * nb + b]);
+}
+
+// Activation rows [r0, r1) over C decoded weight rows: tiles of 4 rows, then one at a time.
+template <int C>
+void decoded_rows(int64_t kind, const Block512* blks, const Acts& a, int64_t r0, int64_t r1,
+                  float* out, int64_t os) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) tile_512_decoded<4, C>(kind, blks, a, r, out + r * os, os);
+  for (; r < r1; ++r) tile_512_decoded<1, C>(kind, blks, a, r, out + r * os, os);
 }
 #endif
 
@@ -696,6 +707,16 @@ constexpr int EXACT_COLS = 2;  // 4 x 2 tiles: 16 accumulators + 6 operands in 3
 constexpr int EXACT_COLS = 1;  // 4 x 1: AVX2 holds a v16 in two of its 16 registers
 #endif
 
+// R activation rows over ``cols`` dequantized weight rows (K floats each, in ``w``).
+template <int R>
+void exact_cols(const float* x, int64_t xs, const float* w, int64_t K, int64_t cols, float* out,
+                int64_t os) {
+  int64_t c = 0;
+  for (; c + EXACT_COLS <= cols; c += EXACT_COLS)
+    dot_tile<R, EXACT_COLS>(x, xs, w + c * K, K, K, out + c, os);
+  for (; c < cols; ++c) dot_tile<R, 1>(x, xs, w + c * K, K, K, out + c, os);
+}
+
 void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N, int64_t nb,
                  const torch::Tensor& out) {
   const int64_t M = x.size(0), K = nb * QK;
@@ -715,18 +736,8 @@ void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t
       const float* w = wbuf.data();
       float* o = op + n0;
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) {
-        int64_t c = 0;
-        for (; c + EXACT_COLS <= cols; c += EXACT_COLS)
-          dot_tile<4, EXACT_COLS>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
-        for (; c < cols; ++c) dot_tile<4, 1>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
-      }
-      for (; r < M; ++r) {
-        int64_t c = 0;
-        for (; c + EXACT_COLS <= cols; c += EXACT_COLS)
-          dot_tile<1, EXACT_COLS>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
-        for (; c < cols; ++c) dot_tile<1, 1>(xp + r * xs, xs, w + c * K, K, K, o + r * os + c, os);
-      }
+      for (; r + 4 <= M; r += 4) exact_cols<4>(xp + r * xs, xs, w, K, cols, o + r * os, os);
+      for (; r < M; ++r) exact_cols<1>(xp + r * xs, xs, w, K, cols, o + r * os, os);
     }
   });
 }
@@ -777,15 +788,8 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
           const Acts& a = p.kind == Q6_K ? a6 : a45;
           const int C = n + 1 < std::min(end, p.hi) ? 2 : 1;  // two columns of one part
           decode_512(p.kind, p.w + (n - p.lo) * p.ws, p.ws, nb, C, sp, blks.data());
-          int64_t r = m0;
-          float* o = op + n;
-          if (C == 2) {
-            for (; r + 4 <= m1; r += 4) tile_512_decoded<4, 2>(p.kind, blks.data(), a, r, o + r * os, os);
-            for (; r < m1; ++r) tile_512_decoded<1, 2>(p.kind, blks.data(), a, r, o + r * os, os);
-          } else {
-            for (; r + 4 <= m1; r += 4) tile_512_decoded<4, 1>(p.kind, blks.data(), a, r, o + r * os, os);
-            for (; r < m1; ++r) tile_512_decoded<1, 1>(p.kind, blks.data(), a, r, o + r * os, os);
-          }
+          if (C == 2) decoded_rows<2>(p.kind, blks.data(), a, m0, m1, op + n, os);
+          else decoded_rows<1>(p.kind, blks.data(), a, m0, m1, op + n, os);
           n += C;
         }
       }
