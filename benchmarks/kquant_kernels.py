@@ -5,8 +5,8 @@
 Random super-blocks in the Q4_K_M mix at Llama-3.2-1B's shapes (per layer: qkv 3072x2048 as
 Q4_K q, k and a Q6_K v; o 2048x2048 Q4_K; gate_up 16384x2048 Q4_K; down 2048x8192 Q6_K:
 ~38.8 MB a layer, read in place), every layer its own bytes (so a pass reads them from
-memory, not a cache). For 1 row (a decode), 8 rows and 64 rows it times one pass over every
-projection on:
+memory, not a cache). For 1 row (a decode), 8, 64 and 256 rows (a prefill chunk) it times
+one pass over every projection on:
 
 * ``kquant_q8``: the activations rounded to q8_K, integer dots (the best code path here);
 * ``kquant``: the exact weights times fp32 activations (1 row only).
@@ -71,7 +71,7 @@ def main() -> None:
 
     result: dict[str, float] = {"weight_mb": total / 1e6}
     rows_out = []
-    for rows in (1, 8, 64):
+    for rows in (1, 8, 64, 256):
         xs = {k: torch.randn(rows, k) for k in (HIDDEN, FFN)}
         kernels = {"kquant_q8": lambda w, x: w.matmul_q8(x)}
         if rows == 1:

@@ -117,22 +117,26 @@ def test_the_int8_activation_kernel_on_each_path(kind: str, isa: str) -> None:
         assert torch.equal(w.matmul_q8(x[lo:lo + n], isa), got[lo:lo + n])
 
 
+@pytest.mark.parametrize("cols", [512, 1280])  # 2 and 5 super-blocks a row
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512_vnni"])
-def test_many_rows_give_each_rows_own_bits(isa: str) -> None:
-    """Calls of many rows (AVX-512: weight rows decoded once, two columns at a time, the
-    rows in chunks) give every row the bits a call of that row alone gives, over a fused
-    weight whose parts differ in format and whose columns are odd."""
+def test_many_rows_give_each_rows_own_bits(isa: str, cols: int) -> None:
+    """Calls of many rows (AVX-512 from 16 rows: columns in lanes, 32 at a time) give every
+    row the bits a call of that row alone gives, and the product the few-row kernel's
+    reference does, over a fused weight whose parts differ in format and whose column
+    counts are not multiples of 16."""
     _ops()
     if isa not in built_isas():
         pytest.skip(f"{isa} is not built on this CPU")
-    a, _ = _weight("Q4_K", rows=37, seed=8)
-    b, _ = _weight("Q6_K", rows=12, seed=9)
-    fused = cat_weights([a, b])
-    x = torch.randn(301, 512, generator=torch.Generator().manual_seed(10))  # > one chunk
+    parts = [_weight(kind, rows=rows, cols=cols, seed=8 + i)
+             for i, (kind, rows) in enumerate((("Q4_K", 37), ("Q5_K", 20), ("Q6_K", 12)))]
+    fused = cat_weights([w for w, _ in parts])
+    x = torch.randn(301, cols, generator=torch.Generator().manual_seed(10))
     got = fused.matmul_q8(x, isa)
-    for lo, n in ((0, 1), (5, 1), (300, 1), (17, 16), (250, 51), (0, 64), (3, 21)):
+    rounded = round_q8k(x).double() @ torch.cat([w for _, w in parts]).double().T
+    assert (got.double() - rounded).abs().max().item() <= 2e-6 * rounded.abs().max().item()
+    for lo, n in ((0, 1), (5, 1), (300, 1), (17, 16), (250, 51), (0, 64), (3, 21), (40, 15)):
         assert torch.equal(fused.matmul_q8(x[lo:lo + n], isa), got[lo:lo + n])
-    assert torch.equal(got, torch.cat([a.matmul_q8(x, isa), b.matmul_q8(x, isa)], 1))
+    assert torch.equal(got, torch.cat([w.matmul_q8(x, isa) for w, _ in parts], 1))
 
 
 def test_a_fused_weight_keeps_its_parts_formats_and_bytes(compiled: bool) -> None:

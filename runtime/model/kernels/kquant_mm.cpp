@@ -26,8 +26,9 @@
 //   (iscale = -127 / (the value of largest magnitude), q = round(x * iscale) ties to even,
 //   d = 1 / iscale, sums per 16), then integer dots with the weights' sub-block scales (and
 //   mins) per super-block, scaled once a super-block in fp32. Three code paths, chosen by
-//   the caller (``isa``): AVX-512 VNNI (maddubs then dpwssd with the scales), AVX2
-//   (maddubs then madd), and portable C++; each keeps the invariance above.
+//   the caller (``isa``): AVX-512 VNNI (few rows: maddubs then dpwssd with the scales; many
+//   rows: columns in lanes, dpbusd; both the same chain per (row, column)), AVX2 (maddubs
+//   then madd), and portable C++; each keeps the invariance above.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -277,74 +278,92 @@ void prepare(const float* x, int64_t M, int64_t xs, int64_t nb, int64_t kind, bo
   });
 }
 
+// The parts of a weight stacked along its output rows (one, or a fused projection's), each
+// its own format, all with the same input width.
+struct Part {
+  const uint8_t* w;
+  int64_t ws, kind, lo, hi;  // row stride; kind; its output columns [lo, hi)
+};
+
+// One super-block's quants as unsigned bytes in natural order (Q6_K's before its -32), its
+// sub-block scales (Q6_K: 16 of them, else 8) and mins, d and dmin.
+struct Unpacked {
+  uint8_t q[QK];
+  int32_t sc[16] = {}, mn[8] = {};
+  float d = 0.f, dmin = 0.f;
+};
+
+void unpack(int64_t kind, const uint8_t* blk, Unpacked& u) {
+  if (kind == Q6_K) {
+    u.d = half(blk + 208);
+    for (int i = 0; i < 16; ++i) u.sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo = blk[64 * h + l + 32 * (k & 1)];
+          u.q[128 * h + 32 * k + l] = static_cast<uint8_t>(
+              (k < 2 ? lo & 15 : lo >> 4) | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4));
+        }
+    return;
+  }
+  u.d = half(blk);
+  u.dmin = half(blk + 2);
+  uint8_t s8[8], m8[8];
+  scales_mins(blk + 4, s8, m8);
+  for (int s = 0; s < 8; ++s) {
+    u.sc[s] = s8[s];
+    u.mn[s] = m8[s];
+  }
+  const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
+  for (int s = 0; s < 8; ++s)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t byte = qs[32 * (s / 2) + l];
+      int q = s & 1 ? byte >> 4 : byte & 15;
+      if (kind == Q5_K) q |= ((blk[16 + l] >> s) & 1) << 4;
+      u.q[32 * s + l] = static_cast<uint8_t>(q);
+    }
+}
+
 // ---- portable: one super-block's integer sums, then two fmas a super-block
 
 template <int R>
 void tile_portable(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out,
                    int64_t os) {
   const int64_t nb = a.nb, bb = block_bytes(kind);
+  const int nsub = kind == Q6_K ? 16 : 8, len = QK / nsub, offset = kind == Q6_K ? 32 : 0;
   float acc[R] = {}, accm[R] = {};
-  int8_t wq[QK];
+  Unpacked u;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bb;
-    int32_t sc[16];
-    int32_t mn[8] = {};
-    float dw, dmin = 0.f;
-    int nsub;
-    if (kind == Q6_K) {
-      nsub = 16;
-      dw = half(blk + 208);
-      for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
-      for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 4; ++k)
-          for (int l = 0; l < 32; ++l) {
-            const uint8_t lo = blk[64 * h + l + 32 * (k & 1)];
-            wq[128 * h + 32 * k + l] = static_cast<int8_t>(
-                ((k < 2 ? lo & 15 : lo >> 4) | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4)) - 32);
-          }
-    } else {
-      nsub = 8;
-      dw = half(blk);
-      dmin = half(blk + 2);
-      uint8_t s8[8], m8[8];
-      scales_mins(blk + 4, s8, m8);
-      for (int s = 0; s < 8; ++s) {
-        sc[s] = s8[s];
-        mn[s] = m8[s];
-      }
-      const uint8_t* qs = blk + (kind == Q5_K ? 48 : 16);
-      for (int s = 0; s < 8; ++s)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t byte = qs[32 * (s / 2) + l];
-          int q = s & 1 ? byte >> 4 : byte & 15;
-          if (kind == Q5_K) q |= ((blk[16 + l] >> s) & 1) << 4;
-          wq[32 * s + l] = static_cast<int8_t>(q);
-        }
-    }
-    const int len = QK / nsub;
+    unpack(kind, w + b * bb, u);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const int8_t* aq = a.q.data() + row * a.K + b * QK;
       int32_t isum = 0, imin = 0;
       for (int s = 0; s < nsub; ++s) {
         int32_t dot = 0;
-        for (int l = 0; l < len; ++l) dot += int32_t{wq[s * len + l]} * aq[s * len + l];
-        isum += sc[s] * dot;
+        for (int l = 0; l < len; ++l) dot += (int32_t{u.q[s * len + l]} - offset) * aq[s * len + l];
+        isum += u.sc[s] * dot;
       }
       const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
-      for (int s = 0; s < 8; ++s) imin += mn[s] * bs[s];
+      for (int s = 0; s < 8; ++s) imin += u.mn[s] * bs[s];
       const float da = a.d[row * nb + b];
-      acc[r] = std::fma(static_cast<float>(isum), dw * da, acc[r]);
-      accm[r] = std::fma(static_cast<float>(imin), dmin * da, accm[r]);
+      acc[r] = std::fma(static_cast<float>(isum), u.d * da, acc[r]);
+      accm[r] = std::fma(static_cast<float>(imin), u.dmin * da, accm[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r * os] = acc[r] - accm[r];
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// ---- AVX-512 VNNI: a super-block's weights as four 64-byte unsigned vectors (in the
-// order prepare() gives the activations) and four int16 scale vectors; per activation row
-// four maddubs + dpwssd, one int32 vector a super-block scaled into a float vector.
+// ---- AVX-512 VNNI. A (row, column) is the same on its two kernels (few rows and many): per
+// super-block b the exact integer sums isum = sum_j sc_j (q . a)_j (less Q6_K's offset of 32)
+// and imin = sum_j m_j bsum_j (Q4_K / Q5_K), then four chains of fp32 sums, super-block b
+// feeding chain b % 4 with fma(isum, d * da, .) and fma(imin, dmin * da, .), and at the end
+// ((c0 + c1) + (c2 + c3)) of the first chains less that of the second.
+//
+// Few rows (tile_512): a super-block's weights as four 64-byte unsigned vectors (in the order
+// prepare() gives the activations) and four int16 scale vectors; per activation row four
+// maddubs + dpwssd, the integer sums of four super-blocks folded into one 4-lane vector.
 
 struct Block512 {
   __m512i q[4], s[4];
@@ -421,100 +440,248 @@ inline void load_q6(const uint8_t* blk, const Spread& sp, Block512& o) {
   }
 }
 
-// One super-block b of a weight row (decoded: ``blk``) times activation row ``row``, into
-// that pair's accumulators: the whole of a (row, column) chain's work for one super-block.
-inline void step_512(int64_t kind, const Block512& blk, const Acts& a, int64_t row, int64_t b,
-                     __m512& acc, __m128& accm) {
-  const int64_t nb = a.nb;
-  const int8_t* aq = a.q.data() + row * a.K + b * QK;
-  // two chains of int32 sums (exact: any order gives the same integers), half the latency
-  __m512i p[4];
-  for (int v = 0; v < 4; ++v) p[v] = _mm512_maddubs_epi16(blk.q[v], _mm512_loadu_si512(aq + 64 * v));
-  __m512i isum = _mm512_add_epi32(
-      _mm512_dpwssd_epi32(_mm512_madd_epi16(p[0], blk.s[0]), p[2], blk.s[2]),
-      _mm512_dpwssd_epi32(_mm512_madd_epi16(p[1], blk.s[1]), p[3], blk.s[3]));
-  const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
-  const float da = a.d[row * nb + b];
-  if (kind == Q6_K) {  // (q - 32): less 32 * the scaled sums of 16
-    const __m256i off = _mm256_madd_epi16(
-        blk.sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
-  } else {
-    const __m128i imin = _mm_madd_epi16(blk.mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)));
-    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(blk.dmin * da), accm);
-  }
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(blk.d * da), acc);
-}
-
-inline float finish_512(__m512 acc, __m128 accm) {
-  float m[4];
-  _mm_storeu_ps(m, accm);
-  return _mm512_reduce_add_ps(acc) - ((m[0] + m[1]) + (m[2] + m[3]));
-}
-
 // One super-block of ``kind`` at ``blk`` decoded into ``o``.
 inline void load_block(int64_t kind, const uint8_t* blk, const Spread& sp, Block512& o) {
   if (kind == Q6_K) load_q6(blk, sp, o);
   else load_q45(kind, blk, sp, o);
 }
 
+// Super-block b of a weight row (decoded: ``blk``) times activation row ``row``: its integer
+// sum isum as 16 int32 partials (the mins' part: tile_512).
+inline __m512i sums_512(int64_t kind, const Block512& blk, const Acts& a, int64_t row, int64_t b) {
+  const int8_t* aq = a.q.data() + row * a.K + b * QK;
+  __m512i p[4];
+  for (int v = 0; v < 4; ++v) p[v] = _mm512_maddubs_epi16(blk.q[v], _mm512_loadu_si512(aq + 64 * v));
+  const __m512i isum = _mm512_add_epi32(  // two chains: half the latency (exact integers)
+      _mm512_dpwssd_epi32(_mm512_madd_epi16(p[0], blk.s[0]), p[2], blk.s[2]),
+      _mm512_dpwssd_epi32(_mm512_madd_epi16(p[1], blk.s[1]), p[3], blk.s[3]));
+  if (kind != Q6_K) return isum;
+  // (q - 32): less 32 * the scaled sums of 16
+  const __m256i off = _mm256_madd_epi16(
+      blk.sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs.data() + (row * a.nb + b) * 16)));
+  return _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+}
+
+// lanes 4i..4i+3 of the result: (the sum of lanes of x's, y's part) interleaved, so that two
+// levels of pairs leave in each 128-bit lane one partial sum of each of four vectors.
+inline __m512i pair_sums(__m512i x, __m512i y) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+}
+inline __m512i quad_sums(__m512i xy, __m512i zw) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(xy, zw), _mm512_unpackhi_epi64(xy, zw));
+}
+inline __m128i pair_sums(__m128i x, __m128i y) {
+  return _mm_add_epi32(_mm_unpacklo_epi32(x, y), _mm_unpackhi_epi32(x, y));
+}
+inline __m128i quad_sums(__m128i xy, __m128i zw) {
+  return _mm_add_epi32(_mm_unpacklo_epi64(xy, zw), _mm_unpackhi_epi64(xy, zw));
+}
+inline __m128i lane_sums(__m512i v) {  // the four 128-bit lanes added
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+inline float finish_512(__m128 acc, __m128 accm) {
+  alignas(16) float v[4], m[4];
+  _mm_store_ps(v, acc);
+  _mm_store_ps(m, accm);
+  return ((v[0] + v[1]) + (v[2] + v[3])) - ((m[0] + m[1]) + (m[2] + m[3]));
+}
+
+// Super-block b of every row of a tile: its integer sums into ``isum`` (second of a pair:
+// pair_sums'd with what is there), its mins and scales (zeros past the row's end: a tail
+// of fewer than four super-blocks).
+template <int R, bool second>
+inline void tile_sums(int64_t kind, const uint8_t* w, int64_t b, int64_t nb, const Spread& sp,
+                      const Acts& a, int64_t r0, Block512& blk, float& d, float& dmin,
+                      __m128i& mins, __m512i (&isum)[R]) {
+  const bool in = b < nb;
+  if (in) load_block(kind, w + b * block_bytes(kind), sp, blk);
+  d = in ? blk.d : 0.f;
+  dmin = in ? blk.dmin : 0.f;
+  mins = in ? blk.mins : _mm_setzero_si128();
+  for (int r = 0; r < R; ++r) {
+    const __m512i s = in ? sums_512(kind, blk, a, r0 + r, b) : _mm512_setzero_si512();
+    isum[r] = second ? pair_sums(isum[r], s) : s;
+  }
+}
+
 template <int R>
 void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
               const Spread& sp) {
-  const int64_t nb = a.nb, bb = block_bytes(kind);
-  __m512 acc[R];
-  __m128 accm[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    accm[r] = _mm_setzero_ps();
-  }
+  const int64_t nb = a.nb;
+  __m128 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm_setzero_ps();
   Block512 blk;
-  for (int64_t b = 0; b < nb; ++b) {
-    load_block(kind, w + b * bb, sp, blk);
-    for (int r = 0; r < R; ++r) step_512(kind, blk, a, r0 + r, b, acc[r], accm[r]);
+  for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+    alignas(16) float d4[4], dmin4[4];
+    __m128i mins[4];
+    __m512i xy[R], zw[R];  // the sums of super-blocks b0, b0 + 1 and b0 + 2, b0 + 3
+    tile_sums<R, false>(kind, w, b0, nb, sp, a, r0, blk, d4[0], dmin4[0], mins[0], xy);
+    tile_sums<R, true>(kind, w, b0 + 1, nb, sp, a, r0, blk, d4[1], dmin4[1], mins[1], xy);
+    tile_sums<R, false>(kind, w, b0 + 2, nb, sp, a, r0, blk, d4[2], dmin4[2], mins[2], zw);
+    tile_sums<R, true>(kind, w, b0 + 3, nb, sp, a, r0, blk, d4[3], dmin4[3], mins[3], zw);
+    const int n = static_cast<int>(std::min<int64_t>(4, nb - b0));
+    const __mmask8 k = static_cast<__mmask8>((1 << n) - 1);
+    const __m128 d = _mm_load_ps(d4), dmin = _mm_load_ps(dmin4);
+    for (int r = 0; r < R; ++r) {
+      const __m128i isum4 = lane_sums(quad_sums(xy[r], zw[r]));
+      const __m128 da = _mm_maskz_loadu_ps(k, a.d.data() + (r0 + r) * nb + b0);
+      acc[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(isum4), _mm_mul_ps(d, da), acc[r], k);
+      if (kind == Q6_K) continue;
+      // the mins' sums m . bsum32 of the four super-blocks (Q6_K has none)
+      const int16_t* bs = a.bs.data() + ((r0 + r) * nb + b0) * 16;
+      __m128i m[4];
+      for (int q = 0; q < 4; ++q)
+        m[q] = _mm_madd_epi16(mins[q], _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 16 * std::min(q, n - 1))));
+      const __m128i imin4 = quad_sums(pair_sums(m[0], m[1]), pair_sums(m[2], m[3]));
+      accm[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(imin4), _mm_mul_ps(dmin, da), accm[r], k);
+    }
   }
   for (int r = 0; r < R; ++r) out[r * os] = finish_512(acc[r], accm[r]);
 }
 
-// Many activation rows: C weight rows' super-blocks decoded once (``blks[c]``: nb each, kept
-// in L1) and R activation rows at a time passed over them, each activation load serving C
-// columns. Every (row, column) is step_512's chain over the super-blocks, as in tile_512:
-// the same bits.
-template <int R, int C>
-void tile_512_decoded(int64_t kind, const Block512* blks, const Acts& a, int64_t r0, float* out,
-                      int64_t os) {
-  const int64_t nb = a.nb;
-  __m512 acc[R][C];
-  __m128 accm[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm512_setzero_ps();
-      accm[r][c] = _mm_setzero_ps();
-    }
+// Many rows (gemm_tile): columns in lanes. GEMM_COLS output columns of one part are unpacked
+// once per call into vectors whose lane c holds column c's weights 4g..4g+3 (vpdpbusd's
+// operand: one instruction is 16 columns x 4 weights of an activation row), with each
+// super-block's scales, mins and d's as vectors over the columns. Tiles of GEMM_ROWS rows x
+// GEMM_COLS columns pass over it: each weight vector serves 4 rows, each activation
+// broadcast two vectors of columns, and a sub-block's dot is scaled once (mullo), not once
+// per pair of weights as in tile_512.
+constexpr int GEMM_COLS = 32, GEMM_VECS = GEMM_COLS / 16, GEMM_ROWS = 4;
+
+struct Group512 {
+  int64_t kind = 0, nb = 0;
+  int cols = 0;
+  std::vector<uint8_t> q;       // [nb][GEMM_VECS][64][16 columns][4 weights]
+  std::vector<int32_t> sc;      // [nb][GEMM_VECS][16 sub-blocks][16 columns]
+  std::vector<int32_t> pairs;   // [nb][GEMM_VECS][8][16]: int16 pairs (mins, Q6_K: scales)
+  std::vector<float> d, dmin;   // [nb][GEMM_VECS][16]
+};
+
+// Columns [n0, n0 + cols) of part p (cols <= GEMM_COLS; the rest of the lanes zero).
+void unpack_group(const Part& p, int64_t n0, int cols, int64_t nb, Group512& g) {
+  g.kind = p.kind;
+  g.nb = nb;
+  g.cols = cols;
+  const int64_t bb = block_bytes(p.kind), vecs = nb * GEMM_VECS;
+  g.q.resize(vecs * 64 * 64);
+  g.sc.assign(vecs * 16 * 16, 0);
+  g.pairs.assign(vecs * 8 * 16, 0);
+  g.d.assign(vecs * 16, 0.f);
+  g.dmin.assign(vecs * 16, 0.f);
+  const int npairs = p.kind == Q6_K ? 8 : 4;
+  // A super-block of 16 columns in natural order, then transposed. Lanes past the last
+  // column keep other columns' weights: their zero scales and the masked store drop them.
+  Unpacked u[16];
+  for (auto& x : u) std::memset(x.q, 0, QK);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set1_epi32(sizeof(Unpacked)),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t b = 0; b < nb; ++b)
-    for (int c = 0; c < C; ++c) {
-      const Block512 blk = blks[c * nb + b];  // in registers for the R rows
-      for (int r = 0; r < R; ++r) step_512(kind, blk, a, r0 + r, b, acc[r][c], accm[r][c]);
+    for (int v = 0; v < GEMM_VECS; ++v) {
+      const int64_t at = b * GEMM_VECS + v;
+      const int n = std::clamp(cols - 16 * v, 0, 16);
+      for (int lane = 0; lane < n; ++lane) {
+        unpack(p.kind, p.w + (n0 + 16 * v + lane - p.lo) * p.ws + b * bb, u[lane]);
+        const Unpacked& x = u[lane];
+        for (int j = 0; j < 16; ++j) g.sc[(at * 16 + j) * 16 + lane] = x.sc[j];
+        const int32_t* pv = p.kind == Q6_K ? x.sc : x.mn;
+        for (int i = 0; i < npairs; ++i)
+          g.pairs[(at * 8 + i) * 16 + lane] = static_cast<int32_t>(
+              static_cast<uint16_t>(pv[2 * i]) | (static_cast<uint32_t>(static_cast<uint16_t>(pv[2 * i + 1])) << 16));
+        g.d[at * 16 + lane] = x.d;
+        g.dmin[at * 16 + lane] = x.dmin;
+      }
+      uint8_t* dst = g.q.data() + at * 4096;
+      for (int i = 0; i < 64; ++i)  // lane c: column c's weights 4i..4i+3
+        _mm512_storeu_si512(dst + 64 * i, _mm512_i32gather_epi32(rows, u[0].q + 4 * i, 1));
     }
+}
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Activation rows [r0, r0 + R) (natural order) over a group: out[r * os + c], c < g.cols.
+template <int R, bool q6>
+void gemm_tile(const Group512& g, const Acts& a, int64_t r0, float* out, int64_t os) {
+  const int64_t nb = g.nb;
+  constexpr int nsub = q6 ? 16 : 8, per = q6 ? 4 : 8;  // sub-blocks; their groups of 4 weights
+  constexpr int npairs = q6 ? 8 : 4;
+  __m512 acc[R][GEMM_VECS][4], accm[R][GEMM_VECS][4];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * os + c] = finish_512(acc[r][c], accm[r][c]);
+    for (int v = 0; v < GEMM_VECS; ++v)
+      for (int c = 0; c < 4; ++c) acc[r][v][c] = accm[r][v][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* aq[R];
+    for (int r = 0; r < R; ++r) aq[r] = a.q.data() + (r0 + r) * a.K + b * QK;
+    const uint8_t* wq = g.q.data() + b * GEMM_VECS * 4096;
+    const int32_t* sc = g.sc.data() + b * GEMM_VECS * 256;
+    __m512i isum[R][GEMM_VECS];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < GEMM_VECS; ++v) isum[r][v] = _mm512_setzero_si512();
+    for (int j = 0; j < nsub; ++j) {
+      __m512i dot[R][GEMM_VECS];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < GEMM_VECS; ++v) dot[r][v] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = j * per; i < (j + 1) * per; ++i) {
+        __m512i wv[GEMM_VECS];
+        for (int v = 0; v < GEMM_VECS; ++v) wv[v] = _mm512_loadu_si512(wq + v * 4096 + 64 * i);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = bcast32(aq[r] + 4 * i);
+          for (int v = 0; v < GEMM_VECS; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], x);
+        }
+      }
+      for (int v = 0; v < GEMM_VECS; ++v) {
+        const __m512i s = _mm512_loadu_si512(sc + (v * 16 + j) * 16);
+        for (int r = 0; r < R; ++r)
+          isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(dot[r][v], s));
+      }
+    }
+    const int c = static_cast<int>(b % 4);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int16_t* bs = a.bs.data() + (row * nb + b) * 16;
+      const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
+      for (int v = 0; v < GEMM_VECS; ++v) {
+        const int64_t at = b * GEMM_VECS + v;
+        __m512i ip = _mm512_setzero_si512();
+        for (int i = 0; i < npairs; ++i)
+          ip = _mm512_dpwssd_epi32(ip, _mm512_loadu_si512(g.pairs.data() + (at * 8 + i) * 16),
+                                   bcast32(bs + 2 * i));
+        __m512i is = isum[r][v];
+        if (q6) is = _mm512_sub_epi32(is, _mm512_slli_epi32(ip, 5));
+        acc[r][v][c] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(is), _mm512_mul_ps(_mm512_loadu_ps(g.d.data() + at * 16), da),
+            acc[r][v][c]);
+        if (!q6)
+          accm[r][v][c] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(ip),
+              _mm512_mul_ps(_mm512_loadu_ps(g.dmin.data() + at * 16), da), accm[r][v][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < GEMM_VECS; ++v) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]),
+                                     _mm512_add_ps(acc[r][v][2], acc[r][v][3]));
+      const __m512 m = _mm512_add_ps(_mm512_add_ps(accm[r][v][0], accm[r][v][1]),
+                                     _mm512_add_ps(accm[r][v][2], accm[r][v][3]));
+      const int n = std::clamp(g.cols - 16 * v, 0, 16);
+      _mm512_mask_storeu_ps(out + r * os + 16 * v, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_sub_ps(s, m));
+    }
 }
 
-// C weight rows (``w``, ``ws`` bytes apart) decoded into ``blks`` [C * nb].
-inline void decode_512(int64_t kind, const uint8_t* w, int64_t ws, int64_t nb, int C,
-                       const Spread& sp, Block512* blks) {
-  const int64_t bb = block_bytes(kind);
-  for (int c = 0; c < C; ++c)
-    for (int64_t b = 0; b < nb; ++b) load_block(kind, w + c * ws + b * bb, sp, blks[c * nb + b]);
-}
-
-// Activation rows [r0, r1) over C decoded weight rows: tiles of 4 rows, then one at a time.
-template <int C>
-void decoded_rows(int64_t kind, const Block512* blks, const Acts& a, int64_t r0, int64_t r1,
-                  float* out, int64_t os) {
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) tile_512_decoded<4, C>(kind, blks, a, r, out + r * os, os);
-  for (; r < r1; ++r) tile_512_decoded<1, C>(kind, blks, a, r, out + r * os, os);
+// Every activation row over a group: tiles of GEMM_ROWS rows, then one at a time.
+template <bool q6>
+void gemm_rows(const Group512& g, const Acts& a, int64_t M, float* out, int64_t os) {
+  int64_t r = 0;
+  for (; r + GEMM_ROWS <= M; r += GEMM_ROWS) gemm_tile<GEMM_ROWS, q6>(g, a, r, out + r * os, os);
+  for (; r < M; ++r) gemm_tile<1, q6>(g, a, r, out + r * os, os);
 }
 #endif
 
@@ -660,13 +827,6 @@ std::vector<torch::Tensor> q8k_quantize(torch::Tensor x) {
 
 namespace {
 
-// The parts of a weight stacked along its output rows (one, or a fused projection's), each
-// its own format, all with the same input width.
-struct Part {
-  const uint8_t* w;
-  int64_t ws, kind, lo, hi;  // row stride; kind; its output columns [lo, hi)
-};
-
 std::vector<Part> parts_of(const std::vector<torch::Tensor>& raws, const int64_t* kinds,
                            int64_t& N, int64_t& nb) {
   std::vector<Part> parts;
@@ -742,14 +902,11 @@ void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t
   });
 }
 
-// AVX-512 with many rows: each weight row's super-blocks are decoded once per chunk of
-// activation rows (at most CHUNK_BYTES of them, so they stay in L2 while every column
-// passes) instead of once per tile of 4 rows. Measured on the 1B shape's weights (Xeon, 2
-// threads, 256 rows): Q6_K 2048x8192 56 -> 33 ms, Q4_K 16384x2048 66 -> 53-55 ms; 32, 64
-// and 256 KB chunks and 8x1 tiles measured no better. Below DECODED_MIN_ROWS (8 rows:
-// Q6_K 1.15 -> 1.42 ms) decoding per tile is faster.
-constexpr int64_t CHUNK_BYTES = 128 << 10;
-constexpr int64_t DECODED_MIN_ROWS = 16;
+// AVX-512 from GEMM_MIN_ROWS rows on: gemm_tile's columns in lanes. Unpacking the columns
+// costs what ~25 rows' products do; measured on the 1B shape (Xeon, 2 threads), Q4_K
+// 16384x2048 at 16 rows 4.8 ms on either kernel, at 64 rows 17.6 -> 10.2 ms, at 256 rows
+// 72 -> 31 ms (Q6_K 2048x8192: 2.8 -> 3.1, 11.2 -> 6.7, 41 -> 20 ms).
+constexpr int64_t GEMM_MIN_ROWS = 16;
 // Few rows: each weight row's bytes are prefetched PREFETCH_ROWS rows ahead. The hardware
 // prefetchers stop at every 4 KB page, which a Q4_K row of 2048 weights (1152 bytes)
 // crosses every 3-4 rows. Measured on the 1B shape's 16 layers from memory (1 row, Xeon,
@@ -771,31 +928,31 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
   Acts& a6 = buffers[1];
   bool need45 = false, need6 = false;
   for (const Part& p : parts) (p.kind == Q6_K ? need6 : need45) = true;
-  if (need45) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512, a45);
+  const bool gemm = isa == AVX512 && M >= GEMM_MIN_ROWS;  // (natural order, as Q6_K's)
+  if (need45) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512 && !gemm, a45);
   if (need6) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q6_K, false, a6);
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (gemm) {  // threads split groups of GEMM_COLS columns of one part
+    std::vector<std::pair<const Part*, int64_t>> groups;
+    for (const Part& p : parts)
+      for (int64_t n0 = p.lo; n0 < p.hi; n0 += GEMM_COLS) groups.emplace_back(&p, n0);
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      Group512 g;
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [p, n0] = groups[i];
+        unpack_group(*p, n0, static_cast<int>(std::min<int64_t>(GEMM_COLS, p->hi - n0)), nb, g);
+        const Acts& a = p->kind == Q6_K ? a6 : a45;
+        if (p->kind == Q6_K) gemm_rows<true>(g, a, M, op + n0, os);
+        else gemm_rows<false>(g, a, M, op + n0, os);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     const Spread sp;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (isa == AVX512 && M >= DECODED_MIN_ROWS) {
-      std::vector<Block512> blks(2 * nb);
-      const int64_t chunk = std::max<int64_t>(16, (CHUNK_BYTES / (nb * QK)) & ~int64_t{3});
-      for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t m1 = std::min(M, m0 + chunk);
-        for (int64_t n = begin; n < end;) {
-          const Part& p = part_of(parts, n);
-          const Acts& a = p.kind == Q6_K ? a6 : a45;
-          const int C = n + 1 < std::min(end, p.hi) ? 2 : 1;  // two columns of one part
-          decode_512(p.kind, p.w + (n - p.lo) * p.ws, p.ws, nb, C, sp, blks.data());
-          if (C == 2) decoded_rows<2>(p.kind, blks.data(), a, m0, m1, op + n, os);
-          else decoded_rows<1>(p.kind, blks.data(), a, m0, m1, op + n, os);
-          n += C;
-        }
-      }
-      return;
-    }
-#endif
     for (int64_t n = begin; n < end; ++n) {
       const Part& p = part_of(parts, n);
       const Acts& a = p.kind == Q6_K ? a6 : a45;
