@@ -65,6 +65,21 @@ def test_plain_and_system(client, model, server) -> None:
         assert stopped.stop_sequence == m.content[0].text[2:4]
 
 
+def test_ignore_eos_runs_the_answer_to_its_budget(client, model) -> None:
+    """The extension ``ignore_eos`` (as on the chat API): the end of turn no longer stops
+    the greedy answer, which goes on from the same tokens up to ``max_tokens``."""
+    go_on = [{"role": "user", "content": "Go on."}]
+    ended = client.messages.create(model=model, max_tokens=200, messages=go_on,
+                                   extra_body=GREEDY)
+    run = client.messages.create(model=model, max_tokens=200, messages=go_on,
+                                 extra_body={**GREEDY, "ignore_eos": True})
+    assert run.stop_reason == "max_tokens" and run.usage.output_tokens == 200
+    assert run.content[0].text.startswith(ended.content[0].text)
+    with pytest.raises(anthropic.BadRequestError, match="ignore_eos"):
+        client.messages.create(model=model, max_tokens=2, messages=go_on,
+                               extra_body={"ignore_eos": "yes"})
+
+
 def test_streamed_events_match_the_whole_message(client, model) -> None:
     whole = client.messages.create(model=model, max_tokens=8, messages=ASK, extra_body=GREEDY)
     kinds, text = [], ""

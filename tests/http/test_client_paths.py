@@ -67,9 +67,8 @@ ABANDONED = {
                         "temperature": 0, "prompt": "Go on."},
     "/v1/responses": {"model": MODEL, "max_output_tokens": 4000, "ignore_eos": True,
                       "temperature": 0, "store": False, "input": "Go on."},
-    # Anthropic's API has no ignore_eos: the tiny model's greedy answer runs long
-    "/v1/messages": {"model": MODEL, "max_tokens": 4000, "temperature": 0,
-                     "messages": [{"role": "user", "content": "Go on."}]},
+    "/v1/messages": {"model": MODEL, "max_tokens": 4000, "ignore_eos": True,
+                     "temperature": 0, "messages": [{"role": "user", "content": "Go on."}]},
 }
 
 

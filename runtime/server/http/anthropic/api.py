@@ -206,7 +206,7 @@ class _Turn:
         sampler = sampler_of(r.temperature, top_p=r.top_p, top_k=r.top_k)
         gen = self.ctx.generate(sampler, max_tokens=r.max_tokens,
                                 stop=r.stop_sequences or None, cue=False,
-                                constrain=constrain, **tools)
+                                ignore_eos=bool(r.ignore_eos), constrain=constrain, **tools)
         last = None
         async for delta in gen:
             last = self.exchange.heard(len(delta.tokens), last)

@@ -142,6 +142,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None  # an extension, as on the chat API: only the budget ends it
     metadata: dict[str, Any] | None = None  # ignored
     service_tier: str | None = None  # ignored
     inference_geo: str | None = None  # ignored
@@ -174,6 +175,7 @@ ACCEPTS: dict[str, str] = {
     "temperature": "a number from 0 to 1",
     "top_p": "a number from 0 to 1",
     "top_k": "an integer >= 0",
+    "ignore_eos": "true or false, or null",
     "metadata": "an object",
     "tools": 'a list of tools, each {"name": "...", "description": "...", '
              '"input_schema": {JSON Schema}}',
