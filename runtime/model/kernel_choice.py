@@ -15,7 +15,9 @@ least ``p`` rows, at its first and at its last position; calls with fewer rows a
 padded with zero rows to ``p`` (kernel ``name@p``; on the EPYC, MKL's ``F.linear`` is
 one class from 4 rows up, with a one-row and a two-to-three-row path of its own).
 Candidates whose invariant results are the same bits form a class; each bucket takes the
-fastest member of one class, the class that costs least against the free choice.
+fastest member of one class, the class that costs least against the free choice. A
+candidate :data:`_DOMINATED` times slower at every bucket than one found invariant from
+one row is not probed (docs/performance.md, "Start-up").
 
 Once per machine: the deterministic probe takes ~20-45 s for the default model's five
 signatures on a busy 2-core EPYC (the free timing up to ~25 s), so each signature's choice (:class:`KernelChoice`:
@@ -325,6 +327,10 @@ def _invariant_from(rep: Projection, name: str, x: torch.Tensor) -> tuple[int, b
 
 
 _STEP_BUCKETS = 2  # the buckets the fused decode step runs (a decode, a decode batch)
+# A candidate this many times slower at every bucket than a kernel already found invariant
+# from one row is not probed for invariance (_choose_invariant): the probe's biggest cost
+# at load (the exact K-quant kernel's on a 128k-row lm_head: ~1,000 rows of calls).
+_DOMINATED = 1.5
 
 
 def _step_kernels(rep: Projection, dtype: torch.dtype) -> Callable[[str], bool]:
@@ -341,7 +347,12 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
     """The deterministic choice for one signature: per bucket, the fastest member of the
     class of row-count-invariant kernels (equal bits) that costs least against the
     fastest kernel of each bucket, among the classes whose decode buckets the fused decode
-    step can run when there are any (:func:`_step_kernels`)."""
+    step can run when there are any (:func:`_step_kernels`).
+
+    Every candidate is timed first; the invariance probe (the costly part: ~1,000 rows of
+    calls) then runs fastest first and skips a candidate :data:`_DOMINATED` times slower
+    at every bucket than one already found invariant from one row (no pads) that the step
+    runs if it does: such a kernel cannot serve a bucket better."""
     out_f, in_f = rep.shape
     dtype = (torch.float32 if rep.is_int8 or rep.is_blocks
              else rep.weight.dtype)  # type: ignore[union-attr]
@@ -354,29 +365,53 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
         names = ["f32"]
     top = PROBE_ROWS[-1] if rep.buckets == len(ROW_BUCKETS) else 64
     x = torch.randn(top, in_f, generator=gen).to(dtype=dtype, device=rep.device)
+    inputs = [torch.randn(ROW_BUCKETS[b], in_f, generator=gen).to(dtype=dtype, device=rep.device)
+              for b in range(rep.buckets)]
+    times: dict[tuple[str, int], float] = {}
+
+    def time_all(kernel_names: Iterable[str]) -> None:
+        for b in range(rep.buckets):
+            sample = slice(None) if ROW_BUCKETS[b] < 64 else slice(4)
+            for n in kernel_names:
+                if (n, b) not in times and rep.allowed(n.split("@")[0], b):
+                    times[n, b] = _best_seconds([p.kernel(n) for p in members][sample],
+                                                inputs[b], repeats)
+
+    time_all(names)
+    free = [min(t for (n, bb), t in times.items() if bb == b and n in names)
+            for b in range(rep.buckets)]
+    stepped = _step_kernels(rep, dtype)
+
+    def buckets_of(n: str) -> list[int]:
+        return [b for b in range(rep.buckets) if (n, b) in times]
+
+    def dominated(n: str, by: str) -> bool:
+        return ((stepped(by) or not stepped(n)) and all(
+            (by, b) in times and times[n, b] >= _DOMINATED * times[by, b]
+            for b in buckets_of(n)))
+
     classes: dict[bytes, list[str]] = {}
-    for n in names:
+    plain: list[str] = []  # found invariant from one row
+    skipped = []
+    for n in sorted(names, key=lambda n: max((times[n, b] / free[b] for b in buckets_of(n)),
+                                             default=float("inf"))):
+        if any(dominated(n, m) for m in plain):
+            skipped.append(n)
+            continue
         found = _invariant_from(rep, n, x)
         if found is not None:
             classes.setdefault(found[1], []).append(f"{n}@{found[0]}" if found[0] > 1 else n)
+            if found[0] == 1:
+                plain.append(n)
+    if skipped:
+        log.debug("%dx%d: not probed for invariance (%.1fx slower than %s at every bucket): "
+                  "%s", out_f, in_f, _DOMINATED, ", ".join(plain), ", ".join(skipped))
     if not classes:
         raise ModelError(
             f"no projection kernel for {out_f}x{in_f} {dtype} gives a row the same result "
             f"whatever its batch on this machine (tried {', '.join(names)}); start the engine "
             "with --deterministic off (deterministic=False)")
-    times: dict[tuple[str, int], float] = {}
-    for b in range(rep.buckets):
-        rows = torch.randn(ROW_BUCKETS[b], in_f, generator=gen).to(dtype=dtype,
-                                                                   device=rep.device)
-        sample = slice(None) if ROW_BUCKETS[b] < 64 else slice(4)
-        wanted = set(names) | {n for c in classes.values() for n in c}
-        for n in wanted:
-            if rep.allowed(n.split("@")[0], b):
-                times[n, b] = _best_seconds([p.kernel(n) for p in members][sample], rows,
-                                            repeats)
-    free = [min(t for (n, bb), t in times.items() if bb == b and n in names)
-            for b in range(rep.buckets)]
-    stepped = _step_kernels(rep, dtype)
+    time_all(n for c in classes.values() for n in c)
     options = []  # (not all decode picks in C++, cost, picks) per class that covers all
     for members_of in classes.values():
         picks = []
@@ -399,4 +434,7 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
               for b, n in enumerate(chosen)]
     line = (f"{len(members)} x {out_f}x{in_f} {rep.form} "
             "deterministic: " + "; ".join(report))
-    return KernelChoice(chosen, line, list(classes.values()))
+    order = {n: i for i, n in enumerate(names)}  # the candidates' order, whatever the timing
+    return KernelChoice(chosen, line, sorted(
+        (sorted(c, key=lambda n: order[n.split("@")[0]]) for c in classes.values()),
+        key=lambda c: order[c[0].split("@")[0]]))
