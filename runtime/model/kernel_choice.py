@@ -369,7 +369,7 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
               for b in range(rep.buckets)]
     times: dict[tuple[str, int], float] = {}
 
-    def time_all(kernel_names: Iterable[str]) -> None:
+    def time_all(kernel_names: list[str]) -> None:
         for b in range(rep.buckets):
             sample = slice(None) if ROW_BUCKETS[b] < 64 else slice(4)
             for n in kernel_names:
@@ -411,7 +411,7 @@ def _choose_invariant(rep: Projection, members: list[Projection], names: list[st
             f"no projection kernel for {out_f}x{in_f} {dtype} gives a row the same result "
             f"whatever its batch on this machine (tried {', '.join(names)}); start the engine "
             "with --deterministic off (deterministic=False)")
-    time_all(n for c in classes.values() for n in c)
+    time_all([n for c in classes.values() for n in c])
     options = []  # (not all decode picks in C++, cost, picks) per class that covers all
     for members_of in classes.values():
         picks = []
