@@ -132,11 +132,15 @@ class PieServer:
     """``pie-ctx serve`` with a socket and the HTTP API, in a subprocess."""
 
     def __init__(self, weights: str, model: str | None, tmp: str, smoke: bool = False,
-                 num_pages: int = NUM_PAGES) -> None:
+                 num_pages: int = NUM_PAGES, snapshot_dir: str | None = None) -> None:
+        """``snapshot_dir``: snapshots and the disk tier of evicted cache pages there (as
+        ``serve`` keeps them by default); None: ``--memory-snapshots``, no disk tier."""
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
         tools = f"{sys.executable} {HERE / 'agent_mcp.py'}" + (" --smoke" if smoke else "")
+        snapshots = ["--memory-snapshots"] if snapshot_dir is None else [
+            "--snapshot-dir", snapshot_dir]
         cmd = [sys.executable, "-m", "runtime.server", "serve", "--socket", self.socket,
-               "--http", "127.0.0.1:0", "--memory-snapshots", "--weights", weights,
+               "--http", "127.0.0.1:0", *snapshots, "--weights", weights,
                "--client-share", "1", "--inferlets", str(HERE), "--mcp", f"react={tools}",
                "--no-access-log"]  # stderr is read only until the server is ready
         if num_pages:  # (0: serve's default pool)

@@ -3,7 +3,8 @@ trace's ceiling, prompt tokens computed, time to first token and throughput.
 
     python benchmarks/trace_replay.py [--requests 600] [--concurrency 8] [--speedup X]
         [--block-tokens 16] [--output-scale 0.05] [--max-output 32] [--pool-pages N]
-        [--llama-server PATH] [--gguf FILE] [--fleet] [--systems a,b,c,d] [--smoke]
+        [--llama-server PATH] [--gguf FILE] [--fleet] [--systems a,b,c,d]
+        [--memory-snapshots] [--smoke]
 
 The trace is Mooncake's conversation trace (``--trace``; /work/shared/traces/README.md):
 each request is a list of 512-token blocks named by prefix hashes. Each hash id becomes a
@@ -15,7 +16,9 @@ timestamp divided by X, still at most ``--concurrency`` in flight), as streamed
 ``/v1/completions`` calls with the token ids as the prompt, through the official
 ``openai`` client, greedy, to:
 
-* a: one engine (``pie-ctx serve``; ``--pool-pages`` pages, default: serve's own pool);
+* a: one engine (``pie-ctx serve`` as it runs by default: its own pool, or ``--pool-pages``
+  pages, and a snapshot folder, whose disk tier keeps evicted cache pages for prefix
+  matching, ``--disk-cache-gb`` 4; ``--memory-snapshots``: the pool alone);
 * b: llama.cpp's ``llama-server`` on the same GGUF (``--llama-server PATH``; ``-np`` slots
   = the concurrency, ``cache_prompt``), the engine then loading that GGUF too;
 * c: a fleet of 3 replicas (``runtime.fleet``, Ray Serve) behind its front, which routes
@@ -194,7 +197,12 @@ async def replay(requests: list[Request], urls: list[str], concurrency: int, spe
 
 async def run_single(args: argparse.Namespace, requests: list[Request], model: str | None,
                      tmp: str, weights: str) -> dict[str, Any]:
-    server = PieServer(weights, model, tmp, args.smoke, num_pages=args.pool_pages)
+    snapshots = None
+    if not args.memory_snapshots:  # serve's default: a snapshot folder, so its disk tier
+        snapshots = os.path.join(tmp, "snapshots")
+        os.mkdir(snapshots)
+    server = PieServer(weights, model, tmp, args.smoke, num_pages=args.pool_pages,
+                       snapshot_dir=snapshots)
     try:
         return await replay(requests, [server.url], args.concurrency, args.speedup, {})
     finally:
@@ -321,6 +329,9 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=0,
                     help="KV pages of each engine (0: serve's default; a smaller pool "
                          "shows what it keeps)")
+    ap.add_argument("--memory-snapshots", action="store_true",
+                    help="a without a snapshot folder, so without the disk tier that keeps "
+                         "evicted cache pages (shows what the pool alone keeps)")
     ap.add_argument("--systems", default="a,b,c,d", help="which of a,b,c,d to run")
     ap.add_argument("--fleet", action="store_true", help="run c and d (starts Ray)")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")

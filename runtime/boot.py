@@ -216,6 +216,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
     checks.positive(page_size, "page_size")
     if num_pages is not None:
         checks.positive(num_pages, "num_pages")
+    if not checks.finite(kv_memory_gb, "kv_memory_gb") > 0:
+        raise InvalidArgument(f"kv_memory_gb must be > 0, got {kv_memory_gb!r}")
     checks.positive(max_step_tokens, "max_step_tokens")
     if weights not in (*WEIGHT_FORMATS, "auto"):
         raise InvalidArgument(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or auto, "

@@ -155,6 +155,8 @@ def engine_args_of(args: argparse.Namespace) -> list[str]:
             "--kv-dtype", args.kv_dtype, "--backend", args.backend]
     if args.num_pages is not None:
         out += ["--num-pages", str(args.num_pages)]
+    if args.kv_memory_gb is not None:
+        out += ["--kv-memory-gb", str(args.kv_memory_gb)]
     if args.dtype is not None:
         out += ["--dtype", args.dtype]
     if args.tensor_parallel != 1:

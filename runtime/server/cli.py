@@ -42,7 +42,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model: default, a short name, an HF folder or a .gguf file")
     parser.add_argument("--page-size", type=int, default=16,
                         help="tokens per KV page (default 16; see docs/forward.md)")
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    pool.add_argument("--kv-memory-gb", type=float, default=None, metavar="GB",
+                      help="KV pool size in GiB (default 2): as many pages as fit, their "
+                           "bytes set by the model and --kv-dtype (docs/pages.md)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--weights", choices=("auto", "fp32", "int8", "gguf"), default="auto",
@@ -112,6 +116,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"page_size": args.page_size, "num_pages": args.num_pages, "dtype": args.dtype,
                "weights": args.weights, "kv_dtype": args.kv_dtype, "backend": args.backend,
                "deterministic": args.deterministic == "on"}
+    if args.kv_memory_gb is not None:
+        options["kv_memory_gb"] = args.kv_memory_gb
     if args.tensor_parallel != 1:
         options["tp"] = args.tensor_parallel
     adapters = dict(getattr(args, "adapter", None) or [])
