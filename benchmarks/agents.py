@@ -44,7 +44,11 @@ agents (``*_tput_vs_llamaserver``, ``react_p50_vs_llamaserver``, ``*_tput_vs_htt
 against a2, ``responses_prompt_tokens_sent_per_round``: prompt tokens a d client sends per
 ReAct request after its first) and the raw figures, and
 ``socket_hop_us_per_token``: one greedy generation read token by token, best of 5, over the
-socket minus hosted, per token (the hop measured directly, on the first server).
+socket minus hosted, per token (the hop measured directly, on the first server), and
+``decode_p99_itl_under_prefill_vs_idle``: a streamed generation's p99 time between tokens
+while an 8,000-token prompt is prefilled beside it, over the same alone (on the first
+server; with ``decode_p99_itl_idle_ms``, ``decode_p99_itl_under_prefill_ms`` and the long
+prompt's own ``long_prompt_beside_decode_s``; ``--decode-share S`` sets serve's).
 
 ``--repeats N`` runs all of it N times in rounds (our servers, then llama-server's, then
 the next round), so that a slow minute on a shared machine falls on one round and not on
@@ -73,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import agent_workloads as W
+import numpy as np
 from common import emit, table
 
 HERE = Path(__file__).resolve().parent
@@ -132,7 +137,8 @@ class PieServer:
     """``pie-ctx serve`` with a socket and the HTTP API, in a subprocess."""
 
     def __init__(self, weights: str, model: str | None, tmp: str, smoke: bool = False,
-                 num_pages: int = NUM_PAGES, snapshot_dir: str | None = None) -> None:
+                 num_pages: int = NUM_PAGES, snapshot_dir: str | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         """``snapshot_dir``: snapshots and the disk tier of evicted cache pages there (as
         ``serve`` keeps them by default); None: ``--memory-snapshots``, no disk tier."""
         self.socket = os.path.join(tmp, f"engine-{weights}.sock")
@@ -143,6 +149,7 @@ class PieServer:
                "--http", "127.0.0.1:0", *snapshots, "--weights", weights,
                "--client-share", "1", "--inferlets", str(HERE), "--mcp", f"react={tools}",
                "--no-access-log"]  # stderr is read only until the server is ready
+        cmd += extra
         if num_pages:  # (0: serve's default pool)
             cmd += ["--num-pages", str(num_pages)]
         if model:
@@ -329,6 +336,59 @@ async def socket_hop_us(server: PieServer, smoke: bool) -> float:
     return hop
 
 
+async def itl_under_prefill(server: PieServer, smoke: bool) -> dict[str, float]:
+    """A greedy generation's p99 time between tokens while a long prompt (8,000 tokens) is
+    prefilled beside it, against the same generation alone: each a streamed
+    ``/v1/completions`` read chunk by chunk with the official client, random token ids (no
+    cache hits). The long prompt starts after the generation's 16th token; the gaps counted
+    are those its run overlaps. Also its own latency (what the decodes' share costs it)."""
+    from openai import AsyncOpenAI
+
+    rng = np.random.default_rng(7)
+    client = AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0)
+    low, high = (20, 200) if smoke else (1000, 30000)  # clear of either end's special ids
+    long_len, idle_tokens = (160, 24) if smoke else (8000, 200)
+    model = (await client.models.list()).data[0].id
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(low, high, n).tolist()
+
+    async def gaps(max_tokens: int, beside: int | None) -> tuple[list[float], float]:
+        stream = await client.completions.create(
+            model=model, prompt=prompt(16), max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        times: list[float] = []
+        window = [0.0, float("inf")]
+        task: asyncio.Task | None = None
+        async for _chunk in stream:
+            times.append(time.perf_counter())
+            if beside is not None and len(times) == 16:
+                window[0] = times[-1]
+                task = asyncio.create_task(client.completions.create(
+                    model=model, prompt=prompt(beside), max_tokens=1, temperature=0))
+            if task is not None and task.done():
+                window[1] = time.perf_counter()
+                break
+        await stream.close()
+        if task is not None:
+            await task
+            window[1] = min(window[1], time.perf_counter())
+        between = [b - a for a, b in zip(times, times[1:], strict=False)
+                   if b > window[0] and a < window[1]]  # the gaps the prompt overlaps
+        return between, window[1] - window[0]
+
+    idle, _ = await gaps(idle_tokens, None)
+    loaded, long_s = await gaps(4 * idle_tokens if smoke else 4000, long_len)
+    idle_p99, loaded_p99 = (float(np.percentile(x, 99)) for x in (idle, loaded))
+    print(f"decode beside an {long_len}-token prompt: p99 between tokens "
+          f"{loaded_p99 * 1e3:.1f} ms over {len(loaded)} gaps, alone {idle_p99 * 1e3:.1f} ms; "
+          f"the prompt took {long_s:.2f} s", flush=True)
+    return {"decode_p99_itl_under_prefill_vs_idle": loaded_p99 / idle_p99,
+            "decode_p99_itl_idle_ms": idle_p99 * 1e3,
+            "decode_p99_itl_under_prefill_ms": loaded_p99 * 1e3,
+            "long_prompt_beside_decode_s": long_s}
+
+
 async def measure(weights: str, workload: str, agents: int, system: str, target: str,
                   args: argparse.Namespace, tools_as: str = "tools",
                   http: str | None = None) -> Run:
@@ -358,14 +418,14 @@ def _levels(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
+async def amain(args: argparse.Namespace) -> tuple[list[Run], dict[str, Any]]:
     # SIGTERM or SIGHUP (a timeout, a closed terminal) cancels the run, so the finally
     # blocks below stop the servers and run_agents kills the agents: none outlives it
     main_task = asyncio.current_task()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         asyncio.get_running_loop().add_signal_handler(sig, main_task.cancel)  # type: ignore[union-attr]
     runs: list[Run] = []
-    hop: float | None = None
+    probes: dict[str, Any] = {}  # measured once, on the first server
     ring = (W.SMOKE if args.smoke else W.Shape()).ring
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
@@ -383,10 +443,13 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
 
             model = str(tiny_model_folder(Path(tmp)))
         for weights in args.weights.split(","):
-            server = PieServer(weights, model, tmp, args.smoke)
+            extra = () if args.decode_share is None else ("--decode-share",
+                                                          str(args.decode_share))
+            server = PieServer(weights, model, tmp, args.smoke, extra=extra)
             try:
-                if hop is None:
-                    hop = await socket_hop_us(server, args.smoke)
+                if not probes:
+                    probes["socket_hop_us_per_token"] = await socket_hop_us(server, args.smoke)
+                    probes.update(await itl_under_prefill(server, args.smoke))
                 for workload in workloads:
                     for level in _levels(args.concurrency):
                         agents = max(ring, level - level % ring) if workload == "swarm" \
@@ -413,7 +476,7 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], float | None]:
                                                   args, args.llama_tools))
                     finally:
                         server.stop()
-    return runs, hop
+    return runs, probes
 
 
 def _default_gguf() -> str:
@@ -430,9 +493,10 @@ def _print_run(run: Run) -> None:
           f"prompt computed/sent {r['prompt_computed']}/{r['prompt_sent']}", flush=True)
 
 
-def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[str, Any]:
-    """The ratios at ``at`` agents (our side on gguf when it ran, else int8), the socket hop per
-    token, and every run's raw figures."""
+def summarize(runs: list[Run], at: int = 8, probes: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The ratios at ``at`` agents (our side on gguf when it ran, else int8), the probes
+    (the socket hop per token, decode beside a long prompt), and every run's raw figures."""
     def find(workload: str, system: str) -> Run | None:
         found = [r for r in runs if r.workload == workload and r.system == system and
                  r.agents == at]
@@ -465,7 +529,7 @@ def summarize(runs: list[Run], at: int = 8, hop: float | None = None) -> dict[st
         "responses_prompt_tokens_sent_per_round":
             d.total("followup_sent") / (d.total("requests") - d.agents)
             if d is not None and d.total("requests") > d.agents else None,
-        "socket_hop_us_per_token": hop,
+        **(probes or {}),
         "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
         if a2 is not None and a2.total("call_tokens") else None,
         "agents": at,
@@ -511,6 +575,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, the systems in turn; each figure is the "
                          "median of the rounds'")
+    ap.add_argument("--decode-share", type=float, default=None,
+                    help="our servers' --decode-share (default: serve's)")
     ap.add_argument("--smoke", action="store_true",
                     help="a few rounds, small shapes, fp32, 1-2 agents, no warm-up, no "
                          "llama-server, and the tiny test model unless --model is given")
@@ -525,11 +591,11 @@ def main() -> None:
         if args.repeats > 1:
             print(f"# round {i + 1} of {args.repeats}", flush=True)
         try:
-            runs, hop = asyncio.run(amain(args))
+            runs, probes = asyncio.run(amain(args))
         except asyncio.CancelledError:
             print("# stopped by a signal; its servers and agents were stopped", file=sys.stderr)
             sys.exit(143)
-        rounds.append(summarize(runs, at=8 if not args.smoke else 2, hop=hop))
+        rounds.append(summarize(runs, at=8 if not args.smoke else 2, probes=probes))
     table([("runs", str(sum(len(r["runs"]) for r in rounds))), ("rounds", str(len(rounds)))])
     emit(median_of_rounds(rounds))
 

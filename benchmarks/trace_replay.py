@@ -4,7 +4,7 @@ trace's ceiling, prompt tokens computed, time to first token and throughput.
     python benchmarks/trace_replay.py [--requests 600] [--concurrency 8] [--speedup X]
         [--block-tokens 16] [--output-scale 0.05] [--max-output 32] [--pool-pages N]
         [--llama-server PATH] [--gguf FILE] [--fleet] [--systems a,b,c,d]
-        [--memory-snapshots] [--smoke]
+        [--memory-snapshots] [--decode-share S] [--smoke]
 
 The trace is Mooncake's conversation trace (``--trace``; /work/shared/traces/README.md):
 each request is a list of 512-token blocks named by prefix hashes. Each hash id becomes a
@@ -201,8 +201,9 @@ async def run_single(args: argparse.Namespace, requests: list[Request], model: s
     if not args.memory_snapshots:  # serve's default: a snapshot folder, so its disk tier
         snapshots = os.path.join(tmp, "snapshots")
         os.mkdir(snapshots)
+    extra = () if args.decode_share is None else ("--decode-share", str(args.decode_share))
     server = PieServer(weights, model, tmp, args.smoke, num_pages=args.pool_pages,
-                       snapshot_dir=snapshots)
+                       snapshot_dir=snapshots, extra=extra)
     try:
         return await replay(requests, [server.url], args.concurrency, args.speedup, {})
     finally:
@@ -332,6 +333,8 @@ def main() -> None:
     ap.add_argument("--memory-snapshots", action="store_true",
                     help="a without a snapshot folder, so without the disk tier that keeps "
                          "evicted cache pages (shows what the pool alone keeps)")
+    ap.add_argument("--decode-share", type=float, default=None,
+                    help="a's serve --decode-share (default: serve's)")
     ap.add_argument("--systems", default="a,b,c,d", help="which of a,b,c,d to run")
     ap.add_argument("--fleet", action="store_true", help="run c and d (starts Ray)")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")

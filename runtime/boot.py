@@ -23,6 +23,7 @@ from pie_ctx.proto.errors import InvalidArgument, ModelError
 from runtime import DETERMINISTIC
 from runtime.distributed.boot import build_rank0
 from runtime.engine.engine import Engine
+from runtime.engine.step_share import check_decode_share
 from runtime.kv.disk import PageFiles
 from runtime.kv.file_format import Fingerprint
 from runtime.kv.layout import KV_DTYPES, entry_bytes
@@ -231,6 +232,8 @@ def boot_engine(model: str | None = None, *, page_size: int = 16, num_pages: int
         raise InvalidArgument(f"owner_share must be in (0, 1], got {owner_share!r}")
     if not checks.finite(disk_cache_gb, "disk_cache_gb") >= 0:
         raise InvalidArgument(f"disk_cache_gb must be >= 0, got {disk_cache_gb!r}")
+    if "decode_share" in engine_kw:  # before the model loads, as every size here
+        check_decode_share(engine_kw["decode_share"])
 
     kind = choose_backend(backend, model, progress=progress)
     # One line each, whether chosen or given (`-v` shows what the engine runs on).

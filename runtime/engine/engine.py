@@ -61,8 +61,9 @@ from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.page_metrics import page_families
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextTable
-from runtime.engine.rows import RowResult, StepPlan
+from runtime.engine.rows import EntryKind, RowResult, StepPlan
 from runtime.engine.scheduler import Scheduler
+from runtime.engine.step_share import DEFAULT_DECODE_SHARE
 from runtime.engine.stream import GenerationStream
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 from runtime.model.failures import RunnerLost
@@ -130,6 +131,10 @@ class Engine:
         max_mask_entries: the largest custom attention mask of one pass.
         max_pages_per_owner: the page share of one owner (a client): its contexts may hold
             at most this many pages (see docs/scheduling.md); None = the whole pool.
+        decode_share: the share of a decoding step's time its decode rows keep, in [0, 1):
+            prompt tokens beside them are bounded so a long prompt slows running
+            generations by about ``1 / decode_share`` (``runtime.engine.step_share``;
+            0, the default: prompt chunks fill the token budget).
         hidden_size: size of one ``hidden_states`` row (reported in ``EngineInfo``).
         channel_limits: the bounds of the channels between inferlets (docs/messages.md);
             None = the defaults of ``ChannelLimits``.
@@ -155,6 +160,7 @@ class Engine:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_mask_entries: int = DEFAULT_MAX_MASK_ENTRIES,
         max_pages_per_owner: int | None = None,
+        decode_share: float = DEFAULT_DECODE_SHARE,
         hidden_size: int = 0,
         model_thread: ThreadPoolExecutor | None = None,
         channel_limits: ChannelLimits | None = None,
@@ -168,7 +174,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.executor = StepExecutor(runner)
         self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
-                                   max_pages_per_owner=max_pages_per_owner)
+                                   max_pages_per_owner=max_pages_per_owner,
+                                   decode_share=decode_share)
         self.stall_timeout = stall_timeout
         stop_token_ids = sorted(getattr(tokenizer, "stop_token_ids", []) or [])
         grammars = Grammars(tokenizer, vocab_size, stop_token_ids)
@@ -420,6 +427,7 @@ class Engine:
                 return
             t2 = time.perf_counter()
             self.counters.model_seconds += t2 - t1
+            self.scheduler.share.observe(*_step_tokens(plan), t2 - t1)
             for job in self.scheduler.complete(plan, results, failed):
                 self._notify(job)
             self.counters.scheduler_seconds += time.perf_counter() - t2
@@ -496,3 +504,14 @@ class Engine:
             c.add_pages(report)
         if job.waiter is not None:
             job.waiter(job)
+
+
+def _step_tokens(plan: StepPlan) -> tuple[int, int]:
+    """A step's decode tokens (a generation's pending token and its draft) and prompt tokens."""
+    decode = prompt = 0
+    for entry in plan.entries:
+        if entry.kind is EntryKind.DECODE:
+            decode += entry.length
+        elif entry.kind is EntryKind.PROMPT:
+            prompt += entry.length
+    return decode, prompt

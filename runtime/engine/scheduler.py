@@ -13,7 +13,9 @@ then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md
 2. Every decoding job contributes one token per step: a 10,000-token generation gets the
    same one token per step as everyone else.
 3. Prefill chunks fill the remaining token budget, round-robin from a rotating start, so
-   long prompts are chunked and cannot starve decodes or each other.
+   long prompts are chunked and cannot starve decodes or each other. With a decode share,
+   the prompt tokens of a step that also decodes are bounded further so that the decodes
+   keep that share of the step's time (``step_share.py``; off by default).
 4. Decode growth reserves a page when a generation needs one. If nothing can run because
    the pool is full, the most recently admitted job is preempted: its shadow is released
    (its committed pages stay cached, so re-admission mostly re-attaches them) and it goes
@@ -47,6 +49,7 @@ from runtime.engine.rows import (
     fill_forward_outputs,
     row_request,
 )
+from runtime.engine.step_share import DEFAULT_DECODE_SHARE, StepShare
 from runtime.model.batch import SeqInput
 
 if TYPE_CHECKING:
@@ -66,11 +69,13 @@ class Scheduler:
 
     def __init__(self, store: PageStore, *, max_step_tokens: int = 1024,
                  max_pages_per_owner: int | None = None,
+                 decode_share: float = DEFAULT_DECODE_SHARE,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
         self.store = store
         self.page_size: int = store.page_size
+        self.share = StepShare(decode_share, store.page_size)  # the engine feeds it
         self.max_step_tokens = max_step_tokens
         self.max_pages_per_owner = max_pages_per_owner
         self._clock = clock
@@ -324,6 +329,11 @@ class Scheduler:
                 break
             budget -= self._add_decode(plan, job, budget)
         if prefilling:
+            decodes = any(e.kind is EntryKind.DECODE for e in plan.entries)
+            bound = self.share.prompt_bound(decodes, budget)
+            # at least a page below, unless the decodes' share cut the budget (to >= 1)
+            floor = 1 if bound < budget else self.page_size
+            budget = bound
             start = self._rr % len(prefilling)
             order = prefilling[start:] + prefilling[:start]
             self._rr += 1
@@ -333,7 +343,7 @@ class Scheduler:
                     break
                 # The first prefill of a step always progresses, even when decodes took the
                 # whole budget: at least a page of tokens, or a custom-masked pass whole.
-                used = self._add_prefill(plan, job, max(budget, self.page_size), first=first)
+                used = self._add_prefill(plan, job, max(budget, floor), first=first)
                 if used:
                     first = False
                     budget -= used

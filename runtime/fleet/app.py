@@ -157,6 +157,8 @@ def engine_args_of(args: argparse.Namespace) -> list[str]:
         out += ["--num-pages", str(args.num_pages)]
     if args.kv_memory_gb is not None:
         out += ["--kv-memory-gb", str(args.kv_memory_gb)]
+    if args.decode_share is not None:
+        out += ["--decode-share", str(args.decode_share)]
     if args.dtype is not None:
         out += ["--dtype", args.dtype]
     if args.tensor_parallel != 1:

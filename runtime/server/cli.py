@@ -47,6 +47,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-memory-gb", type=float, default=None, metavar="GB",
                       help="KV pool size in GiB (default 2): as many pages as fit, their "
                            "bytes set by the model and --kv-dtype (docs/pages.md)")
+    parser.add_argument("--decode-share", type=float, default=None, metavar="S",
+                        help="the share of a step's time running generations keep beside "
+                             "prompts, in [0, 1): 0.5 keeps their time between tokens near 2x "
+                             "of alone, and delays prompts (default 0: prompt chunks fill each "
+                             "step; docs/scheduling.md, \"Decodes' share\")")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--weights", choices=("auto", "fp32", "int8", "gguf"), default="auto",
@@ -118,6 +123,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                "deterministic": args.deterministic == "on"}
     if args.kv_memory_gb is not None:
         options["kv_memory_gb"] = args.kv_memory_gb
+    if args.decode_share is not None:
+        options["decode_share"] = args.decode_share
     if args.tensor_parallel != 1:
         options["tp"] = args.tensor_parallel
     adapters = dict(getattr(args, "adapter", None) or [])

@@ -36,7 +36,8 @@ KEYS = {
     "agents.py": {"react_tput_vs_http", "react_hosted_tput_vs_http",
                   "react_hosted_tput_vs_socket", "socket_hop_us_per_token",
                   "react_responses_tput_vs_http", "react_responses_tput_vs_program",
-                  "react_mcp_tput_vs_program", "responses_prompt_tokens_sent_per_round"},
+                  "react_mcp_tput_vs_program", "responses_prompt_tokens_sent_per_round",
+                  "decode_p99_itl_under_prefill_vs_idle"},
     "attention_kernel.py": {"us_bf16_warm_1x512", "us_bf16_cold_1x512", "us_fp32_warm_8x1024",
                             "us_int8_cold_fork8x1024"},
     "backend_hooks.py": {"cache_over_attention_ms"},
@@ -175,3 +176,6 @@ def check_agents(result: dict) -> None:
     # the hosted column ran, and the hop was measured (its sign is noise at smoke size)
     assert result["react_hosted_tput_vs_http"] > 0 and result["react_hosted_tput_vs_socket"] > 0
     assert isinstance(result["socket_hop_us_per_token"], float)
+    # the generation beside a long prompt was timed: gaps alone and beside it
+    assert result["decode_p99_itl_under_prefill_vs_idle"] > 0
+    assert result["long_prompt_beside_decode_s"] > 0

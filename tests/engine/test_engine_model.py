@@ -116,3 +116,37 @@ async def test_an_unstreamed_generation_is_one_chunk_with_everything(tiny_folder
         assert len(whole.top_logprobs) == len(whole.entropy) == 12
         assert isinstance(out[False][-1], P.GenerateDone)
         assert out[False][-1].tokens == out[True][-1].tokens
+
+
+async def _beside_a_long_prompt(folder, decode_share):
+    """A generation decoding while a 200-token prompt is prefilled: its tokens, the
+    prompt's last logits, and how many steps the decodes' share bounded."""
+    rng = np.random.default_rng(3)
+    long = [int(t) for t in rng.integers(3, 250, size=200)]
+    async with tiny_engine(folder, page_size=4, num_pages=512, max_step_tokens=128,
+                           decode_share=decode_share) as engine:
+        gen_ctx, fwd_ctx = await new_ctx(engine), await new_ctx(engine)
+        gen = asyncio.create_task(generate(engine, gen_ctx, [5, 6, 7], 40))
+        while not engine.scheduler.active:  # the generation is running first
+            await asyncio.sleep(0.001)
+        fwd = await engine.handle(P.Forward(ctx=fwd_ctx, tokens=long, logits=[199]),
+                                  raise_errors=True)
+        tokens = await gen
+        engine.store.check_invariants()
+        return tokens, fwd.logits, engine.scheduler.share.num_bounded
+
+
+async def test_a_long_prompt_beside_a_generation_is_bounded_and_changes_no_token(tiny_folder):
+    tokens, logits, bounded = await _beside_a_long_prompt(tiny_folder, 0.5)
+    free_tokens, free_logits, free_bounded = await _beside_a_long_prompt(tiny_folder, 0)
+    assert bounded > 0 and free_bounded == 0
+    assert tokens == free_tokens
+    assert logits == free_logits  # the same bytes: rows do not depend on their batch
+
+
+async def test_boot_refuses_a_bad_decode_share_before_loading(tiny_folder):
+    from pie_ctx.proto.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="decode_share must be in"):
+        async with tiny_engine(tiny_folder, decode_share=1.0):
+            pass

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from pie_ctx.proto.errors import InvalidArgument
 from pie_ctx.proto.messages import SamplerSpec
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.engine.rows import RowResult
@@ -175,3 +178,47 @@ def test_decodes_beyond_the_budget_take_turns():
         for k, _n in step(sched)[0]:
             counts[k] += 1
     assert max(counts.values()) - min(counts.values()) <= 1, counts
+
+
+def test_prompt_tokens_beside_decodes_keep_the_decodes_share_of_the_step():
+    store = PageStore(160, PS, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(store, max_step_tokens=64, decode_share=0.5)
+    g = gen_job(store, 3, max_tokens=8, key=1)
+    sched.submit(g)
+    step(sched)  # the prompt, alone: the whole budget is open
+    f = forward_job(store, 400, key=2)
+    sched.submit(f)
+    # Nothing timed yet: a probe of four pages rides along with the decode.
+    assert step(sched)[0] == [(1, 1), (2, 4 * PS)]
+    sched.share.observe(1, 0, 0.010)  # a decode-only step: 10 ms
+    sched.share.observe(1, 16, 0.030)  # 16 prompt tokens added 20 ms: 1.25 ms a token
+    assert step(sched)[0] == [(1, 1), (2, 8)]  # 8 tokens = 10 ms, the decode step's time
+    sched.share.observe(1, 8, 0.011)  # prompt tokens got cheaper (noise-floored estimate)
+    bound = step(sched)[0][1][1]
+    assert 8 < bound <= 63
+    assert sched.share.num_bounded == 3
+    while g.status is not JobStatus.DONE:  # each step: one decode, a bounded chunk
+        shape, _done = step(sched)
+        assert shape[0] == (1, 1) and len(shape) == 2 and shape[1][1] < 64
+    assert step(sched)[0] == [(2, 64)]  # no decodes left: the prompt fills the budget
+    store.check_invariants()
+
+
+def test_a_bound_is_never_below_a_token_and_share_zero_turns_it_off():
+    store = PageStore(64, PS, num_layers=1, num_kv_heads=1, head_dim=2)
+    sched = Scheduler(store, max_step_tokens=64, decode_share=0.5)
+    sched.share.observe(1, 0, 0.001)
+    sched.share.observe(1, 64, 1.0)  # prompt tokens very dear: the bound would be < 1 token
+    assert sched.share.prompt_bound(True, 63) == 1
+    assert sched.share.prompt_bound(False, 63) == 63  # no decodes: no bound
+    off = Scheduler(store, max_step_tokens=64, decode_share=0)
+    off.share.observe(1, 0, 0.001)
+    off.share.observe(1, 64, 1.0)
+    assert off.share.prompt_bound(True, 63) == 63
+
+
+@pytest.mark.parametrize("share", [1, 1.5, -0.1, float("nan"), "0.5", True])
+def test_a_bad_decode_share_is_refused(share):
+    store = PageStore(8, PS, num_layers=1, num_kv_heads=1, head_dim=2)
+    with pytest.raises(InvalidArgument, match="decode_share"):
+        Scheduler(store, decode_share=share)

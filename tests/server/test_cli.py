@@ -125,3 +125,30 @@ def test_pie_ctx_run_connect_runs_an_inferlet_in_its_own_process(tmp_path):
             str(tmp_path / "data"))
     finally:
         srv.stop()
+
+
+def test_kv_memory_gb_sizes_the_pool_and_a_bad_size_is_refused(tiny_folder_path):
+    import argparse
+
+    from pie_ctx.proto.errors import InvalidArgument
+    from runtime.boot import boot_engine
+    from runtime.server.cli import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_folder_path), "--kv-memory-gb", "0.01",
+                              "--decode-share", "0.5", "--page-size", "4"])
+    options = engine_options(args)
+    assert options["kv_memory_gb"] == 0.01 and options["decode_share"] == 0.5
+    with pytest.raises(argparse.ArgumentError, match="not allowed with"):  # one size or the other
+        parser.parse_args(["--kv-memory-gb", "1", "--num-pages", "64"])
+    async def main() -> None:
+        async with boot_engine(args.model, progress=False, **options) as engine:
+            page = engine.store.pool.kv[0].nbytes  # one page, every layer, K and V
+            assert engine.store.num_pages_total == int(0.01 * 2**30) // page
+            assert engine.scheduler.share.decode_share == 0.5
+
+    anyio.run(main)
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(InvalidArgument, match="kv_memory_gb"):
+            boot_engine(str(tiny_folder_path), kv_memory_gb=bad, progress=False)
