@@ -1,6 +1,6 @@
 """The paged attention kernel alone (``cpu_ops.cpp`` ``paged_attention``), warm and cold.
 
-    python benchmarks/attention_kernel.py [--repeats 20] [--baseline DIR] [--smoke]
+    python benchmarks/attention_kernel.py [--repeats 20] [--baseline FILE] [--smoke]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, pages of 16
 slots), one layer's call, for:
@@ -15,6 +15,8 @@ slots), one layer's call, for:
   (ReAct's tool observations);
 * ``chunk48x448``: a 48-token chunk after 448 cached keys (a Swarm agent's received
   message);
+* ``chunk512x8192``: a 512-token prefill chunk ending at 8,192 keys (a long prompt's last
+  chunk: 32 splits a row, run in waves of rows);
 
 over fp32, bf16 and int8 pools (``--kv-dtype``), in two settings:
 
@@ -24,6 +26,10 @@ over fp32, bf16 and int8 pools (``--kv-dtype``), in two settings:
   64 MB buffer read between calls (as the step's ~96 MB of weights do between two calls
   of one layer): keys come from DRAM with the real strides (all layers of a slot
   together, so consecutive keys of one layer sit 23 KB apart).
+
+Each case is also timed as ``F.scaled_dot_product_attention`` over its keys gathered
+beforehand into dense tensors (fp32, warm: what free numerics runs for a chunk, less the
+gather), key ``sdpa_us_warm_<case>``.
 
 ``--baseline FILE`` also builds another ``cpu_ops.cpp`` (e.g. main's: ``git show
 main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``) and runs its kernel interleaved with
@@ -49,7 +55,8 @@ FLUSH_MB = 64
 def build_baseline(source: Path) -> Any:
     """The kernels of another ``cpu_ops.cpp`` (e.g. main's: ``git show
     main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``), built alone under its own name
-    (its decode step left out: two modules cannot both register it)."""
+    (its decode step and strip kernels left out: two modules cannot both register them),
+    with this checkout's ``vec16.h``."""
     import hashlib
     import platform
     import tempfile
@@ -61,12 +68,15 @@ def build_baseline(source: Path) -> Any:
     folder.mkdir(exist_ok=True)
     stub = folder / "no_decode_step.cpp"
     stub.write_text("#include <torch/extension.h>\n"
-                    "void register_decode_step(pybind11::module_&) {}\n")
+                    "void register_decode_step(pybind11::module_&) {}\n"
+                    "void register_strips_mm(pybind11::module_&) {}\n")
     flags = ["-O3", "-std=c++17", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-march=native", "-mprefer-vector-width=512"]
+    headers = Path(__file__).resolve().parent.parent / "runtime" / "model" / "kernels"
     return load(name=f"pie_ctx_attention_baseline_{digest}", sources=[str(source), str(stub)],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                extra_include_paths=[str(headers)])  # vec16.h
 
 
 def cases(context: int) -> dict[str, tuple[list[list[int]], list[int], int]]:
@@ -84,7 +94,30 @@ def cases(context: int) -> dict[str, tuple[list[list[int]], list[int], int]]:
     out["chunk128x1024"] = ([list(range((context + 128 + S - 1) // S))], [context], 128)
     cached = context * 7 // 16  # 448 of 1,024
     out["chunk48x448"] = ([list(range((cached + 48 + S - 1) // S))], [cached], 48)
+    out["chunk512x8192"] = ([list(range(8 * context // S))], [8 * context - 512], 512)
     return out
+
+
+def sdpa_us(pool: torch.Tensor, tables: list[list[int]], cached: list[int], new: int,
+            calls: int) -> float:
+    """Best µs a call of SDPA over the case's keys gathered beforehand (one layer, fp32),
+    each sequence causal over its own keys, GQA broadcast."""
+    import torch.nn.functional as F
+
+    best = []
+    problems = []
+    for table, nc in zip(tables, cached, strict=True):
+        kv = pool[torch.tensor(table), :, 0].float().reshape(-1, 2, KVH, D)[: nc + new]
+        k, v = (kv[:, i].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, KVH, L, D]
+        mask = torch.arange(nc + new)[None, :] <= (nc + torch.arange(new))[:, None]
+        problems.append((torch.randn(1, H, new, D), k, v, mask))
+    for i in range(calls + 2):
+        t0 = time.perf_counter()
+        for q, k, v, mask in problems:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if i >= 2:
+            best.append(time.perf_counter() - t0)
+    return min(best) * 1e6
 
 
 def make_pool(kv: str, pages: int, layers: int) -> torch.Tensor:
@@ -131,7 +164,7 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="fp32,bf16,int8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cases", default="1x512,1x2048,8x1024,fork8x1024,verify8x1024,"
-                                            "chunk128x1024,chunk48x448")
+                                            "chunk128x1024,chunk48x448,chunk512x8192")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another cpu_ops.cpp (e.g. main's) to build and run interleaved")
     args = parse_args(parser, repeats=2, context=64)
@@ -160,6 +193,10 @@ def main() -> None:
                     prefix = "" if label == "new" else "base_"
                     result[f"{prefix}us_{kv}_{setting}_{name}"] = us
                 line = f"{got['new']:.1f} us"
+                if kv == "fp32" and setting == "warm":
+                    dense = sdpa_us(pool, tables, cached, new, args.repeats)
+                    result[f"sdpa_us_{setting}_{name}"] = dense
+                    line += f" (SDPA {dense:.1f} us, x{dense / got['new']:.2f})"
                 if "base" in got:
                     line += f" (baseline {got['base']:.1f} us, x{got['base'] / got['new']:.2f})"
                 rows.append((f"{kv} {setting} {name}", line))

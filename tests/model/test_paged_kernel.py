@@ -116,3 +116,27 @@ def test_prefetching_a_layer_changes_nothing(ops, kv):
                               torch.tensor([nc for nc, _ in CASE], dtype=torch.int32))
         assert torch.equal(p, before)
         assert torch.equal(_run(ops, p, q, CASE, padded, starts), out)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_prefill_rows_keep_their_bits_through_the_transposed_scoring_and_row_waves(ops, kv):
+    """Prefill chunks of many query heads are scored from K transposed per block and, once
+    their splits' partials pass 4M floats, run in waves of rows: every row has the bits it
+    gets decoded alone. Two long chunks over 40 splits (one cut between waves, mid-block
+    ends), a short chunk and decodes around them."""
+    kvh, group, d = 2, 4, 64  # 8 heads x 64: 512 floats a row and split, 20K a row
+    pages = 1800
+    pool = _pool(pages, kvh, d, kv)
+    case = [(9990, 230), (3, 1), (10000, 200), (500, 20), (7000, 1)]
+    tables, padded, starts = _tables(case, pages=pages, seed=3)
+    torch.manual_seed(7)
+    q = torch.randn(starts[-1], group * kvh, d)
+    together = _run(ops, pool, q, case, padded, starts)
+    for i, (nc, n) in enumerate(case):
+        for j in sorted({0, 1, n // 2, n - 2, n - 1} & set(range(n))):
+            row = starts[i] + j
+            alone = _run(ops, pool, q[row: row + 1], [(nc + j, 1)],
+                         torch.tensor([tables[i]], dtype=torch.int32), [0, 1])
+            assert torch.equal(together[row: row + 1], alone), (i, j)
+    ref = _reference(pool, q, tables, starts, case)
+    assert (together - ref).abs().max().item() < 5e-6

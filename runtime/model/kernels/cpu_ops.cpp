@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -161,6 +162,13 @@ constexpr int CMAX = 4;  // vectors of a value row held per pass (4 x 4 accumula
 constexpr int CMAX = 2;  // 16 ymm registers: fewer accumulators
 #endif
 
+// x in every lane. (splat adds x to +0: a -0 becomes +0. Neither a query nor a softmax
+// weight meets that case in a sum here, so bcast is splat's bits without the add.)
+inline v16 bcast(float x) {
+  const v16 r = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  return r;
+}
+
 // The per-lane products of QN query heads with each of the block's kb keys, summed over
 // the head dim's nv vectors (one FMA chain per key): dots[a][k].
 template <typename T, int QN>
@@ -204,7 +212,7 @@ inline void v_block(const T* const* vp, int64_t c0, int64_t kb, const float* w, 
     v16 v[CN];
     for (int c = 0; c < CN; ++c) v[c] = load_kv(vp[k] + (c0 + c) * W);
     for (int a = 0; a < QN; ++a) {
-      const v16 wk = splat(w[a * BLOCK + k]);
+      const v16 wk = bcast(w[a * BLOCK + k]);
       for (int c = 0; c < CN; ++c) ac[a][c] = fmadd(v[c], wk, ac[a][c]);
     }
   }
@@ -218,6 +226,68 @@ inline void v_block_cn(int cn, const T* const* vp, int64_t c0, int64_t kb, const
   if (cn == CMAX) return v_block<T, QN, CMAX>(vp, c0, kb, w, acc, nv);
   if (cn == 2) return v_block<T, QN, 2>(vp, c0, kb, w, acc, nv);
   return v_block<T, QN, 1>(vp, c0, kb, w, acc, nv);
+}
+
+// qk_block then sum16 for QN query heads, from the block's 16 keys held transposed
+// (kt[d * BLOCK + k] = K[k][d], widened to fp32; missing keys zero): out[a] lane k is key
+// k's score. Lane l of qk_block's dot vector is the chain of FMAs over the head dim's nv
+// vectors of the elements d = l (mod 16), and sum16 adds lanes (l, l + 8), then those sums
+// (l, l + 4), (l, l + 2), (l, l + 1). Here each lane's chain runs with the keys in lanes
+// (query element broadcast, K's column loaded) and the tree is vertical adds: the same
+// roundings in the same order, the same bits, with no shuffles and no spilled dots.
+template <int QN>
+struct Heads {
+  v16 v[QN];
+};
+
+// A_j = d_j + d_{j+8} for QN query heads, the two chains interleaved. NV: the head dim's
+// vectors, or 0 (then nv, at run time).
+template <int QN, int NV>
+__attribute__((always_inline)) inline Heads<QN> qk_pair(const float* const* q, const float* kt,
+                                                        int j, int64_t nv) {
+  const int64_t n = NV > 0 ? NV : nv;
+  Heads<QN> x, y;
+  for (int a = 0; a < QN; ++a) x.v[a] = y.v[a] = v16{};
+  for (int64_t c = 0; c < n; ++c) {
+    const v16 kx = load(kt + (c * W + j) * BLOCK);
+    const v16 ky = load(kt + (c * W + j + 8) * BLOCK);
+    for (int a = 0; a < QN; ++a) {
+      x.v[a] = fmadd(bcast(q[a][c * W + j]), kx, x.v[a]);
+      y.v[a] = fmadd(bcast(q[a][c * W + j + 8]), ky, y.v[a]);
+    }
+  }
+  for (int a = 0; a < QN; ++a) x.v[a] = x.v[a] + y.v[a];
+  return x;
+}
+
+template <int QN>
+__attribute__((always_inline)) inline Heads<QN> add(const Heads<QN>& x, const Heads<QN>& y) {
+  Heads<QN> r;
+  for (int a = 0; a < QN; ++a) r.v[a] = x.v[a] + y.v[a];
+  return r;
+}
+
+// C_h = (A_h + A_{h+4}) + (A_{h+2} + A_{h+6}); the scores are C_0 + C_1
+template <int QN, int NV>
+__attribute__((always_inline)) inline Heads<QN> qk_half(const float* const* q, const float* kt,
+                                                        int h, int64_t nv) {
+  const Heads<QN> b0 = add(qk_pair<QN, NV>(q, kt, h, nv), qk_pair<QN, NV>(q, kt, h + 4, nv));
+  return add(b0, add(qk_pair<QN, NV>(q, kt, h + 2, nv), qk_pair<QN, NV>(q, kt, h + 6, nv)));
+}
+
+template <int QN, int NV>
+void qk_tree_n(const float* const* qh, const float* kt, int64_t nv, v16* out) {
+  const float* q[QN];
+  for (int a = 0; a < QN; ++a) q[a] = qh[a];
+  const Heads<QN> r = add(qk_half<QN, NV>(q, kt, 0, nv), qk_half<QN, NV>(q, kt, 1, nv));
+  for (int a = 0; a < QN; ++a) out[a] = r.v[a];
+}
+
+template <int QN>
+inline void qk_tree(const float* const* q, const float* kt, int64_t nv, v16* out) {
+  if (nv == 4) return qk_tree_n<QN, 4>(q, kt, nv, out);    // head dim 64
+  if (nv == 8) return qk_tree_n<QN, 8>(q, kt, nv, out);    // head dim 128
+  qk_tree_n<QN, 0>(q, kt, nv, out);
 }
 
 // One unit of attention work: the new tokens of one sequence (or the forks sharing a split)
@@ -280,13 +350,14 @@ void heads_of(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, int64
 
 // The scores, softmax update and weighted values of one KV head over one block, for na
 // query heads (heads_of's qs, lim and sd; all nqt of a unit of whole tasks). kp, vp: each
-// key's K and V. acc, st, w: query head a's at a. A head with a row of scores gets the
-// block's scaled logits there (keys it does not see: -inf), as the softmax reads them.
+// key's K and V; kt: the block's K transposed (qk_tree; kp then unused), or nullptr. acc,
+// st, w: query head a's at a. A head with a row of scores gets the block's scaled logits
+// there (keys it does not see: -inf), as the softmax reads them.
 template <typename KV, typename T>
 void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
                 float* const* sd, const T* const* kp, const T* const* vp, int64_t k0,
                 int64_t kb, v16 k_scale, v16 v_scale, v16* acc, Partial* st, float* w,
-                int64_t na) {
+                int64_t na, const float* kt = nullptr) {
   constexpr bool QUANT = std::is_same<KV, int8_t>::value;
   const int64_t nv = c.nv;
   bool live[64];  // chunk a0 / QMAX sees a key of this block (64 chunks; more: always)
@@ -301,11 +372,21 @@ void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
     }
     const float* const* qs = qh + a0;
     v16 dots[QMAX][BLOCK];
-    switch (an) {
-      case 1: qk_block<T, 1>(qs, kp, kb, nv, dots); break;
-      case 2: qk_block<T, 2>(qs, kp, kb, nv, dots); break;
-      case 3: qk_block<T, 3>(qs, kp, kb, nv, dots); break;
-      default: qk_block<T, 4>(qs, kp, kb, nv, dots); break;
+    v16 tree[QMAX];
+    if (kt != nullptr) {
+      switch (an) {
+        case 1: qk_tree<1>(qs, kt, nv, tree); break;
+        case 2: qk_tree<2>(qs, kt, nv, tree); break;
+        case 3: qk_tree<3>(qs, kt, nv, tree); break;
+        default: qk_tree<4>(qs, kt, nv, tree); break;
+      }
+    } else {
+      switch (an) {
+        case 1: qk_block<T, 1>(qs, kp, kb, nv, dots); break;
+        case 2: qk_block<T, 2>(qs, kp, kb, nv, dots); break;
+        case 3: qk_block<T, 3>(qs, kp, kb, nv, dots); break;
+        default: qk_block<T, 4>(qs, kp, kb, nv, dots); break;
+      }
     }
     for (int a = 0; a < an; ++a) {
       const int64_t qa = a0 + a;
@@ -315,15 +396,21 @@ void head_block(const Paged<KV>& c, const float* const* qh, const int64_t* lim,
         store(wa, v16{});
         continue;
       }
-      for (int64_t k = kb; k < BLOCK; ++k) dots[a][k] = v16{};
+      v16 raw;  // the block's dot products, lane k = key k0 + k
+      if (kt != nullptr) {
+        raw = tree[a];
+      } else {
+        for (int64_t k = kb; k < BLOCK; ++k) dots[a][k] = v16{};
+        raw = sum16(dots[a]);
+      }
       // keys after the query (causal) or past the block are out: -inf
       const v16 visible = splat(static_cast<float>(std::min<int64_t>(limit - k0, kb - 1)));
       const auto out = LANE > visible;
       v16 sc;
       if constexpr (QUANT)
-        sc = out ? splat(NEG_INF) : sum16(dots[a]) * k_scale * c.scale;
+        sc = out ? splat(NEG_INF) : raw * k_scale * c.scale;
       else
-        sc = out ? splat(NEG_INF) : sum16(dots[a]) * c.scale;
+        sc = out ? splat(NEG_INF) : raw * c.scale;
       if (sd[qa] != nullptr) {
         float lane[BLOCK];
         store(lane, sc);
@@ -494,13 +581,14 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
 }
 
 // A task of many query heads (a prefill chunk's rows over one split), query heads [ab, ae)
-// of KV head g: the split's K and V of that head widened once into fp32 (exact), then
-// ROWS_GROUP query heads at a time run over every block of the split, their accumulators
-// and states staying in L1 (attend_unit would sweep all the task's query heads, megabytes
-// of them, once per 16-key block). Blocks past the last key any of them sees are left out:
-// every row would skip them. Each query head meets the same blocks in the same order, with
-// the same arithmetic, as in attend_unit: the same bits. (Scoring from K transposed per
-// block, in sum16's order without its shuffles, gave the same bits but ran 0.6-0.9x.)
+// of KV head g: the split's K (transposed per block, for qk_tree) and V of that head
+// widened once into fp32 (exact), then ROWS_GROUP query heads at a time run over every
+// block of the split, their accumulators and states staying in L1 (attend_unit would sweep
+// all the task's query heads, megabytes of them, once per 16-key block). Blocks past the
+// last key any of them sees are left out: every row would skip them. Each query head meets
+// the same blocks in the same order, with the same arithmetic, as in attend_unit: the same
+// bits. (qk_tree in place of qk_block and sum16 made a 512-row chunk over 8,192 keys 1.3x
+// faster; the K of a block read 4 query heads at a time, the shuffles then paid per head.)
 constexpr int64_t ROWS_HEADS = 64;  // query heads of a task from which attend_rows runs it
 constexpr int64_t ROWS_PART = 192;  // query heads of one attend_rows unit
 constexpr int64_t ROWS_GROUP = 32;  // query heads run together over a split's blocks
@@ -515,7 +603,8 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
   for (int64_t a = ab; a < ae; ++a) last = std::max(last, c.row_limit[rows[a / G]]);
   const int64_t end = std::min(hi, last + 1);  // keys [lo, end) are seen by some row
   const int64_t n = std::max<int64_t>(0, end - lo);
-  s.kf.resize(std::max<int64_t>(1, n) * D);
+  const int64_t blocks = std::max<int64_t>(1, (n + BLOCK - 1) / BLOCK);
+  s.kf.assign(blocks * D * BLOCK, 0.f);  // K transposed per block (qk_tree), zero-padded
   s.vf.resize(std::max<int64_t>(1, n) * D);
   if constexpr (QUANT) {
     s.ks.resize(std::max<int64_t>(1, n));
@@ -536,10 +625,12 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     }
     const KV* kp = entry_at(idx);
     const KV* vp = kp + c.v_off;
-    float* kd = s.kf.data() + (idx - lo) * D;
+    float* kt = s.kf.data() + (idx - lo) / BLOCK * D * BLOCK + (idx - lo) % BLOCK;
     float* vd = s.vf.data() + (idx - lo) * D;
     for (int64_t cc = 0; cc < nv; ++cc) {
-      store(kd + cc * W, load_kv(kp + cc * W));
+      float lane[W];
+      store(lane, load_kv(kp + cc * W));
+      for (int i = 0; i < W; ++i) kt[(cc * W + i) * BLOCK] = lane[i];
       store(vd + cc * W, load_kv(vp + cc * W));
     }
     if constexpr (QUANT) {
@@ -562,20 +653,19 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     for (int64_t k0 = lo; k0 < group_end; k0 += BLOCK) {
       const int64_t kb = std::min<int64_t>(BLOCK, hi - k0);  // as attend_unit cuts them
       const float* vf[BLOCK];
-      const float* kf[BLOCK];
       v16 k_scale{}, v_scale{};
       for (int64_t k = 0; k < kb; ++k) {
         // keys past `end` are seen by no row of this unit: any finite stand-in will do
         const int64_t at = std::min(k0 + k, end - 1) - lo;
         vf[k] = s.vf.data() + at * D;
-        kf[k] = s.kf.data() + at * D;
         if constexpr (QUANT) {
           k_scale[k] = s.ks[at];
           v_scale[k] = s.vs[at];
         }
       }
-      head_block<KV, float>(c, s.qs.data(), s.lim.data(), s.sd.data(), kf, vf, k0, kb,
-                            k_scale, v_scale, s.acc.data(), s.st.data(), s.w.data(), na);
+      head_block<KV, float>(c, s.qs.data(), s.lim.data(), s.sd.data(), nullptr, vf, k0, kb,
+                            k_scale, v_scale, s.acc.data(), s.st.data(), s.w.data(), na,
+                            s.kf.data() + (k0 - lo) / BLOCK * D * BLOCK);
     }
     for (int64_t a = gb; a < ge; ++a) {  // write out, as attend_unit does
       const int64_t row = rows[a / G], h = g * G + a % G;
@@ -666,7 +756,7 @@ inline int64_t plan_units(const std::vector<Task>& tasks, int64_t KVH, int64_t G
 // the softmax in fp32) or int8_t (kv_dtype "int8": each entry times its scale, in fp32).
 // score_slot, scores, score_len: see Paged (nullptr scores: none asked).
 template <typename KV>
-torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t layer,
+torch::Tensor paged_attention_wave(torch::Tensor q, torch::Tensor pool, int64_t layer,
                                    torch::Tensor page_tables, torch::Tensor seq_start,
                                    torch::Tensor num_cached, double scale,
                                    const int64_t* score_slot = nullptr,
@@ -737,8 +827,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   auto out = torch::empty({T, H * D}, q.options());
   const bool merge = max_splits > 1;
   // Every (row, head, split)'s partial result: m and l, then D outputs.
-  std::vector<float> part_ml(merge ? T * H * max_splits * 2 : 0);
-  std::vector<float> part_acc(merge ? T * H * max_splits * D : 0);
+  // (not zeroed: a row's splits are each written once before the merge reads them)
+  std::unique_ptr<float[]> part_ml(merge ? new float[T * H * max_splits * 2] : nullptr);
+  std::unique_ptr<float[]> part_acc(merge ? new float[T * H * max_splits * D] : nullptr);
 
   Paged<KV> c;
   c.base = pool.data_ptr<KV>();
@@ -764,8 +855,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
   c.row_limit = row_limit.data();
   c.row_splits = row_splits.data();
   c.out = out.data_ptr<float>();
-  c.part_ml = part_ml.data();
-  c.part_acc = part_acc.data();
+  c.part_ml = part_ml.get();
+  c.part_acc = part_acc.get();
   c.score_slot = score_slot;
   c.scores = scores;
   c.score_len = score_len;
@@ -805,7 +896,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
       for (int64_t rh = begin; rh < end; ++rh) {
         const int64_t splits = row_splits[rh / H];
         if (splits == 1) continue;  // written already
-        const float* ml = part_ml.data() + rh * max_splits * 2;
+        const float* ml = part_ml.get() + rh * max_splits * 2;
         float m = NEG_INF;
         for (int64_t s = 0; s < splits; ++s) m = std::max(m, ml[s * 2]);
         float* dst = op + rh * D;
@@ -817,7 +908,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
             if (ml[s * 2] == NEG_INF) continue;
             const float f = std::exp(ml[s * 2] - m);
             l += ml[s * 2 + 1] * f;
-            const float* src = part_acc.data() + (rh * max_splits + s) * D;
+            const float* src = part_acc.get() + (rh * max_splits + s) * D;
             for (int64_t c = 0; c < cn; ++c) o[c] += load(src + (c0 + c) * W) * f;
           }
           const float inv = l > 0.f ? 1.f / l : 0.f;
@@ -825,6 +916,84 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t 
         }
       }
     });
+  }
+  return out;
+}
+
+// Rows of a call whose splits' partial results would pass this many floats (16 MiB) run
+// in waves of consecutive rows, each with its own partials, merged before the next: a long
+// prefill chunk's partials (a row of a context of 8,192 keys has 32 splits per head) would
+// otherwise fill a buffer of hundreds of megabytes, written and read back through memory.
+// A wave is a call over a range of rows (a sequence cut between rows becomes two pieces,
+// the second with the first's rows among its cached keys): each row meets the same keys
+// in the same splits, so its bits are the same whatever the waves.
+constexpr int64_t WAVE_PARTIALS = int64_t{4} << 20;
+constexpr int64_t WAVE_MIN_HEADS = 192;  // query heads of a KV head that a wave keeps at least
+
+template <typename KV>
+torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor pool, int64_t layer,
+                                   torch::Tensor page_tables, torch::Tensor seq_start,
+                                   torch::Tensor num_cached, double scale,
+                                   const int64_t* score_slot = nullptr,
+                                   float* scores = nullptr, int64_t score_len = 0) {
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 6 && num_cached.dim() == 1 &&
+              seq_start.size(0) == num_cached.size(0) + 1 && page_tables.dim() == 2,
+              "paged_attention: shapes");
+  const int64_t N = num_cached.size(0), H = q.size(1), D = q.size(2);
+  const int64_t G = std::max<int64_t>(1, H / std::max<int64_t>(1, pool.size(4)));
+  const int32_t* starts = seq_start.data_ptr<int32_t>();
+  const int32_t* cached = num_cached.data_ptr<int32_t>();
+  // pieces: (sequence, first row, end row) in row order, cut so a wave's partials fit
+  struct Piece {
+    int64_t seq, r0, r1;
+  };
+  std::vector<std::vector<Piece>> waves(1);
+  int64_t load = 0;
+  const int64_t min_rows = std::max<int64_t>(1, WAVE_MIN_HEADS / G);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t n = starts[i + 1] - starts[i];
+    const int64_t splits = (cached[i] + n + SPLIT_KEYS - 1) / SPLIT_KEYS;
+    const int64_t per_row = splits > 1 ? splits * H * D : 0;
+    int64_t r = 0;
+    while (r < n) {
+      int64_t take = n - r;
+      if (per_row > 0 && load + take * per_row > WAVE_PARTIALS) {
+        const int64_t room = (WAVE_PARTIALS - load) / per_row;
+        if (room < std::min(take, min_rows) && !waves.back().empty()) {  // a new wave
+          waves.emplace_back();
+          load = 0;
+          continue;
+        }
+        take = std::max(room, std::min(take, min_rows));
+      }
+      waves.back().push_back({i, r, r + take});
+      load += take * per_row;
+      r += take;
+    }
+  }
+  if (waves.size() == 1)
+    return paged_attention_wave<KV>(q, pool, layer, page_tables, seq_start, num_cached, scale,
+                                    score_slot, scores, score_len);
+  auto out = torch::empty({q.size(0), H * D}, q.options());
+  for (const auto& wave : waves) {
+    const int64_t row0 = starts[wave.front().seq] + wave.front().r0;
+    std::vector<int32_t> st{0}, nc;
+    std::vector<int64_t> seqs;
+    for (const Piece& p : wave) {
+      st.push_back(st.back() + static_cast<int32_t>(p.r1 - p.r0));
+      nc.push_back(static_cast<int32_t>(cached[p.seq] + p.r0));
+      seqs.push_back(p.seq);
+    }
+    const int64_t rows = st.back();
+    auto i32 = [](const std::vector<int32_t>& v) {
+      return torch::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())},
+                              torch::kInt32);
+    };
+    auto tables = page_tables.index_select(
+        0, torch::from_blob(seqs.data(), {static_cast<int64_t>(seqs.size())}, torch::kInt64));
+    out.narrow(0, row0, rows).copy_(paged_attention_wave<KV>(
+        q.narrow(0, row0, rows), pool, layer, tables, i32(st), i32(nc), scale,
+        score_slot != nullptr ? score_slot + row0 : nullptr, scores, score_len));
   }
   return out;
 }
