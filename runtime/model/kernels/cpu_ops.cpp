@@ -235,6 +235,40 @@ inline void v_block_cn(int cn, const T* const* vp, int64_t c0, int64_t kb, const
 // (l, l + 4), (l, l + 2), (l, l + 1). Here each lane's chain runs with the keys in lanes
 // (query element broadcast, K's column loaded) and the tree is vertical adds: the same
 // roundings in the same order, the same bits, with no shuffles and no spilled dots.
+// r[i] lane j <- r[j] lane i: a 16 x 16 transpose in four butterfly stages, each swapping
+// the off-diagonal h x h blocks of every 2h x 2h block with two-vector shuffles.
+template <int H>
+inline void transpose_stage(v16* r, v16i lo, v16i hi) {
+  for (int i = 0; i < W; ++i)
+    if ((i & H) == 0) {
+      const v16 a = r[i], b = r[i + H];
+      r[i] = shuffle(a, b, lo);
+      r[i + H] = shuffle(a, b, hi);
+    }
+}
+inline void transpose16(v16* r) {
+  transpose_stage<8>(r, v16i{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                     v16i{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  transpose_stage<4>(r, v16i{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                     v16i{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  transpose_stage<2>(r, v16i{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                     v16i{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  transpose_stage<1>(r, v16i{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     v16i{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+
+// The K vectors of a block's kb keys (kp[k]: key k's, any pool element), widened to fp32
+// and transposed for qk_tree: kt[d * BLOCK + k] = K[k][d], keys past kb zero.
+template <typename T>
+inline void widen_transposed(const T* const* kp, int64_t kb, int64_t nv, float* kt) {
+  for (int64_t cc = 0; cc < nv; ++cc) {
+    v16 r[W];
+    for (int64_t k = 0; k < W; ++k) r[k] = k < kb ? load_kv(kp[k] + cc * W) : v16{};
+    transpose16(r);
+    for (int l = 0; l < W; ++l) store(kt + (cc * W + l) * BLOCK, r[l]);
+  }
+}
+
 template <int QN>
 struct Heads {
   v16 v[QN];
@@ -468,12 +502,12 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
   for (int64_t g = g0; g < g1; ++g)
     heads_of(c, task, g, 0, nqt, s.qs.data() + (g - g0) * nqt, s.lim.data(),
              s.sd.data() + (g - g0) * nqt);
-  // several chunks of query heads read each key: widen the block once, into fp32
-  const bool widen = !std::is_same<KV, float>::value && nqt > QMAX;
-  if (widen) {
-    s.kf.resize(BLOCK * D);
-    s.vf.resize(BLOCK * D);
-  }
+  // several chunks of query heads read each key: K transposed once (qk_tree), and the
+  // values of a pool that is not fp32 widened once, into fp32
+  const bool transposed = nqt > QMAX;
+  const bool widen = !std::is_same<KV, float>::value && transposed;
+  if (transposed) s.kf.resize(BLOCK * D);
+  if (widen) s.vf.resize(BLOCK * D);
   const int64_t lo = task.lo, hi = task.hi;
   const int32_t* table = task.table;
   auto entry_at = [&](int64_t idx) {  // this layer's K of head 0 for key idx
@@ -534,20 +568,19 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
       const float* const* qs = s.qs.data() + (g - g0) * nqt;
       float* const* sd = s.sd.data() + (g - g0) * nqt;
       if (widen) {
-        const float* kf[BLOCK];
+        widen_transposed(kp, kb, nv, s.kf.data());
         const float* vf[BLOCK];
         for (int64_t k = 0; k < kb; ++k) {
-          float* kd = s.kf.data() + k * D;
           float* vd = s.vf.data() + k * D;
-          for (int64_t cc = 0; cc < nv; ++cc) {
-            store(kd + cc * W, load_kv(kp[k] + cc * W));
-            store(vd + cc * W, load_kv(vp[k] + cc * W));
-          }
-          kf[k] = kd;
+          for (int64_t cc = 0; cc < nv; ++cc) store(vd + cc * W, load_kv(vp[k] + cc * W));
           vf[k] = vd;
         }
-        head_block<KV, float>(c, qs, s.lim.data(), sd, kf, vf, k0, kb, k_scale, v_scale,
-                              acc, st, s.w.data(), nqt);
+        head_block<KV, float>(c, qs, s.lim.data(), sd, nullptr, vf, k0, kb, k_scale, v_scale,
+                              acc, st, s.w.data(), nqt, s.kf.data());
+      } else if (transposed) {
+        widen_transposed(kp, kb, nv, s.kf.data());
+        head_block<KV, KV>(c, qs, s.lim.data(), sd, nullptr, vp, k0, kb, k_scale, v_scale, acc,
+                           st, s.w.data(), nqt, s.kf.data());
       } else {
         head_block<KV, KV>(c, qs, s.lim.data(), sd, kp, vp, k0, kb, k_scale, v_scale, acc,
                            st, s.w.data(), nqt);
@@ -604,7 +637,7 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
   const int64_t end = std::min(hi, last + 1);  // keys [lo, end) are seen by some row
   const int64_t n = std::max<int64_t>(0, end - lo);
   const int64_t blocks = std::max<int64_t>(1, (n + BLOCK - 1) / BLOCK);
-  s.kf.assign(blocks * D * BLOCK, 0.f);  // K transposed per block (qk_tree), zero-padded
+  s.kf.resize(blocks * D * BLOCK);  // K transposed per block (qk_tree), zero-padded
   s.vf.resize(std::max<int64_t>(1, n) * D);
   if constexpr (QUANT) {
     s.ks.resize(std::max<int64_t>(1, n));
@@ -618,25 +651,25 @@ void attend_rows(const Paged<KV>& c, const Task& task, int64_t g, int64_t ab, in
     prefetch_bytes<3>(entry_at(idx), c.width * sizeof(KV));
     prefetch_bytes<3>(entry_at(idx) + c.v_off, c.width * sizeof(KV));
   }
-  for (int64_t idx = lo; idx < end; ++idx) {
-    if (idx + PREFETCH < end) {
-      prefetch_bytes<3>(entry_at(idx + PREFETCH), c.width * sizeof(KV));
-      prefetch_bytes<3>(entry_at(idx + PREFETCH) + c.v_off, c.width * sizeof(KV));
+  for (int64_t b0 = lo; b0 < end; b0 += BLOCK) {
+    const int64_t bn = std::min<int64_t>(BLOCK, end - b0);
+    const KV* kp[BLOCK];
+    for (int64_t k = 0; k < bn; ++k) {
+      const int64_t idx = b0 + k;
+      if (idx + PREFETCH < end) {
+        prefetch_bytes<3>(entry_at(idx + PREFETCH), c.width * sizeof(KV));
+        prefetch_bytes<3>(entry_at(idx + PREFETCH) + c.v_off, c.width * sizeof(KV));
+      }
+      kp[k] = entry_at(idx);
+      const KV* vp = kp[k] + c.v_off;
+      float* vd = s.vf.data() + (idx - lo) * D;
+      for (int64_t cc = 0; cc < nv; ++cc) store(vd + cc * W, load_kv(vp + cc * W));
+      if constexpr (QUANT) {
+        s.ks[idx - lo] = entry_scale(kp[k], D);
+        s.vs[idx - lo] = entry_scale(vp, D);
+      }
     }
-    const KV* kp = entry_at(idx);
-    const KV* vp = kp + c.v_off;
-    float* kt = s.kf.data() + (idx - lo) / BLOCK * D * BLOCK + (idx - lo) % BLOCK;
-    float* vd = s.vf.data() + (idx - lo) * D;
-    for (int64_t cc = 0; cc < nv; ++cc) {
-      float lane[W];
-      store(lane, load_kv(kp + cc * W));
-      for (int i = 0; i < W; ++i) kt[(cc * W + i) * BLOCK] = lane[i];
-      store(vd + cc * W, load_kv(vp + cc * W));
-    }
-    if constexpr (QUANT) {
-      s.ks[idx - lo] = entry_scale(kp, D);
-      s.vs[idx - lo] = entry_scale(vp, D);
-    }
+    widen_transposed(kp, bn, nv, s.kf.data() + (b0 - lo) * D);
   }
   const int64_t split = lo / SPLIT_KEYS;
   for (int64_t gb = ab; gb < ae; gb += ROWS_GROUP) {
