@@ -106,8 +106,8 @@ def sdpa_us(pool: torch.Tensor, tables: list[list[int]], cached: list[int], new:
 
     best = []
     problems = []
-    for table, nc in zip(tables, cached, strict=True):
-        kv = pool[torch.tensor(table), :, 0].float().reshape(-1, 2, KVH, D)[: nc + new]
+    for pages, nc in zip(tables, cached, strict=True):
+        kv = pool[torch.tensor(pages), :, 0].float().reshape(-1, 2, KVH, D)[: nc + new]
         k, v = (kv[:, i].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, KVH, L, D]
         mask = torch.arange(nc + new)[None, :] <= (nc + torch.arange(new))[:, None]
         problems.append((torch.randn(1, H, new, D), k, v, mask))

@@ -506,12 +506,14 @@ class Engine:
             job.waiter(job)
 
 
-def _step_tokens(plan: StepPlan) -> tuple[int, int]:
-    """A step's decode tokens (a generation's pending token and its draft) and prompt tokens."""
-    decode = prompt = 0
-    for entry in plan.entries:
+def _step_tokens(plan: StepPlan) -> tuple[int, list[tuple[int, int]]]:
+    """A step's decode tokens (a generation's pending token and its draft) and its prompt
+    chunks as ``(tokens, depth)`` (depth: the context's tokens before the chunk)."""
+    decode, chunks = 0, []
+    computed = (e for e in plan.entries if e.has_chunk)  # in the order of plan.chunks
+    for entry, chunk in zip(computed, plan.chunks, strict=True):
         if entry.kind is EntryKind.DECODE:
             decode += entry.length
         elif entry.kind is EntryKind.PROMPT:
-            prompt += entry.length
-    return decode, prompt
+            chunks.append((entry.length, chunk.num_cached))
+    return decode, chunks

@@ -14,8 +14,9 @@ then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md
    same one token per step as everyone else.
 3. Prefill chunks fill the remaining token budget, round-robin from a rotating start, so
    long prompts are chunked and cannot starve decodes or each other. With a decode share,
-   the prompt tokens of a step that also decodes are bounded further so that the decodes
-   keep that share of the step's time (``step_share.py``; off by default).
+   the prompt chunks of a step that also decodes are bounded further, each by its depth,
+   so that the decodes keep that share of the step's time (``step_share.py``; off by
+   default).
 4. Decode growth reserves a page when a generation needs one. If nothing can run because
    the pool is full, the most recently admitted job is preempted: its shadow is released
    (its committed pages stay cached, so re-admission mostly re-attaches them) and it goes
@@ -330,23 +331,34 @@ class Scheduler:
             budget -= self._add_decode(plan, job, budget)
         if prefilling:
             decodes = any(e.kind is EntryKind.DECODE for e in plan.entries)
-            bound = self.share.prompt_bound(decodes, budget)
-            # at least a page below, unless the decodes' share cut the budget (to >= 1)
-            floor = 1 if bound < budget else self.page_size
-            budget = bound
+            allowance = self.share.allowance(decodes)  # seconds the chunks may add, or None
             start = self._rr % len(prefilling)
             order = prefilling[start:] + prefilling[:start]
             self._rr += 1
-            first = True
+            first, bounded = True, False
             for job in order:
                 if budget < 1 and not first:
                     break
                 # The first prefill of a step always progresses, even when decodes took the
-                # whole budget: at least a page of tokens, or a custom-masked pass whole.
-                used = self._add_prefill(plan, job, max(budget, floor), first=first)
+                # whole budget: at least a page of tokens (one under a decode share), or a
+                # custom-masked pass whole.
+                depth = self.store.state(job.shadow).seq_len
+                if allowance is None:
+                    cap = max(budget, self.page_size)
+                else:
+                    cap = min(budget, self.share.tokens_within(allowance, depth))
+                    bounded |= cap < min(budget, job.prompt_remaining)
+                    if cap < 1 and not first:
+                        break
+                    cap = max(cap, 1)
+                used = self._add_prefill(plan, job, cap, first=first)
                 if used:
                     first = False
                     budget -= used
+                    if allowance is not None:
+                        cost = self.share.cost(used, depth)
+                        allowance = allowance - cost if cost < allowance else 0.0
+            self.share.num_bounded += bounded
         return plan
 
     def _ensure_room(self, job: Job, num_tokens: int) -> Room:

@@ -11,6 +11,7 @@ from pie_ctx.proto.messages import SamplerSpec
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.engine.rows import RowResult
 from runtime.engine.scheduler import Scheduler
+from runtime.engine.step_share import StepShare
 from runtime.kv.store import PageStore
 
 PS = 4
@@ -190,13 +191,13 @@ def test_prompt_tokens_beside_decodes_keep_the_decodes_share_of_the_step():
     sched.submit(f)
     # Nothing timed yet: a probe of four pages rides along with the decode.
     assert step(sched)[0] == [(1, 1), (2, 4 * PS)]
-    sched.share.observe(1, 0, 0.010)  # a decode-only step: 10 ms
-    sched.share.observe(1, 16, 0.030)  # 16 prompt tokens added 20 ms: 1.25 ms a token
-    assert step(sched)[0] == [(1, 1), (2, 8)]  # 8 tokens = 10 ms, the decode step's time
-    sched.share.observe(1, 8, 0.011)  # prompt tokens got cheaper (noise-floored estimate)
-    bound = step(sched)[0][1][1]
-    assert 8 < bound <= 63
-    assert sched.share.num_bounded == 3
+    sched.share.observe(1, [], 0.010)  # a decode-only step: 10 ms
+    sched.share.observe(1, [(16, 0)], 0.030)  # 16 prompt tokens added 20 ms: 1.25 ms a token
+    assert sched.share.cost(16, 0) == pytest.approx(0.020)
+    depth = store.state(f.shadow).seq_len  # the probe's tokens
+    n = step(sched)[0][1][1]  # the next chunk: as many tokens as add at most 10 ms
+    assert sched.share.cost(n, depth) <= 0.010 < sched.share.cost(n + 1, depth)
+    assert sched.share.num_bounded == 2
     while g.status is not JobStatus.DONE:  # each step: one decode, a bounded chunk
         shape, _done = step(sched)
         assert shape[0] == (1, 1) and len(shape) == 2 and shape[1][1] < 64
@@ -204,17 +205,42 @@ def test_prompt_tokens_beside_decodes_keep_the_decodes_share_of_the_step():
     store.check_invariants()
 
 
+def test_the_prompt_cost_fit_recovers_tokens_keys_and_reads_and_deep_chunks_get_fewer():
+    """What a chunk adds is a * tokens + b * keys attended + m * context read: fitted to
+    timed steps (non-negative), so a chunk deep in a long context gets fewer tokens than
+    one near its start, and a row whose read alone passes the allowance gets none."""
+    share = StepShare(0.5, page_size=16)
+    share.observe(1, [], 0.010)
+    a, b, m = 2e-4, 1e-7, 1e-6
+    for n, c in [(64, 0), (8, 4000), (32, 1000), (1, 8000), (128, 300), (16, 6000), (4, 2000)]:
+        keys = n * c + n * (n + 1) / 2
+        share.observe(1, [(n, c)], 0.010 + a * n + b * keys + m * (c + n))
+    assert share.coef == pytest.approx((a, b, m), rel=1e-6)
+    allowance = share.allowance(True)
+    assert allowance == pytest.approx(0.010)
+    shallow, deep = share.tokens_within(allowance, 100), share.tokens_within(allowance, 7000)
+    assert shallow > deep >= 1
+    for n, c in ((shallow, 100), (deep, 7000)):
+        assert share.cost(n, c) <= allowance < share.cost(n + 1, c)
+    assert share.tokens_within(allowance, 20000) == 0  # its read alone is over
+    assert share.allowance(False) is None  # no decodes: no bound
+
+
 def test_a_bound_is_never_below_a_token_and_share_zero_turns_it_off():
-    store = PageStore(64, PS, num_layers=1, num_kv_heads=1, head_dim=2)
+    store = PageStore(160, PS, num_layers=1, num_kv_heads=1, head_dim=2)
     sched = Scheduler(store, max_step_tokens=64, decode_share=0.5)
-    sched.share.observe(1, 0, 0.001)
-    sched.share.observe(1, 64, 1.0)  # prompt tokens very dear: the bound would be < 1 token
-    assert sched.share.prompt_bound(True, 63) == 1
-    assert sched.share.prompt_bound(False, 63) == 63  # no decodes: no bound
-    off = Scheduler(store, max_step_tokens=64, decode_share=0)
-    off.share.observe(1, 0, 0.001)
-    off.share.observe(1, 64, 1.0)
-    assert off.share.prompt_bound(True, 63) == 63
+    g = gen_job(store, 3, max_tokens=8, key=1)
+    sched.submit(g)
+    step(sched)
+    sched.submit(forward_job(store, 400, key=2))
+    sched.share.observe(1, [], 0.001)
+    sched.share.observe(1, [(64, 0)], 10.0)  # prompt tokens very dear: the bound is < 1 token
+    assert sched.share.tokens_within(sched.share.allowance(True), 0) == 0
+    assert step(sched)[0] == [(1, 1), (2, 1)]  # yet the prompt progresses, a token a step
+    off = StepShare(0)
+    off.observe(1, [], 0.001)
+    off.observe(1, [(64, 0)], 1.0)
+    assert off.allowance(True) is None
 
 
 @pytest.mark.parametrize("share", [1, 1.5, -0.1, float("nan"), "0.5", True])
