@@ -228,13 +228,6 @@ inline void v_block_cn(int cn, const T* const* vp, int64_t c0, int64_t kb, const
   return v_block<T, QN, 1>(vp, c0, kb, w, acc, nv);
 }
 
-// qk_block then sum16 for QN query heads, from the block's 16 keys held transposed
-// (kt[d * BLOCK + k] = K[k][d], widened to fp32; missing keys zero): out[a] lane k is key
-// k's score. Lane l of qk_block's dot vector is the chain of FMAs over the head dim's nv
-// vectors of the elements d = l (mod 16), and sum16 adds lanes (l, l + 8), then those sums
-// (l, l + 4), (l, l + 2), (l, l + 1). Here each lane's chain runs with the keys in lanes
-// (query element broadcast, K's column loaded) and the tree is vertical adds: the same
-// roundings in the same order, the same bits, with no shuffles and no spilled dots.
 // r[i] lane j <- r[j] lane i: a 16 x 16 transpose in four butterfly stages, each swapping
 // the off-diagonal h x h blocks of every 2h x 2h block with two-vector shuffles.
 template <int H>
@@ -269,6 +262,13 @@ inline void widen_transposed(const T* const* kp, int64_t kb, int64_t nv, float* 
   }
 }
 
+// qk_block then sum16 for QN query heads, from the block's 16 keys held transposed
+// (kt[d * BLOCK + k] = K[k][d], widened to fp32; missing keys zero): out[a] lane k is key
+// k's score. Lane l of qk_block's dot vector is the chain of FMAs over the head dim's nv
+// vectors of the elements d = l (mod 16), and sum16 adds lanes (l, l + 8), then those sums
+// (l, l + 4), (l, l + 2), (l, l + 1). Here each lane's chain runs with the keys in lanes
+// (query element broadcast, K's column loaded) and the tree is vertical adds: the same
+// roundings in the same order, the same bits, with no shuffles and no spilled dots.
 template <int QN>
 struct Heads {
   v16 v[QN];
@@ -621,7 +621,7 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
 // last key any of them sees are left out: every row would skip them. Each query head meets
 // the same blocks in the same order, with the same arithmetic, as in attend_unit: the same
 // bits. (qk_tree in place of qk_block and sum16 made a 512-row chunk over 8,192 keys 1.3x
-// faster; the K of a block read 4 query heads at a time, the shuffles then paid per head.)
+// faster: sum16's shuffles and the spilled dots were paid per head and block.)
 constexpr int64_t ROWS_HEADS = 64;  // query heads of a task from which attend_rows runs it
 constexpr int64_t ROWS_PART = 192;  // query heads of one attend_rows unit
 constexpr int64_t ROWS_GROUP = 32;  // query heads run together over a split's blocks
