@@ -1,6 +1,6 @@
 """The paged attention kernel alone (``cpu_ops.cpp`` ``paged_attention``), warm and cold.
 
-    python benchmarks/attention_kernel.py [--repeats 20] [--baseline FILE] [--smoke]
+    python benchmarks/attention_kernel.py [--repeats 20] [--baseline FILE] [--march ARCH] [--smoke]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, pages of 16
 slots), one layer's call, for:
@@ -36,6 +36,10 @@ main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``) and runs its kernel int
 this one, call for call, so a busy machine slows both alike. Times are the best call's, in µs (on a
 shared machine a descheduled thread stretches single calls by milliseconds). The last line is one JSON object: ``us_<kv>_<setting>_<case>`` (and
 ``base_us_...`` for the baseline).
+
+``--march ARCH`` (x86) builds this checkout's kernel too, and the baseline, for another
+instruction set than the machine's (``haswell``: AVX2 and FMA, no AVX-512), so an AVX-512
+machine can time and compare the code an AVX2-only CPU runs (both run on it).
 """
 
 from __future__ import annotations
@@ -52,18 +56,20 @@ S, KVH, D, H = 16, 3, 64, 9
 FLUSH_MB = 64
 
 
-def build_baseline(source: Path) -> Any:
+def build_baseline(source: Path, march: str | None = None) -> Any:
     """The kernels of another ``cpu_ops.cpp`` (e.g. main's: ``git show
     main:runtime/model/kernels/cpu_ops.cpp > /tmp/old.cpp``), built alone under its own name
     (its decode step and strip kernels left out: two modules cannot both register them),
-    with this checkout's ``vec16.h``."""
+    with this checkout's ``vec16.h``; for ``-march=march`` (x86) if given, else the
+    machine's own."""
     import hashlib
     import platform
     import tempfile
 
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.blake2b(source.read_bytes(), digest_size=6).hexdigest()
+    digest = hashlib.blake2b(source.read_bytes() + (march or "native").encode(),
+                             digest_size=6).hexdigest()
     folder = Path(tempfile.gettempdir()) / f"pie-ctx-attention-baseline-{digest}"
     folder.mkdir(exist_ok=True)
     stub = folder / "no_decode_step.cpp"
@@ -72,7 +78,7 @@ def build_baseline(source: Path) -> Any:
                     "void register_strips_mm(pybind11::module_&) {}\n")
     flags = ["-O3", "-std=c++17", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
+        flags += [f"-march={march or 'native'}", "-mprefer-vector-width=512"]
     headers = Path(__file__).resolve().parent.parent / "runtime" / "model" / "kernels"
     return load(name=f"pie_ctx_attention_baseline_{digest}", sources=[str(source), str(stub)],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder),
@@ -167,6 +173,8 @@ def main() -> None:
                                             "chunk128x1024,chunk48x448,chunk512x8192")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another cpu_ops.cpp (e.g. main's) to build and run interleaved")
+    parser.add_argument("--march", default=None, metavar="ARCH",
+                        help="build both kernels for -march=ARCH (e.g. haswell: AVX2 only)")
     args = parse_args(parser, repeats=2, context=64)
 
     from runtime.model import kernels as kmod
@@ -175,9 +183,9 @@ def main() -> None:
     ops = kmod.ops()
     if ops is None:
         raise SystemExit("the CPU kernels did not build here")
-    kernels = {"new": ops}
+    kernels = {"new": ops if args.march is None else build_baseline(kmod.SOURCE, args.march)}
     if args.baseline is not None:
-        kernels["base"] = build_baseline(args.baseline)
+        kernels["base"] = build_baseline(args.baseline, args.march)
     flush = torch.ones(FLUSH_MB * 2**20 // 4 if not args.smoke else 2**16)
     all_cases = {k: v for k, v in cases(args.context).items() if k in args.cases.split(",")}
     pages = max(max(map(max, t)) for t, _, _ in all_cases.values()) + 1
