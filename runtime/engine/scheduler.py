@@ -342,10 +342,10 @@ class Scheduler:
                 # The first prefill of a step always progresses, even when decodes took the
                 # whole budget: at least a page of tokens (one under a decode share), or a
                 # custom-masked pass whole.
-                depth = self.store.state(job.shadow).seq_len
                 if allowance is None:
                     cap = max(budget, self.page_size)
                 else:
+                    depth = self.store.state(job.shadow).seq_len
                     cap = min(budget, self.share.tokens_within(allowance, depth))
                     bounded |= cap < min(budget, job.prompt_remaining)
                     if cap < 1 and not first:

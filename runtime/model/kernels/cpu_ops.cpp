@@ -567,8 +567,12 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
       Partial* st = s.st.data() + (g - g0) * nqt;
       const float* const* qs = s.qs.data() + (g - g0) * nqt;
       float* const* sd = s.sd.data() + (g - g0) * nqt;
-      if (widen) {
+      const float* kt = nullptr;  // the block's K transposed, or read through kp
+      if (transposed) {
         widen_transposed(kp, kb, nv, s.kf.data());
+        kt = s.kf.data();
+      }
+      if (widen) {
         const float* vf[BLOCK];
         for (int64_t k = 0; k < kb; ++k) {
           float* vd = s.vf.data() + k * D;
@@ -576,14 +580,10 @@ void attend_unit(const Paged<KV>& c, const Task& task, int64_t g0, int64_t g1, S
           vf[k] = vd;
         }
         head_block<KV, float>(c, qs, s.lim.data(), sd, nullptr, vf, k0, kb, k_scale, v_scale,
-                              acc, st, s.w.data(), nqt, s.kf.data());
-      } else if (transposed) {
-        widen_transposed(kp, kb, nv, s.kf.data());
-        head_block<KV, KV>(c, qs, s.lim.data(), sd, nullptr, vp, k0, kb, k_scale, v_scale, acc,
-                           st, s.w.data(), nqt, s.kf.data());
+                              acc, st, s.w.data(), nqt, kt);
       } else {
         head_block<KV, KV>(c, qs, s.lim.data(), sd, kp, vp, k0, kb, k_scale, v_scale, acc,
-                           st, s.w.data(), nqt);
+                           st, s.w.data(), nqt, kt);
       }
     }
   }
