@@ -464,6 +464,39 @@ class Context(Counters, Turns):
                                       num_tokens=num_tokens)
         return await core.run(body)
 
+    async def suspend(self, *, lazy: bool = False, back_in: float | None = None) -> int:
+        """Take this context's pages out of the engine's pool while it waits (on a tool, a
+        user, a message); its next use brings them back without recomputing a token.
+
+        Committed pages stay cached, evicted last among cached pages and, with a snapshot
+        directory, written to disk when evicted; working pages are copied to host memory.
+        Pending tokens stay pending. The engine also suspends idle contexts by itself when
+        it needs room. See docs/pages.md, "Suspend and resume".
+
+        Args:
+            lazy: only tell the engine this context is idle: it is suspended when the
+                engine needs its room, not now.
+            back_in: your estimate of the seconds until this context is used again; under
+                pressure the engine suspends first the contexts expected back furthest off.
+
+        Returns:
+            The pages the context held in the pool (0 with ``lazy``).
+
+        Raises:
+            InvalidArgument: ``back_in`` negative or not a finite number.
+        """
+        core = self._core
+        core.check_open()
+        if back_in is not None:
+            back_in = checks.finite(back_in, "back_in")
+            if back_in < 0:
+                raise InvalidArgument(f"suspend: back_in must be >= 0 seconds, got {back_in!r}")
+
+        async def body() -> int:
+            reply = await core.request(P.Suspend, lazy=bool(lazy), back_in=back_in)
+            return reply.num_pages
+        return await core.run(body)
+
     def save(self, name: str) -> Op:
         """Flush pending tokens, then save this context as the snapshot ``name``.
 

@@ -96,6 +96,10 @@ class PassReport(msgspec.Struct, kw_only=True):
     pages_computed: int = 0  # full pages the model computed and committed
     pages_from_disk: int = 0  # of pages_reused: those read from the snapshot directory
     num_steps: int = 0  # model calls this pass took part in (a generation: one per step)
+    # pages of the context brought back before this pass, having been suspended (not part
+    # of tokens_written; docs/pages.md, "Suspend and resume"), and of them, those from disk
+    pages_resumed: int = 0
+    pages_resumed_from_disk: int = 0
 
     @property
     def pages_from_memory(self) -> int:
@@ -177,6 +181,18 @@ class Retain(_Request):
     ttl: float
     priority: int = 0
     num_tokens: int | None = None
+
+
+class Suspend(_Request):
+    """Take the context's pages out of the pool until its next use, which brings them back
+    without recomputing (docs/pages.md, "Suspend and resume"). ``lazy``: only say it is
+    idle; the engine suspends it when it needs the room. ``back_in``: the program's
+    estimate of the seconds until its next use (the engine suspends first the contexts
+    expected back furthest off). Reply: ``SuspendReply``."""
+
+    ctx: int
+    lazy: bool = False
+    back_in: float | None = None
 
 
 class ReleaseHold(_Request):
@@ -478,6 +494,7 @@ Request = (
     | TruncateTokens
     | Compact
     | Retain
+    | Suspend
     | ReleaseHold
     | SaveSnapshot
     | OpenSnapshot
@@ -538,6 +555,13 @@ class HoldReply(_Reply):
     num_pages: int
     ttl: float
     priority: int
+
+
+class SuspendReply(_Reply):
+    """A context suspended (or, ``lazy``, marked idle): the pages it held in the pool."""
+
+    suspended: bool
+    num_pages: int
 
 
 class SnapshotList(_Reply):
@@ -710,6 +734,14 @@ class EngineStats(_Reply):
     num_pages_held: int = 0  # pages in the pool some live hold covers
     # priority -> held pages whose highest covering hold has that priority
     pages_held_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    # suspend and resume (docs/pages.md, "Suspend and resume")
+    num_contexts_suspended: int = 0  # contexts whose pages are out of the pool now
+    num_suspends: int = 0  # since boot, on request or under pressure
+    num_auto_suspends: int = 0  # of them, chosen by the engine to make room
+    num_resumes: int = 0
+    pages_suspended: int = 0  # pages the suspended contexts held in the pool
+    pages_resumed_from_memory: int = 0  # brought back from the pool's cache or host memory
+    pages_resumed_from_disk: int = 0  # brought back from the disk tier
     # channels between inferlets (docs/messages.md)
     num_channels: int = 0  # queues and topics in use, every namespace
     num_subscriptions: int = 0
@@ -766,6 +798,7 @@ Reply = (
     | ContextReply
     | StateReply
     | HoldReply
+    | SuspendReply
     | SnapshotList
     | ForwardReply
     | VerifyReply

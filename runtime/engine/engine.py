@@ -48,7 +48,7 @@ import anyio
 import msgspec
 
 from pie_ctx.proto import messages as P
-from pie_ctx.proto.errors import PieError, ProtocolError, single_exception
+from pie_ctx.proto.errors import OutOfPages, PieError, ProtocolError, single_exception
 from runtime.engine.adapters import Adapters
 from runtime.engine.channel_requests import ChannelRequests
 from runtime.engine.channels import ChannelLimits, Channels
@@ -60,7 +60,7 @@ from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
 from runtime.engine.page_metrics import page_families
 from runtime.engine.passes import Passes
-from runtime.engine.records import ContextTable
+from runtime.engine.records import ContextRecord, ContextTable
 from runtime.engine.rows import EntryKind, RowResult, StepPlan
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.step_share import DEFAULT_DECODE_SHARE
@@ -80,6 +80,9 @@ DEFAULT_MAX_REPLY_BYTES = 16 * 2**20
 DEFAULT_MAX_MASK_ENTRIES = 2**26
 # Room a channel request or reply needs around its payload (a 256-char name is <= 1 KiB).
 _MESSAGE_ENVELOPE = 2048
+# Requests that work on a context as it is: they never bring a suspended one back first.
+_KEEPS_SUSPENDED = (P.Suspend, P.ReleaseContext)
+_RESUME_POLL = 0.02  # seconds between tries of a resume that waits for room
 
 
 def _on_asyncio() -> bool:
@@ -212,6 +215,8 @@ class Engine:
                                  self._adapters_changed)
         self.counters = LoopCounters()
         self.records = ContextTable(store, on_release=self._kick)
+        store.set_room_maker(self._suspend_idle)
+        self.scheduler.resume = self.records.resume
         self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
                                  tokenizer, on_pages_freed=self._kick,
@@ -284,8 +289,16 @@ class Engine:
         self.records.collect_garbage()
         if not self._running:
             reply: Any = P.error_reply(self.lost or ProtocolError("the engine is not running"))
-        else:
+        elif isinstance(req, _KEEPS_SUSPENDED):
             reply = await self.handlers.handle(req, owner, namespace)
+        else:
+            with self.records.pinned(getattr(req, "ctx", None), owner) as record:
+                try:
+                    await self._resume(record)
+                except PieError as err:
+                    reply = P.error_reply(err)
+                else:
+                    reply = await self.handlers.handle(req, owner, namespace)
         if raise_errors:
             P.raise_if_error(reply)
         return reply
@@ -296,7 +309,47 @@ class Engine:
         self.records.collect_garbage()
         if not self._running:
             return GenerationStream.failed(self.lost or ProtocolError("the engine is not running"))
-        return await self.passes.generate(req, owner)
+        with self.records.pinned(req.ctx, owner) as record:
+            try:
+                await self._resume(record)
+            except PieError as err:
+                return GenerationStream.failed(err)
+            return await self.passes.generate(req, owner)
+
+    # ------------------------------------------------------------ suspend and resume
+
+    async def _resume(self, record: ContextRecord | None) -> None:
+        """Bring a suspended context's pages back before a request runs on it, waiting
+        (up to ``stall_timeout``) for room while the pool is full of running work.
+
+        Raises:
+            OutOfPages: still no room after ``stall_timeout``. SnapshotCorrupt: the disk
+                tier lost one of its pages.
+        """
+        if record is None or record.suspended is None:
+            return
+        deadline = time.monotonic() + self.stall_timeout
+        async with record.lock:
+            while record.suspended is not None:
+                try:
+                    self.records.resume(record)
+                except OutOfPages:
+                    if time.monotonic() >= deadline:
+                        raise
+                    await anyio.sleep(_RESUME_POLL)
+
+    def _suspend_idle(self, n: int) -> bool:
+        """The store needs ``n`` pages it does not have (the page store's room maker):
+        suspend idle contexts (furthest from their expected return first, then least
+        recently used), then the contexts of jobs waiting for admission (last in the queue
+        first: each is resumed when its job is admitted), until they are there. True when
+        they are."""
+        for record in (*self.records.idle(), *self.scheduler.queued_records()):
+            if self.store.num_pages_available() >= n:
+                break
+            if self.records.holds_pages(record):  # (an earlier one may have been a fork)
+                self.records.suspend(record, auto=True)
+        return self.store.num_pages_available() >= n
 
     def attach_host(self, host: Any, folder: str) -> None:
         """Let ``rt.spawn`` launch inferlets through ``host`` (an ``InferletHost`` of the
@@ -346,7 +399,7 @@ class Engine:
     def stats(self) -> P.EngineStats:
         """Engine-wide counters (``EngineStats`` says what each one counts)."""
         s = self.store.stats()
-        c = self.counters
+        c, r = self.counters, self.records.counters
         looked_up = c.pages_reused + c.pages_computed
         return P.EngineStats(
             num_pages_total=s.num_pages_total, num_pages_free=s.num_pages_free,
@@ -368,6 +421,11 @@ class Engine:
             num_subscriptions=self.channels.num_subscriptions,
             num_channel_messages=self.channels.num_messages,
             channel_bytes=self.channels.num_bytes,
+            num_contexts_suspended=self.records.num_suspended, num_suspends=r.suspends,
+            num_auto_suspends=r.auto_suspends, num_resumes=r.resumes,
+            pages_suspended=r.pages_suspended,
+            pages_resumed_from_memory=r.pages_resumed_from_memory,
+            pages_resumed_from_disk=r.pages_resumed_from_disk,
         )
 
     def metric_families(self) -> Iterator[Any]:

@@ -76,6 +76,7 @@ class Handlers:
             P.TruncateTokens: self._raw,
             P.Compact: self._compact,
             P.Retain: self._retain,
+            P.Suspend: self._suspend,
             P.ReleaseHold: self._release_hold,
             P.SaveSnapshot: self._save,
             P.OpenSnapshot: self._open,
@@ -139,14 +140,13 @@ class Handlers:
         return self._info()
 
     async def _fork(self, req: P.ForkContext, owner: Any, ns: str) -> P.ContextReply:
-        parent = self._records.get(req.ctx, owner)
-        async with parent.lock:
+        async with self._records.locked(req.ctx, owner) as parent:
             self._check_share(owner, self._store.state(parent.cid).num_working_pages)
             cid = self._store.fork(parent.cid)
         return self._reply(self._records.add(cid, owner, parent.last_logits))
 
     async def _release(self, req: P.ReleaseContext, owner: Any, ns: str) -> P.Ok:
-        record = self._records.get(req.ctx, owner)
+        record = self._records.get(req.ctx, owner, resume=False)
         async with record.lock:
             self._records.release(record)
         return P.Ok()
@@ -155,8 +155,7 @@ class Handlers:
         return P.StateReply(state=self._store.state(self._records.get(req.ctx, owner).cid))
 
     async def _raw(self, req: Any, owner: Any, ns: str) -> P.StateReply:
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             ok = True
             cid = record.cid
             if isinstance(req, P.ReservePages):
@@ -165,7 +164,8 @@ class Handlers:
                     raise OutOfPages(f"cannot reserve {n} pages: the pool has only "
                                      f"{self._store.num_pages_total}")
                 self._check_share(owner, n)
-                ok = self._store.reserve_working_pages(cid, n)
+                # the raw API's contract is back-pressure: no context is suspended for it
+                ok = self._store.reserve_working_pages(cid, n, suspend=False)
             elif isinstance(req, P.CommitPages):
                 self._store.commit_working_pages(cid, req.num_pages)
             elif isinstance(req, P.ReleasePages):
@@ -179,8 +179,7 @@ class Handlers:
             return P.StateReply(state=self._store.state(cid), ok=ok)
 
     async def _compact(self, req: P.Compact, owner: Any, ns: str) -> P.StateReply:
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             # no share check: a compacted context never holds more pages than before
             self._store.compact(record.cid, req.keep)
             record.last_logits = None  # the last token now sees fewer keys
@@ -188,11 +187,25 @@ class Handlers:
             return P.StateReply(state=self._store.state(record.cid))
 
     async def _retain(self, req: P.Retain, owner: Any, ns: str) -> P.HoldReply:
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             hold = self._store.retain(record.cid, req.ttl, req.priority, owner, req.num_tokens)
             return P.HoldReply(hold=hold.hold_id, num_pages=hold.num_pages, ttl=float(req.ttl),
                                priority=hold.priority)
+
+    async def _suspend(self, req: P.Suspend, owner: Any, ns: str) -> P.SuspendReply:
+        record = self._records.get(req.ctx, owner, resume=False)
+        if not isinstance(req.lazy, bool):
+            raise InvalidArgument(f"suspend: lazy must be a bool, got {req.lazy!r}")
+        back_in = None if req.back_in is None else checks.finite(req.back_in, "back_in")
+        if back_in is not None and back_in < 0:
+            raise InvalidArgument(f"suspend: back_in must be >= 0 seconds, got {back_in!r}")
+        async with record.lock:
+            record.back_at = None if back_in is None else self._records.now() + back_in
+            if req.lazy:
+                return P.SuspendReply(suspended=record.suspended is not None, num_pages=0)
+            num_pages = self._records.suspend(record)
+        self._on_pages_freed()
+        return P.SuspendReply(suspended=True, num_pages=num_pages)
 
     async def _release_hold(self, req: P.ReleaseHold, owner: Any, ns: str) -> P.Ok:
         self._store.release_hold(req.hold, owner)
@@ -224,6 +237,7 @@ class Handlers:
         # save in flight has just written.
         async with self._save_lock:
             async with record.lock:  # the fork is instant; the context goes on after it
+                await self._records.acquired(record)
                 job = self._store.begin_save(record.cid, name, ns, meta=req.meta,
                                              last_logits=record.last_logits)
             if job is not None:

@@ -68,8 +68,7 @@ class Passes:
 
     async def forward(self, req: P.Forward, owner: Any) -> P.ForwardReply:
         """Run one explicit pass (or a flush) and answer its probes."""
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             seq_len = self._store.state(record.cid).seq_len
             mask = checks.forward(req, self._info(), seq_len)
             tokens = list(req.tokens)
@@ -92,7 +91,8 @@ class Passes:
             await self._run(job)
             record.last_logits = np.frombuffer(job.progress.out.logits[logits.index(n - 1)], dtype="<f4")
             return P.ForwardReply(
-                state=self._store.state(record.cid), report=job.progress.report,
+                state=self._store.state(record.cid),
+                report=record.take_resumed(job.progress.report),
                 sampled=job.progress.out.sampled,
                 logits=job.progress.out.logits[: len(req.logits)],
                 distributions=job.progress.out.distributions,
@@ -117,6 +117,7 @@ class Passes:
             return GenerationStream.failed(err)
         await record.lock.acquire()
         try:
+            await self._records.acquired(record)
             job = await self._generate_job(record, req)
         except BaseException as err:
             record.lock.release()
@@ -148,7 +149,7 @@ class Passes:
                     final = P.GenerateDone(
                         finish_reason=job.finish_reason, tokens=list(job.progress.generated),
                         pending=job.progress.generated[-1:], state=state,
-                        report=job.progress.report,
+                        report=record.take_resumed(job.progress.report),
                         attention_scores=None if job.scores is None
                         else job.scores.results(state.seq_len)[0],
                     )
@@ -213,8 +214,7 @@ class Passes:
 
     async def verify(self, req: P.Verify, owner: Any) -> P.VerifyReply:
         """One round of a client-driven generation (see ``messages.Verify``)."""
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             state = self._store.state(record.cid)
             checks.verify(req, self._info(), state.seq_len)
             tokens = list(req.tokens)
@@ -255,7 +255,8 @@ class Passes:
             accepted=accepted, token=token, logprobs=[r.sampled_logprob for r in rows],
             top_logprobs=[r.top_logprobs for r in rows if r.top_logprobs is not None],
             entropy=[r.entropy for r in rows if r.entropy is not None],
-            state=self._store.state(record.cid), report=job.progress.report)
+            state=self._store.state(record.cid),
+            report=record.take_resumed(job.progress.report))
 
     async def select(self, req: P.Select, owner: Any) -> P.SelectReply:
         """Score options as continuations, in one pass that changes nothing.
@@ -265,8 +266,7 @@ class Passes:
         would have in the context. With ``unconditional``, a second tree in the same pass
         sees only its ancestors, from position 0.
         """
-        record = self._records.get(req.ctx, owner)
-        async with record.lock:
+        async with self._records.locked(req.ctx, owner) as record:
             state = self._store.state(record.cid)
             checks.select(req, self._info(), state.seq_len)
             first_lp = _log_softmax(await self._first_logits(record))

@@ -22,6 +22,10 @@ then ``complete(plan, output)`` (sync). Policy, in order (see docs/scheduling.md
    (its committed pages stay cached, so re-admission mostly re-attaches them) and it goes
    back to the queue front. A lone job that cannot run is ``stalled``; the engine fails it
    with ``OutOfPages`` if no release frees pages in time.
+   Before any of this, an allocation that finds the pool full has the engine suspend
+   idle contexts, then the contexts of jobs still waiting for admission, last in the
+   queue first (docs/pages.md, "Suspend and resume"); a waiting job whose context was
+   suspended gets its pages back at admission (``resume``), or keeps waiting.
 5. Shares: with ``max_pages_per_owner`` set, a job whose owner already holds its share of
    the pool does not get more pages. It waits (it never blocks other owners' jobs behind
    it in the queue), its owner's own most recent job is the one preempted for it, and if
@@ -38,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pie_ctx.proto.errors import InvalidArgument, OutOfPages
+from pie_ctx.proto.errors import InvalidArgument, OutOfPages, PieError
 from runtime.engine.jobs import Job, JobKind, JobStatus
 from runtime.engine.rows import (
     Entry,
@@ -90,7 +94,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.stalled: Job | None = None
         self._held: set[Job] = set()
-        self.dropped: list[Job] = []  # cancelled jobs plan() dropped; the engine drains it
+        self.dropped: list[Job] = []  # jobs plan() dropped or failed; the engine drains it
+        # Brings a suspended context back (``ContextTable.resume``; raises ``OutOfPages``
+        # without room): a waiting job's context may be suspended to make room for others.
+        self.resume: Callable[[Any], Any] = _no_suspends
+        self.admitting: Job | None = None  # the job being admitted (its context stays)
 
     # ----------------------------------------------------------------- queue management
 
@@ -110,6 +118,18 @@ class Scheduler:
             return False
         self._drop(job)
         return True
+
+    def queued_records(self) -> list[Any]:
+        """The contexts of waiting jobs that may be suspended to make room (their jobs
+        resume them at admission): last in the queue first, the job being admitted
+        excluded, each once."""
+        seen: list[Any] = []
+        for job in reversed(self.waiting):
+            record = job.record
+            if (job is not self.admitting and job.shadow is None and record not in seen
+                    and getattr(record, "suspended", None) is None):
+                seen.append(record)
+        return seen
 
     def jobs_of(self, owner: Any) -> list[Job]:
         """Every queued or running job on a context of ``owner``."""
@@ -142,10 +162,19 @@ class Scheduler:
             job = self.waiting[i]
             if job in self._held:
                 return  # preempted during this plan(): let the others run first
+            self.admitting = job
             try:
+                if getattr(job.record, "suspended", None) is not None:
+                    self.resume(job.record)  # suspended while it waited: its pages back
                 shadow = self.store.fork(job.record.cid)
             except OutOfPages:
                 shadow = None
+            except PieError as err:  # a suspended context's page lost on disk
+                self._fail(job, err)
+                self.dropped.append(job)
+                continue
+            finally:
+                self.admitting = None
             room = Room.NO_PAGES
             if shadow is not None:
                 job.shadow = shadow
@@ -605,6 +634,10 @@ class Scheduler:
             f"the KV pool, and this request needs more: release contexts you no longer need "
             f"or lower max_tokens (other clients' pages are not yours to free)"
         )
+
+
+def _no_suspends(record: Any) -> None:
+    raise RuntimeError("a suspended context reached a scheduler with no resume")
 
 
 def _owner(job: Job) -> Any:

@@ -22,6 +22,7 @@ seconds in ``(0, 86400]`` (``pie_ctx.proto.checks.hold_terms``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,11 @@ from runtime.kv.context import PageState
 from runtime.kv.tier import DiskTier
 from runtime.kv.trie import Hold, Node, PageTrie
 
-__all__ = ["HoldTable"]
+__all__ = ["HoldTable", "SUSPENDED"]
+
+# The owner of suspended contexts' holds: not a client, so never over a client's limit, and
+# no ``release_hold`` can name it.
+SUSPENDED = object()
 
 
 class HoldTable:
@@ -87,11 +92,27 @@ class HoldTable:
             raise HoldLimit(f"retain: holding {num_pages} more pages would give this client "
                             f"{charged + num_pages} held pages, over its limit of "
                             f"{self.max_pages_per_owner}; release a hold or hold fewer tokens")
+        return self._start(owner, priority, self.clock() + ttl, tip)
+
+    def hold_suspended(self, state: PageState, priority: int) -> Hold:
+        """Hold a suspended context's whole chain (``runtime.kv.suspend``) until its
+        resume or release ends it: no time limit, charged to no client (its owner is
+        ``SUSPENDED``), evicted by ``priority`` among the other holds."""
+        return self._start(SUSPENDED, priority, math.inf, _registered_ancestor(
+            state.tip, 0 if state.tip is None else state.tip.depth))
+
+    def end(self, hold: Hold) -> None:
+        """End ``hold`` (a suspended context's, which no client can name) if still live."""
+        if self.by_id.get(hold.hold_id) is hold:
+            self._end(hold)
+
+    def _start(self, owner: Any, priority: int, expires_at: float, tip: Node | None) -> Hold:
+        num_pages = 0 if tip is None else tip.depth
         hold = Hold(hold_id=self.next_id, owner=owner, priority=priority,
-                    expires_at=self.clock() + ttl, num_pages=num_pages, tip=tip, on_disk=[])
+                    expires_at=expires_at, num_pages=num_pages, tip=tip, on_disk=[])
         self.next_id += 1
         self.by_id[hold.hold_id] = hold
-        self.pages_of[owner] = charged + num_pages
+        self.pages_of[owner] = self.pages_of.get(owner, 0) + num_pages
         if tip is not None:
             self.trie.add_hold(hold)
         return hold

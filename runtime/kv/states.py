@@ -75,6 +75,9 @@ class ContextStates:
         self.expire_holds = expire_holds
         self.page_size = page_size
         self.make_room = make_room
+        # ``n -> bool``: the engine suspends idle contexts until ``n`` pages are free or
+        # cached (``PageStore.set_room_maker``), True when they are; None: it never does
+        self.suspend_idle: Callable[[int], bool] | None = None
         self.by_id: dict[ContextId, PageState] = {}
         self.working_of: dict[Any, int] = {}  # owner -> working pages of its states
         self.next_id = 1
@@ -154,11 +157,11 @@ class ContextStates:
         """Pages an allocation could get right now: free + cached (evictable)."""
         return self.pool.num_free + self.trie.num_cached
 
-    def allocate(self, n: int) -> list[PageId] | None:
+    def allocate(self, n: int, *, suspend: bool = True) -> list[PageId] | None:
         """Allocate ``n`` pages, evicting cached pages only if that makes it succeed (and
-        first spilling resident durable snapshots if the cache is not enough)."""
-        if n - self.pool.num_free > self.trie.num_cached and (
-                self.make_room is None or not self.make_room(n)):
+        first spilling resident durable snapshots if the cache is not enough, then, unless
+        not ``suspend``, asking ``suspend_idle`` to take idle contexts out of the pool)."""
+        if not self.room_for(n, suspend=suspend):
             return None
         short = n - self.pool.num_free
         if short > 0:
@@ -166,6 +169,15 @@ class ContextStates:
                 self.expire_holds()
             self.trie.evict(short)
         return self.pool.allocate(n)
+
+    def room_for(self, n: int, *, suspend: bool = True) -> bool:
+        """Whether ``n`` pages are free or cached, after spilling resident snapshots and
+        (with ``suspend``) suspending idle contexts to make it so if they were not."""
+        if n - self.pool.num_free <= self.trie.num_cached:
+            return True
+        if self.make_room is not None and self.make_room(n):
+            return True
+        return suspend and self.suspend_idle is not None and self.suspend_idle(n)
 
     def allocate_or_raise(self, n: int, what: str) -> list[PageId]:
         """``allocate``, or ``OutOfPages`` naming ``what`` needed the pages."""

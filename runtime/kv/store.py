@@ -40,6 +40,7 @@ from runtime.kv.queries import ContextQueries
 from runtime.kv.snapshot_store import SnapshotStore
 from runtime.kv.snapshots import DEFAULT_NAMESPACE, Snapshot, SnapshotRegistry
 from runtime.kv.states import ContextStates
+from runtime.kv.suspend import Suspended, drop_suspended, resume_state, suspend_state
 from runtime.kv.tier import DiskTier
 from runtime.kv.trie import Hold, PageTrie, TrieListener
 from runtime.kv.types import ContextId, PageId, StoreStats
@@ -192,23 +193,25 @@ class PageStore(ContextQueries):
 
     # -- working pages -----------------------------------------------------------------
 
-    def reserve_working_pages(self, cid: ContextId, n: int) -> bool:
+    def reserve_working_pages(self, cid: ContextId, n: int, *, suspend: bool = True) -> bool:
         """Append ``n`` empty working pages, evicting cached pages if needed.
 
         Args:
             cid: the context.
             n: pages to reserve (>= 0).
+            suspend: let the room maker (``set_room_maker``) suspend idle contexts for
+                them (False: the raw page API's back-pressure).
 
         Returns:
             True on success; False (nothing changed, nothing evicted) when fewer than ``n``
-            pages are free + cached.
+            pages are free + cached (or can be made so).
 
         Raises:
             ContextClosed: unknown context. InvalidArgument: ``n`` is not an int >= 0.
         """
         state = self._states.get(cid)
         n = count(n, "reserve_working_pages: n")
-        pages = self._states.allocate(n)
+        pages = self._states.allocate(n, suspend=suspend)
         if pages is None:
             return False
         state.working.extend(pages)
@@ -384,6 +387,50 @@ class PageStore(ContextQueries):
             "commit or truncate them first")
         hits = self.trie.match_pages(state.tip, toks, poss, extras, self.page_size)
         return self._states.attach(state, hits, self.tier, toks, poss, extras)
+
+    # -- suspend and resume ------------------------------------------------------------
+
+    def suspend(self, cid: ContextId, priority: int = 0) -> Suspended:
+        """Take a context's pages out of the pool; the id dies, the returned record brings
+        them back (``resume``) without computing anything (``runtime.kv.suspend``).
+
+        Its committed pages become cached, held at ``priority`` (with a disk tier: evicted
+        to disk under pressure, kept there until resumed), or copied to host memory (no
+        tier); its working pages are copied to host memory and freed.
+
+        Raises:
+            ContextClosed: unknown context.
+        """
+        state = self._states.get(cid)
+        suspended = suspend_state(self._states, self.holds, self.tier, state, priority)
+        self._states.unregister(cid)
+        return suspended
+
+    def resume(self, suspended: Suspended) -> tuple[ContextId, int, int]:
+        """Bring a suspended context back under a new id.
+
+        Returns:
+            ``(cid, pages_from_memory, pages_from_disk)``: the pages found still in the pool
+            or copied back from host memory, and those read from the disk tier.
+
+        Raises:
+            OutOfPages: no room for the pages that left the pool. SnapshotCorrupt: the disk
+                tier lost one of them. Nothing changes on either: it stays suspended.
+        """
+        state, from_memory, from_disk = resume_state(self._states, self.holds, self.tier,
+                                                     suspended)
+        return self._states.register(state), from_memory, from_disk
+
+    def drop_suspended(self, suspended: Suspended) -> None:
+        """Forget a suspended context for good (its owner released it)."""
+        drop_suspended(self.holds, suspended)
+
+    def set_room_maker(self, make_room: Callable[[int], bool]) -> None:
+        """Call ``make_room(n)`` when an allocation of ``n`` pages finds too few free or
+        cached even after spilling resident snapshots (every allocation but a raw
+        ``reserve_working_pages(..., suspend=False)``): it may free more (the engine
+        suspends idle contexts) and returns whether ``n`` are available now."""
+        self._states.suspend_idle = make_room
 
     # -- holds -------------------------------------------------------------------------
 
