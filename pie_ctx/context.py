@@ -56,18 +56,24 @@ class Context(Counters, Turns):
             this context runs through; its forks keep it, its snapshots record it. None:
             the base model. Pages are shared only between contexts of the same adapter
             (docs/adapters.md).
+        priority: an int in [0, 100]; under pressure a higher one is admitted first and
+            preempted, suspended and evicted last (docs/scheduling.md); its forks keep it.
+            None: this client's default (0, or its API key's on a server).
 
     Raises:
         ContextClosed: the runtime is closed.
+        InvalidArgument: ``priority`` out of range.
         AdapterNotFound: (from the first operation) no adapter of that name is loaded.
     """
 
-    def __init__(self, rt: Runtime, *, adapter: str | None = None,
+    def __init__(self, rt: Runtime, *, adapter: str | None = None, priority: int | None = None,
                  _core: ContextCore | None = None) -> None:
         if _core is None:
             _core = ContextCore(rt)
             name = "" if adapter is None else checks.text(adapter, "adapter")
-            _core.created = _core.spawn(partial(_core.create, name))
+            if priority is not None:
+                priority = checks.priority(priority)
+            _core.created = _core.spawn(partial(_core.create, name, priority))
         self._core = _core
 
     @classmethod

@@ -140,10 +140,12 @@ class ContextCore:
             raise ContextClosed("this context was never created on the runtime")
         return await self.transport.request(cls(ctx=self.handle, **fields))
 
-    async def create(self, adapter: str = "") -> None:
+    async def create(self, adapter: str = "", priority: int | None = None) -> None:
         """Create the context on the runtime (the first operation of a new context), its
-        tokens run through LoRA ``adapter`` ("" = the base model)."""
-        self.adopt(await self.transport.request(P.CreateContext(adapter=adapter)))
+        tokens run through LoRA ``adapter`` ("" = the base model), at ``priority`` (None:
+        the client's default)."""
+        self.adopt(await self.transport.request(P.CreateContext(adapter=adapter,
+                                                                priority=priority)))
 
     async def write_pending(self) -> P.PassReport:
         """Write the pending tokens into the KV cache (call it inside an operation)."""

@@ -86,6 +86,11 @@ class LocalTransport:
     def engine(self) -> Any:
         return self._engine
 
+    @property
+    def owner(self) -> Any:
+        """What this transport's requests carry as their owner (``engine.add_tenant``)."""
+        return self._owner
+
     def _check_open(self) -> None:
         if self._closed:
             raise ProtocolError("this transport is closed (its runtime ended)")

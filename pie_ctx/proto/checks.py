@@ -89,7 +89,17 @@ def finite(value: Any, what: str) -> float:
 MAX_HOLD_TTL = 86400.0  # a day: OpenAI's longest prompt_cache_retention ("24h")
 """The longest time to live a hold may ask for, in seconds (docs/pages.md, "Holds")."""
 MAX_HOLD_PRIORITY = 100
-"""The highest hold priority; pages of a higher-priority hold are evicted later."""
+"""The highest priority (of a hold, a context); pages of a higher-priority hold are evicted
+later."""
+
+
+def priority(value: Any, what: str = "priority") -> int:
+    """A priority: an int in ``[0, MAX_HOLD_PRIORITY]``, higher first (a hold's pages are
+    evicted later; a context is admitted first, preempted and suspended last)."""
+    if not is_int(value) or not 0 <= value <= MAX_HOLD_PRIORITY:
+        raise InvalidArgument(f"{what} is an int in [0, {MAX_HOLD_PRIORITY}] (higher goes "
+                              f"first, is evicted later), got {value!r}")
+    return value
 
 
 def hold_terms(ttl: Any, priority: Any, num_tokens: Any) -> tuple[float, int, int | None]:
@@ -99,9 +109,7 @@ def hold_terms(ttl: Any, priority: Any, num_tokens: Any) -> tuple[float, int, in
             or not 0 < ttl <= MAX_HOLD_TTL:
         raise InvalidArgument(f"retain: ttl is the seconds to keep the pages, a number in "
                               f"(0, {MAX_HOLD_TTL:g}], got {ttl!r}")
-    if not is_int(priority) or not 0 <= priority <= MAX_HOLD_PRIORITY:
-        raise InvalidArgument(f"retain: priority is an int in [0, {MAX_HOLD_PRIORITY}] "
-                              f"(higher is evicted later), got {priority!r}")
+    priority = _priority(priority, "retain: priority")
     if num_tokens is not None:
         num_tokens = count(num_tokens, "retain: num_tokens")
     return float(ttl), priority, num_tokens
@@ -571,3 +579,6 @@ def select(req: M.Select, info: M.EngineInfo, seq_len: int) -> int:
         raise InvalidArgument(f"these options need a pass of {n} tokens over {seq_len}, over "
                               "the engine's mask limit; score fewer or shorter options at once")
     return n
+
+
+_priority = priority  # (``hold_terms`` has a parameter of that name)

@@ -116,6 +116,9 @@ class _Request(msgspec.Struct, tag=True, kw_only=True, frozen=True):
 
 class CreateContext(_Request):
     adapter: str = ""  # the LoRA adapter its tokens run through ("" = the base model)
+    # admitted first, preempted, suspended and evicted last: higher first, [0, 100]
+    # (None: the client's default, 0 unless a server's key sets one; docs/scheduling.md)
+    priority: int | None = None
 
 
 class LoadAdapter(_Request):

@@ -47,8 +47,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from pie_ctx.proto import checks
 from pie_ctx.proto import messages as P
-from pie_ctx.proto.errors import OutOfPages, PieError, ProtocolError, single_exception
+from pie_ctx.proto.errors import (
+    InvalidArgument,
+    OutOfPages,
+    PieError,
+    ProtocolError,
+    single_exception,
+)
 from runtime.engine.adapters import Adapters
 from runtime.engine.channel_requests import ChannelRequests
 from runtime.engine.channels import ChannelLimits, Channels
@@ -58,13 +65,14 @@ from runtime.engine.handlers import Handlers
 from runtime.engine.hosted_requests import HostedRequests
 from runtime.engine.inferlet_store import InferletStore, StoreLimits
 from runtime.engine.jobs import Job, JobStatus
-from runtime.engine.page_metrics import page_families
+from runtime.engine.page_metrics import page_families, tenant_families
 from runtime.engine.passes import Passes
 from runtime.engine.records import ContextRecord, ContextTable
 from runtime.engine.rows import EntryKind, RowResult, StepPlan
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.step_share import DEFAULT_DECODE_SHARE
 from runtime.engine.stream import GenerationStream
+from runtime.engine.tenants import REQUEST_PRIORITY, Tenant, Tenants
 from runtime.kv.snapshots import DEFAULT_NAMESPACE
 from runtime.model.failures import RunnerLost
 
@@ -176,9 +184,10 @@ class Engine:
         self.kv_events: Any = None
         self.tokenizer = tokenizer
         self.executor = StepExecutor(runner)
+        self.tenants = Tenants()
         self.scheduler = Scheduler(store, max_step_tokens=max_step_tokens,
                                    max_pages_per_owner=max_pages_per_owner,
-                                   decode_share=decode_share)
+                                   decode_share=decode_share, tenants=self.tenants)
         self.stall_timeout = stall_timeout
         stop_token_ids = sorted(getattr(tokenizer, "stop_token_ids", []) or [])
         grammars = Grammars(tokenizer, vocab_size, stop_token_ids)
@@ -217,10 +226,13 @@ class Engine:
         self.records = ContextTable(store, on_release=self._kick)
         store.set_room_maker(self._suspend_idle)
         self.scheduler.resume = self.records.resume
-        self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars)
+        self.passes = Passes(store, self.records, self, self.info, tokenizer, grammars,
+                             page_limit=self.scheduler.page_limit)
         self.handlers = Handlers(store, self.records, self.passes, self.info, self.stats,
                                  tokenizer, on_pages_freed=self._kick,
-                                 on_report=self.counters.add_pages, adapters=self.adapters)
+                                 on_report=self.counters.add_pages, adapters=self.adapters,
+                                 page_limit=self.scheduler.page_limit,
+                                 default_priority=self._default_priority)
         self.handlers.extend(ChannelRequests(self.channels, self.info).table)
         self.host: Any = None  # an InferletHost, once attached
         self._hosted = HostedRequests(self.kv_store)
@@ -319,22 +331,26 @@ class Engine:
     # ------------------------------------------------------------ suspend and resume
 
     async def _resume(self, record: ContextRecord | None) -> None:
-        """Bring a suspended context's pages back before a request runs on it, waiting
-        (up to ``stall_timeout``) for room while the pool is full of running work.
+        """Bring a suspended context's pages back before a request runs on it, waiting for
+        room while the pool is full of running work: as long as the engine keeps
+        stepping (those jobs end and give their pages back), and ``stall_timeout`` more.
 
         Raises:
-            OutOfPages: still no room after ``stall_timeout``. SnapshotCorrupt: the disk
-                tier lost one of its pages.
+            OutOfPages: no room, and no step for ``stall_timeout``. SnapshotCorrupt: the
+                disk tier lost one of its pages.
         """
         if record is None or record.suspended is None:
             return
-        deadline = time.monotonic() + self.stall_timeout
+        steps, deadline = -1, 0.0
         async with record.lock:
             while record.suspended is not None:
                 try:
                     self.records.resume(record)
                 except OutOfPages:
-                    if time.monotonic() >= deadline:
+                    if self.scheduler.num_steps != steps:  # progress: wait on
+                        steps = self.scheduler.num_steps
+                        deadline = time.monotonic() + self.stall_timeout
+                    elif time.monotonic() >= deadline:
                         raise
                     await anyio.sleep(_RESUME_POLL)
 
@@ -350,6 +366,34 @@ class Engine:
             if self.records.holds_pages(record):  # (an earlier one may have been a fork)
                 self.records.suspend(record, auto=True)
         return self.store.num_pages_available() >= n
+
+    # ------------------------------------------------------------------------ tenants
+
+    def add_tenant(self, owner: Any, name: str, share: float, priority: int = 0) -> None:
+        """Give ``owner`` (a server's API key: its runtime's owner) a weighted share of
+        the step rows and of the pool, and a default priority for its contexts
+        (``runtime.engine.tenants``; docs/http.md, "Keys and shares").
+
+        Raises:
+            InvalidArgument: ``share`` not a positive number, or a bad ``priority``.
+        """
+        share = checks.finite(share, "share")
+        if share <= 0:
+            raise InvalidArgument(f"a key's share must be > 0, got {share:g}")
+        self.tenants.add(owner, Tenant(name, share, checks.priority(priority)),
+                         self.store.num_pages_total)
+
+    def remove_tenant(self, owner: Any) -> None:
+        self.tenants.remove(owner)
+
+    def _default_priority(self, owner: Any) -> int:
+        """A new context's priority when its request gives none: the server request's
+        (``x-pie-priority``), else its tenant's, else 0."""
+        asked = REQUEST_PRIORITY.get()
+        if asked is not None:
+            return asked
+        tenant = self.tenants.of(owner)
+        return 0 if tenant is None else tenant.priority
 
     def attach_host(self, host: Any, folder: str) -> None:
         """Let ``rt.spawn`` launch inferlets through ``host`` (an ``InferletHost`` of the
@@ -431,7 +475,8 @@ class Engine:
     def metric_families(self) -> Iterator[Any]:
         """Prometheus series of the engine's own beyond ``GET /metrics``' fixed ones (the
         holds; ``runtime.engine.page_metrics``)."""
-        return page_families(self.stats())
+        yield from page_families(self.stats())
+        yield from tenant_families(self.tenants, self.store)
 
     # ------------------------------------------------------------------ the job queue
 

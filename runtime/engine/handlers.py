@@ -46,13 +46,19 @@ class Handlers:
         on_report: called with the report of every snapshot open or take that succeeded
             (the engine's counters sum it with the passes' reports).
         adapters: the engine's LoRA adapters (``LoadAdapter``, ``CreateContext.adapter``).
+        page_limit: the most pages an owner's contexts may hold (None: the pool).
+        default_priority: an owner's contexts' priority when ``CreateContext`` gives none.
     """
 
     def __init__(self, store: PageStore, records: ContextTable, passes: Passes,
                  info: Callable[[], P.EngineInfo],
                  stats: Callable[[], P.EngineStats], tokenizer: Any,
                  on_pages_freed: Callable[[], None],
-                 on_report: Callable[[P.PassReport], None], adapters: Adapters) -> None:
+                 on_report: Callable[[P.PassReport], None], adapters: Adapters,
+                 page_limit: Callable[[Any], int | None] = lambda owner: None,
+                 default_priority: Callable[[Any], int] = lambda owner: 0) -> None:
+        self._page_limit = page_limit
+        self._default_priority = default_priority
         self._store = store
         self._adapters = adapters
         self._on_report = on_report
@@ -118,7 +124,7 @@ class Handlers:
 
     def _check_share(self, owner: Any, more: int) -> None:
         """Refuse to give ``owner`` ``more`` pages beyond its share of the pool."""
-        share = self._info().max_pages_per_owner
+        share = self._page_limit(owner)
         if not share or more <= 0:
             return
         held = self._store.owner_pages(owner)
@@ -129,7 +135,11 @@ class Handlers:
 
     async def _create(self, req: P.CreateContext, owner: Any, ns: str) -> P.ContextReply:
         key = self._adapters.key_of(checks.text(req.adapter, "adapter"))
-        return self._reply(self._records.add(self._store.create_context(owner, key), owner))
+        priority = self._default_priority(owner) if req.priority is None \
+            else checks.priority(req.priority)
+        record = self._records.add(self._store.create_context(owner, key), owner)
+        record.priority = priority
+        return self._reply(record)
 
     async def _load_adapter(self, req: P.LoadAdapter, owner: Any, ns: str) -> P.EngineInfo:
         await self._adapters.load(req.name, req.path)
@@ -143,7 +153,9 @@ class Handlers:
         async with self._records.locked(req.ctx, owner) as parent:
             self._check_share(owner, self._store.state(parent.cid).num_working_pages)
             cid = self._store.fork(parent.cid)
-        return self._reply(self._records.add(cid, owner, parent.last_logits))
+        record = self._records.add(cid, owner, parent.last_logits)
+        record.priority = parent.priority
+        return self._reply(record)
 
     async def _release(self, req: P.ReleaseContext, owner: Any, ns: str) -> P.Ok:
         record = self._records.get(req.ctx, owner, resume=False)

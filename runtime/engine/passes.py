@@ -52,10 +52,13 @@ class Passes:
         info: returns the engine's facts and limits (vocabulary, lengths, reply size...).
         tokenizer: decodes generated text for stop strings and streaming.
         grammars: compiles constraints.
+        page_limit: the most pages an owner's contexts may hold (None: the pool).
     """
 
     def __init__(self, store: PageStore, records: ContextTable, jobs: JobQueue,
-                 info: Callable[[], P.EngineInfo], tokenizer: Any, grammars: Grammars) -> None:
+                 info: Callable[[], P.EngineInfo], tokenizer: Any, grammars: Grammars,
+                 page_limit: Callable[[Any], int | None] = lambda owner: None) -> None:
+        self._page_limit = page_limit
         self._store = store
         self._records = records
         self._jobs = jobs
@@ -73,7 +76,7 @@ class Passes:
             mask = checks.forward(req, self._info(), seq_len)
             tokens = list(req.tokens)
             n = len(tokens)
-            self._check_fits(seq_len + n, "this pass")
+            self._check_fits(seq_len + n, "this pass", owner)
             positions = self._default_positions(record, n) if req.positions is None \
                 else list(req.positions)
             logits = list(req.logits)
@@ -172,7 +175,7 @@ class Passes:
         checks.generate(req, self._info(), state.seq_len)
         tokens = list(req.tokens)
         self._check_fits(state.seq_len + len(tokens) + req.max_tokens,
-                         "prompt + max_tokens", "lower max_tokens or ")
+                         "prompt + max_tokens", record.owner, "lower max_tokens or ")
         first_logits = None if tokens else await self._first_logits(record)
         matcher = None
         if req.constraint is not None:  # compiling may take a while: not on the loop
@@ -221,7 +224,7 @@ class Passes:
             if req.num_draft and len(tokens) == req.num_draft:
                 raise InvalidArgument("a draft needs the token before it in the same round; "
                                       "send a round without a draft first")
-            self._check_fits(state.seq_len + len(tokens) + 1, "this round")
+            self._check_fits(state.seq_len + len(tokens) + 1, "this round", owner)
             decoding = Decoding(logit_bias=req.logit_bias, allowed=req.allowed_tokens,
                                 top_logprobs=req.top_logprobs)
             sampler = _seeded(req.sampler)
@@ -341,14 +344,14 @@ class Passes:
             return None
         return ScoreProbe(list(specs), self._info().score_layers, generation)
 
-    def _check_fits(self, num_tokens: int, what: str, hint: str = "") -> None:
+    def _check_fits(self, num_tokens: int, what: str, owner: Any, hint: str = "") -> None:
         """Refuse at once what could never fit: the pool, or the owner's share of it."""
         needed = math.ceil(num_tokens / self._store.page_size)
         total = self._store.num_pages_total
         if needed > total:
             raise OutOfPages(f"{what} need {needed} pages; the pool has {total}: {hint}"
                              "split the work or start the engine with more pages")
-        share = self._info().max_pages_per_owner
+        share = self._page_limit(owner)
         if share and needed > share:
             raise OutOfPages(f"{what} need {needed} pages; one client's share of the pool is "
                              f"{share}: {hint}split the work")

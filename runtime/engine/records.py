@@ -50,6 +50,7 @@ class ContextRecord:
     # float32 [vocab] logits of the last token written, so generate() can start right
     # after a flush; None when unknown (generate then recomputes them).
     last_logits: Any = None
+    priority: int = 0  # higher: admitted first, preempted and suspended last
     suspended: Suspended | None = None  # its pages out of the pool (cid is None then)
     back_at: float | None = None  # when its program expects to use it again (clock time)
     last_used: float = 0.0  # when a request last named it (clock time)
@@ -108,6 +109,10 @@ class ContextTable:
     def __len__(self) -> int:
         return len(self._records)
 
+    def __iter__(self) -> Iterator[ContextRecord]:
+        """Every live record (a copy of the table, safe to change under)."""
+        return iter(list(self._records.values()))
+
     def get(self, handle: Any, owner: Any, *, resume: bool = True) -> ContextRecord:
         """The record of ``handle`` if ``owner`` owns it, resumed if it was suspended
         (unless ``resume`` is False).
@@ -165,11 +170,12 @@ class ContextTable:
     # -------------------------------------------------------------- suspend and resume
 
     def suspend(self, record: ContextRecord, *, auto: bool = False) -> int:
-        """Take a record's pages out of the pool (it must not be busy); returns how many
-        it held. A suspended record stays as it is."""
+        """Take a record's pages out of the pool; returns how many it held. Nothing may be
+        using its store context: it is not busy, or busy only with a job still waiting
+        for admission (which resumes it). A suspended record stays as it is."""
         if record.suspended is not None:
             return 0
-        record.suspended = self._store.suspend(record.cid)
+        record.suspended = self._store.suspend(record.cid, record.priority)
         record.cid = None
         c = self.counters
         c.suspends += 1
@@ -199,14 +205,14 @@ class ContextTable:
         return report
 
     def idle(self) -> list[ContextRecord]:
-        """The records the engine may suspend for room, the first to go first: those
-        whose program expects them back furthest off (an estimate that has passed no
-        longer counts), then the least recently used."""
+        """The records the engine may suspend for room, the first to go first: the lowest
+        priority, then those whose program expects them back furthest off (an estimate
+        that has passed no longer counts), then the least recently used."""
         now = self._clock()
 
-        def order(r: ContextRecord) -> tuple[float, float]:
+        def order(r: ContextRecord) -> tuple[int, float, float]:
             back = r.back_at if r.back_at is not None and r.back_at > now else None
-            return (math.inf if back is None else -back, r.last_used)
+            return (r.priority, math.inf if back is None else -back, r.last_used)
         candidates = [r for r in self._records.values()
                       if not r.is_busy and not r.pins and self.holds_pages(r)]
         return sorted(candidates, key=order)

@@ -55,6 +55,7 @@ from runtime.engine.rows import (
     row_request,
 )
 from runtime.engine.step_share import DEFAULT_DECODE_SHARE, StepShare
+from runtime.engine.tenants import Tenants, fair_split
 from runtime.model.batch import SeqInput
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ class Scheduler:
     def __init__(self, store: PageStore, *, max_step_tokens: int = 1024,
                  max_pages_per_owner: int | None = None,
                  decode_share: float = DEFAULT_DECODE_SHARE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tenants: Tenants | None = None) -> None:
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
         self.store = store
@@ -83,6 +85,7 @@ class Scheduler:
         self.share = StepShare(decode_share, store.page_size)  # the engine feeds it
         self.max_step_tokens = max_step_tokens
         self.max_pages_per_owner = max_pages_per_owner
+        self.tenants = tenants if tenants is not None else Tenants()
         self._clock = clock
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
@@ -103,8 +106,21 @@ class Scheduler:
     # ----------------------------------------------------------------- queue management
 
     def submit(self, job: Job) -> None:
+        """Queue a job: behind every waiting job of its priority or higher, ahead of the
+        lower ones."""
         job.status = JobStatus.WAITING
+        mine = _priority(job)
+        for i, other in enumerate(self.waiting):
+            if _priority(other) < mine:
+                self.waiting.insert(i, job)
+                return
         self.waiting.append(job)
+
+    def page_limit(self, owner: Any) -> int | None:
+        """The most pages ``owner``'s contexts may hold: its tenant's share of the pool, or
+        ``max_pages_per_owner`` (None: the whole pool)."""
+        tenant = self.tenants.of(owner)
+        return tenant.max_pages if tenant is not None else self.max_pages_per_owner
 
     def cancel(self, job: Job) -> bool:
         """Drop a job, rolling back its shadow.
@@ -297,16 +313,17 @@ class Scheduler:
     def _victim(self) -> Job | None:
         """The job to preempt when nothing can run.
 
-        The pool is full of running jobs' pages: the most recently admitted is preempted
-        (its committed pages stay cached, so re-admission mostly re-attaches them). When
+        The pool is full of running jobs' pages: the most recently admitted of the lowest
+        priority is preempted (its committed pages stay cached, so re-admission mostly
+        re-attaches them). When
         jobs are held back by their owner's share instead, only a job of that owner can
         make room for it.
         """
         over = [j for j in self.active if j.share_blocked_since is not None]
         if over:
             mine = [j for j in self.active if _owner(j) == _owner(over[0])]
-            return max(mine, key=lambda j: j.admitted_order) if len(mine) > 1 else None
-        return max(self.active, key=lambda j: j.admitted_order)
+            return max(mine, key=_victim_order) if len(mine) > 1 else None
+        return max(self.active, key=_victim_order)
 
     def fail_over_share(self, timeout: float) -> list[Job]:
         """Fail the jobs held back by their owner's share for longer than ``timeout``."""
@@ -350,14 +367,22 @@ class Scheduler:
                 plan.entries.append(Entry(job, EntryKind.SEED, 0, 0, [(None, len(plan.rows) - 1)]))
         decoding = [j for j in self.active if j.is_decoding]
         prefilling = [j for j in self.active if j.prompt_remaining > 0]
-        if len(decoding) > budget:  # more decodes than the budget: rotate who waits
-            start = self._rr_decode % len(decoding)
+        left = self._tenant_split(decoding, prefilling, budget)
+        if len(decoding) > budget or left is not None:  # some decodes wait: rotate who
+            start = self._rr_decode % len(decoding) if decoding else 0
             decoding = decoding[start:] + decoding[:start]
-            self._rr_decode += budget
+            self._rr_decode += budget if left is None else 1
         for job in decoding:
             if budget < 1:
                 break
-            budget -= self._add_decode(plan, job, budget)
+            group = self.tenants.of(_owner(job))
+            if left is not None and left[group] < 1:
+                continue  # its tenant's part of this step is spent
+            used = self._add_decode(plan, job, budget if left is None
+                                    else min(budget, left[group]))
+            budget -= used
+            if left is not None:
+                left[group] -= used
         if prefilling:
             decodes = any(e.kind is EntryKind.DECODE for e in plan.entries)
             allowance = self.share.allowance(decodes)  # seconds the chunks may add, or None
@@ -371,6 +396,9 @@ class Scheduler:
                 # The first prefill of a step always progresses, even when decodes took the
                 # whole budget: at least a page of tokens (one under a decode share), or a
                 # custom-masked pass whole.
+                group = self.tenants.of(_owner(job))
+                if left is not None and left[group] < 1 and not first:
+                    continue  # its tenant's part of this step is spent
                 if allowance is None:
                     cap = max(budget, self.page_size)
                 else:
@@ -380,15 +408,38 @@ class Scheduler:
                     if cap < 1 and not first:
                         break
                     cap = max(cap, 1)
+                if left is not None:
+                    cap = min(cap, max(left[group], 1))
                 used = self._add_prefill(plan, job, cap, first=first)
                 if used:
                     first = False
                     budget -= used
+                    if left is not None:
+                        left[group] -= used
                     if allowance is not None:
                         cost = self.share.cost(used, depth)
                         allowance = allowance - cost if cost < allowance else 0.0
             self.share.num_bounded += bounded
         return plan
+
+    def _tenant_split(self, decoding: list[Job], prefilling: list[Job],
+                      budget: int) -> dict[Any, int] | None:
+        """Each tenant's part of this step's tokens when two or more groups (the tenants,
+        and the owners with none as one group of weight 1) want more than ``budget`` in
+        all: ``fair_split`` of their demand (a decode: one token; a prompt: what is left of
+        it) by their shares. None when the step holds everyone's demand, or without two
+        groups wanting some."""
+        if not self.tenants:
+            return None
+        demand: dict[Any, int] = {}
+        for job in (*decoding, *prefilling):
+            group = self.tenants.of(_owner(job))
+            demand[group] = demand.get(group, 0) + (
+                1 if job.is_decoding else job.prompt_remaining)
+        if len(demand) < 2 or sum(demand.values()) <= budget:
+            return None
+        weight = {g: 1.0 if g is None else g.share for g in demand}
+        return fair_split(demand, weight, budget)
 
     def _ensure_room(self, job: Job, num_tokens: int) -> Room:
         """Reserve working pages in the job's shadow for ``num_tokens`` more tokens."""
@@ -397,7 +448,7 @@ class Scheduler:
         need = num_tokens - capacity
         if need > 0:
             pages = math.ceil(need / self.page_size)
-            share = self.max_pages_per_owner
+            share = self.page_limit(_owner(job))
             if share is not None and self.store.owner_pages(_owner(job)) + pages > share:
                 if job.share_blocked_since is None:
                     job.share_blocked_since = self._clock()
@@ -457,6 +508,9 @@ class Scheduler:
                 requests: list[RowRequest] | None = None) -> None:
         prompt = kind is EntryKind.PROMPT
         num_cached = self.store.state(job.shadow).seq_len
+        tenant = self.tenants.of(_owner(job))
+        if tenant is not None:
+            tenant.rows += len(tokens)
         extras = job.extras[start : start + len(tokens)] if prompt else [0] * len(tokens)
         self.store.write_tokens(job.shadow, tokens, positions, extras)
         chunk = SeqInput(tokens, positions, self.store.page_table(job.shadow), num_cached,
@@ -630,7 +684,7 @@ class Scheduler:
     def _share_message(self, job: Job) -> str:
         mine = self.store.owner_pages(_owner(job))
         return (
-            f"your contexts hold {mine} pages of your {self.max_pages_per_owner}-page share of "
+            f"your contexts hold {mine} pages of your {self.page_limit(_owner(job))}-page share of "
             f"the KV pool, and this request needs more: release contexts you no longer need "
             f"or lower max_tokens (other clients' pages are not yours to free)"
         )
@@ -638,6 +692,15 @@ class Scheduler:
 
 def _no_suspends(record: Any) -> None:
     raise RuntimeError("a suspended context reached a scheduler with no resume")
+
+
+def _priority(job: Job) -> int:
+    return getattr(job.record, "priority", 0)
+
+
+def _victim_order(job: Job) -> tuple[int, int]:
+    """Preempted first: the lowest priority, then the most recently admitted."""
+    return (-_priority(job), job.admitted_order)
 
 
 def _owner(job: Job) -> Any:

@@ -157,6 +157,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--api-key-file", default=None,
                        help="file holding the HTTP API key; generated 0600 if missing. "
                             "Required (generated) off loopback; on loopback only if given")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY:SHARE",
+                       help="an HTTP API key with its share of the step rows and of the KV "
+                            "pool (repeat for each tenant): KEY:SHARE[:PRIORITY[:NAME]], the "
+                            "priority of its contexts in [0, 100], its name for /metrics "
+                            "(default keyN). See docs/http.md, 'Keys and shares'")
+    serve.add_argument("--api-keys-file", default=None, metavar="FILE",
+                       help="more --api-key specs, one KEY:SHARE[:PRIORITY[:NAME]] per line "
+                            "(# comments); keeps the keys off the command line")
     serve.add_argument("--no-access-log", action="store_true",
                        help="do not write one line per HTTP request (method, path, status, "
                             "ms, tokens) to stderr")
@@ -240,16 +248,30 @@ def _listen_address(args: argparse.Namespace) -> Address:
     return Address("unix", path=args.socket or default_socket_path())
 
 
+def _api_keys(args: argparse.Namespace) -> list[Any]:
+    """The keys with shares of ``--api-key`` and ``--api-keys-file``, in that order."""
+    from runtime.server.http.keys import check_keys, parse_key, read_keys_file
+
+    keys = [parse_key(spec, f"key{i}") for i, spec in enumerate(args.api_key, 1)]
+    if args.api_keys_file is not None:
+        keys += read_keys_file(args.api_keys_file, first=len(keys) + 1)
+    check_keys(keys)
+    return keys
+
+
 def _http_options(args: argparse.Namespace) -> tuple[Any, str | None, str | None]:
     """(HTTP address or None, API key or None, the key's file or None) from the options."""
     if args.http is None:
-        if args.api_key_file is not None:
-            raise PieError("--api-key-file needs --http")
+        for given, flag in ((args.api_key_file, "--api-key-file"), (args.api_key, "--api-key"),
+                            (args.api_keys_file, "--api-keys-file")):
+            if given:
+                raise PieError(f"{flag} needs --http")
         return None, None, None
     from runtime.server.http.app import is_loopback, parse_http_address
 
     http = parse_http_address(args.http)
-    if args.api_key_file is None and is_loopback(http.host):
+    if args.api_key_file is None and (is_loopback(http.host) or args.api_key
+                                      or args.api_keys_file):
         return http, None, None
     path = args.api_key_file or default_api_key_file()
     if os.path.exists(path):
@@ -274,6 +296,7 @@ def serve_main(args: argparse.Namespace) -> int:
         address = _listen_address(args)
         token, token_file = settle_token(address, None, args.token_file)
         http, api_key, key_file = _http_options(args)
+        api_keys = _api_keys(args)
         if args.no_access_log:
             from runtime.server.http.access_log import set_enabled
 
@@ -327,11 +350,14 @@ def serve_main(args: argparse.Namespace) -> int:
             _say(f"MCP servers for /v1/responses: {', '.join(sorted(mcp))}")
         if key_file is not None:
             _say(f"HTTP clients need the API key in {key_file}")
+        for key in api_keys:
+            _say(f"API key {key.name}: share {key.share:g}, priority {key.priority}")
 
     try:
         anyio.run(lambda: run_server(engine, address, token=token,
                                      max_frame_bytes=args.max_frame_bytes, ready=ready,
-                                     http=http, api_key=api_key, http_ready=http_ready,
+                                     http=http, api_key=api_key, api_keys=api_keys,
+                                     http_ready=http_ready,
                                      mcp=mcp, cors_origins=args.cors_origin,
                                      tool_hold_s=args.tool_hold))
     except PieError as err:

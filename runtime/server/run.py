@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -98,7 +98,7 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                      max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                      ready: Callable[[Address], None] | None = None,
                      handle_signals: bool = True, http: Any = None,
-                     api_key: str | None = None,
+                     api_key: str | None = None, api_keys: Sequence[Any] = (),
                      http_ready: Callable[[Any], None] | None = None,
                      mcp: dict[str, str] | None = None,
                      cors_origins: list[str] | None = None,
@@ -117,7 +117,9 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
         handle_signals: install SIGINT/SIGTERM handlers (main thread only).
         http: also serve the HTTP API (``runtime.server.http``) on this ``HttpAddress``, on
             the same engine.
-        api_key: required by the HTTP API if given; mandatory off loopback.
+        api_key: required by the HTTP API if given; mandatory off loopback (or
+            ``api_keys``).
+        api_keys: keys with shares (``runtime.server.http.keys.ApiKey``): each a tenant.
         http_ready: called with the bound HTTP address once HTTP clients can connect.
         mcp: MCP servers for the HTTP API's server-side tools, name -> command or URL.
         cors_origins: the browser origins the HTTP API answers CORS requests from.
@@ -138,7 +140,7 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
     if http is not None:
         from runtime.server.http.app import bind, is_loopback
 
-        if not api_key and not is_loopback(http.host):
+        if not api_key and not api_keys and not is_loopback(http.host):
             raise InvalidArgument("HTTP off loopback requires an API key (see settle_token)")
         http_sock, http = bind(http)
     server = Server(engine, tokens=[token] if token else [], require_token=address.kind == "tcp",
@@ -155,7 +157,7 @@ async def run_server(engine: Any, address: Address, *, token: str | None = None,
                     from runtime.server.http.app import create_app, serve_http
 
                     extra = {} if tool_hold_s is None else {"tool_wait_s": tool_hold_s}
-                    app = create_app(engine, api_key=api_key, mcp=mcp,
+                    app = create_app(engine, api_key=api_key, api_keys=api_keys, mcp=mcp,
                                      cors_origins=cors_origins, **extra)
                     await tg.start(serve_http, app, http_sock)
                     if http_ready is not None:

@@ -150,3 +150,26 @@ async def test_more_contexts_than_the_pool_holds_all_finish_exactly(
     assert stats.num_auto_suspends >= 4 and stats.num_resumes >= 4
     assert stats.tokens_computed == roomy.tokens_computed  # no token computed twice
     assert stats.num_contexts_suspended <= 6
+
+
+@pytest.mark.fp32_only("scheduling, not numerics")
+async def test_the_lowest_priority_idle_context_leaves_first(tiny_folder, transport,
+                                                             tmp_path: Path):
+    async with sdk_runtime(tiny_folder, transport, num_pages=40,
+                           snapshot_dir=tmp_path) as (rt, engine):
+        low = Context(rt, priority=0).append(PROMPT)
+        high = Context(rt, priority=9).append(THIRD)
+        await low.flush()
+        await high.flush()  # high is the most recently used: by recency it would stay
+        fork = high.fork()  # forks keep their parent's priority
+        await fork.flush()
+        async with Context(rt) as big:  # room for one idle context's pages must be made
+            await big.append(OTHER).flush()
+        stats = await rt.stats()
+        assert stats.num_auto_suspends >= 1
+        records = list(engine.records)
+        assert sorted(r.priority for r in records) == [0, 9, 9]
+        suspended = [r.priority for r in records if r.suspended is not None]
+        assert suspended and set(suspended) == {0}
+        with pytest.raises(InvalidArgument):
+            Context(rt, priority=101)

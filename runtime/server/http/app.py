@@ -1,8 +1,10 @@
 """Assemble the HTTP app and run it with uvicorn on the engine's event loop.
 
 Owner: ``run_server`` (``pie-ctx serve --http``) and the tests. The app holds one
-``pie_ctx.Runtime`` over the running engine for all HTTP clients, opened in the app's
-lifespan and closed (every context it opened released) when the server stops.
+``pie_ctx.Runtime`` over the running engine for all HTTP clients, and one more per API key
+with a share (``serve --api-key KEY:SHARE``: a tenant of the engine, with its share of the
+step rows and the pool; ``runtime.server.http.keys``), opened in the app's lifespan and
+closed (every context it opened released) when the server stops.
 
 Security: on a loopback address no key is needed; on any other address an API key is
 mandatory (``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's clients
@@ -17,10 +19,9 @@ on ``/v1/messages``), and every request writes one access-log line (``access_log
 from __future__ import annotations
 
 import contextlib
-import hmac
 import ipaddress
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import anyio.abc
 from pie_ctx import Runtime
 from pie_ctx.proto.errors import InvalidArgument
 from runtime.server.http.conversation.holds import TOOL_WAIT_S, PromptHolds
+from runtime.server.http.keys import CURRENT_KEY, ApiKey, KeyCheck, check_keys
 
 __all__ = ["HttpAddress", "create_app", "parse_http_address", "serve_http", "is_loopback"]
 
@@ -77,29 +79,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _KeyCheck:
-    """ASGI middleware: every request but :data:`OPEN_PATHS` carries the API key."""
-
-    def __init__(self, app: Any, key: str) -> None:
-        self.app, self._key = app, key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                given = value[7:].strip()
-            elif name == b"x-api-key" and not given:  # Anthropic's clients
-                given = value.strip()
-        if hmac.compare_digest(given, self._key):
-            await self.app(scope, receive, send)
-            return
-        message = ("missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-                   if not given else "invalid API key")
-        response = _error(scope["path"], 401, message, code="invalid_api_key")
-        await response(scope, receive, send)
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str,
+                  code: str) -> None:
+    """Answer a request ``KeyCheck`` turned away, in its API's error shape."""
+    await _error(scope["path"], status, message, code=code)(scope, receive, send)
 
 
 def _error(path: str, status: int, message: str, code: str | None = None) -> Any:
@@ -132,6 +115,7 @@ async def _not_found(request: Any, exc: Any) -> Any:
 
 
 def create_app(engine: Any, *, api_key: str | None = None,
+               api_keys: Sequence[ApiKey] = (),
                mcp: dict[str, str] | None = None,
                cors_origins: list[str] | None = None,
                tool_wait_s: float = TOOL_WAIT_S) -> Any:
@@ -141,6 +125,10 @@ def create_app(engine: Any, *, api_key: str | None = None,
     Args:
         engine: the engine every request runs on.
         api_key: required as ``Authorization: Bearer`` on every data endpoint if given.
+        api_keys: more keys, each with its share of the engine's step rows and pool and
+            its default priority (``serve --api-key KEY:SHARE``): each runs as its own
+            owner, a tenant of the engine (docs/http.md, "Keys and shares"). With either
+            kind of key, a request needs one of them.
         mcp: the MCP servers ``/v1/responses`` may run tools on, name -> command or URL
             (``serve --mcp``).
         cors_origins: browser origins allowed to call the API (``serve --cors-origin``;
@@ -164,37 +152,52 @@ def create_app(engine: Any, *, api_key: str | None = None,
     from runtime.server.http.state import state_routes
 
     metrics = Metrics(engine)
-    holder: dict[str, Runtime] = {}
+    keys = [*([ApiKey(api_key, "key")] if api_key else []), *api_keys]
+    check_keys(keys)
+    holder: dict[str, Runtime] = {}  # key name ("" for none) -> the runtime it runs on
+
+    def current_rt() -> Runtime:
+        return holder[CURRENT_KEY.get()]
+
     holds = PromptHolds()  # one table: a key's share counts its holds on every API
-    service = OpenAIService(lambda: holder["rt"], engine.model_name, metrics,
+    service = OpenAIService(current_rt, engine.model_name, metrics,
                             adapters=lambda: engine.info().adapters, holds=holds,
                             tool_wait_s=tool_wait_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        async with Runtime.local(engine=engine) as rt:
-            holder["rt"] = rt
+        async with contextlib.AsyncExitStack() as stack:
+            rt = await stack.enter_async_context(Runtime.local(engine=engine))
+            holder[""] = rt
+            for key in keys:  # a key with a share is a tenant: its own runtime, its owner
+                if key.share is None:
+                    holder[key.name] = rt
+                    continue
+                mine = await stack.enter_async_context(Runtime.local(engine=engine))
+                engine.add_tenant(mine.transport.owner, key.name, key.share, key.priority)
+                stack.callback(engine.remove_tenant, mine.transport.owner)
+                holder[key.name] = mine
             try:
                 yield
             finally:
                 responses.close()
-                del holder["rt"]
+                holder.clear()
 
-    channels = ChannelRoutes(lambda: holder["rt"])
-    inferlets = InferletRoutes(lambda: holder["rt"])
-    serving = ServingRoutes(lambda: holder["rt"], engine.model_name, service.check_model)
-    messages = MessagesService(lambda: holder["rt"], service.check_model, metrics, holds)
-    responses = ResponsesService(engine, lambda: holder["rt"], engine.model_name,
+    channels = ChannelRoutes(current_rt)
+    inferlets = InferletRoutes(current_rt)
+    serving = ServingRoutes(current_rt, engine.model_name, service.check_model)
+    messages = MessagesService(current_rt, service.check_model, metrics, holds)
+    responses = ResponsesService(engine, current_rt, engine.model_name,
                                  service.check_model, metrics, mcp, holds, tool_wait_s)
-    embeddings = EmbeddingRoutes(lambda: holder["rt"], engine.model_name,
+    embeddings = EmbeddingRoutes(current_rt, engine.model_name,
                                  lambda: engine.info().adapters)
     routes = [*service.routes, *responses.routes, *messages.routes, *serving.routes,
-              *embeddings.routes, *AdapterRoutes(lambda: holder["rt"]).routes, *channels.routes,
+              *embeddings.routes, *AdapterRoutes(current_rt).routes, *channels.routes,
               *inferlets.routes, *metrics.routes, *state_routes(engine, metrics)]
     app: Any = Starlette(routes=routes, lifespan=lifespan,
                          exception_handlers={404: _not_found, 405: _not_found})
     app.state.metrics = metrics
-    asgi: Any = _KeyCheck(app, api_key) if api_key else app
+    asgi: Any = KeyCheck(app, keys, OPEN_PATHS, _refuse)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
