@@ -50,6 +50,17 @@ while an 8,000-token prompt is prefilled beside it, over the same alone (on the 
 server; with ``decode_p99_itl_idle_ms``, ``decode_p99_itl_under_prefill_ms`` and the long
 prompt's own ``long_prompt_beside_decode_s``; ``--decode-share S`` sets serve's).
 
+``--pool-fraction F`` runs the many-agents regime (docs/agents.md): each ReAct or Swarm
+run of our a2 programs runs twice, first on a server whose pool holds everyone (its peak
+of live pages is read from ``/metrics`` as it runs), then on a server whose page pool is F
+of that peak, where idle agents' contexts are suspended to the disk tier and come back
+without recompute (docs/pages.md, "Suspend and resume"). The JSON line then has, per
+workload and concurrency N (``react64_...``): ``tput_vs_unlimited_pool``,
+``recomputed_suspended_tokens`` (tokens the small pool computed beyond the unlimited run's:
+any recompute, preemption's included), ``tput_vs_llamaserver``, the pools' pages, the
+peak, the suspends and resumes, the pages back from disk, and each server's resident
+memory (ours and llama-server's, read from /proc as they run).
+
 ``--repeats N`` runs all of it N times in rounds (our servers, then llama-server's, then
 the next round), so that a slow minute on a shared machine falls on one round and not on
 one system: each figure of the JSON line is then the median of the rounds' (``rounds``
@@ -62,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import secrets
@@ -96,6 +108,8 @@ class Run:
     system: str
     wall: float = 0.0
     results: list[dict[str, Any]] = field(default_factory=list)
+    pool: str = ""  # with --pool-fraction: "unlimited" or "fraction" (our side)
+    server: dict[str, Any] = field(default_factory=dict)  # its server's figures (ServerWatch)
 
     def latencies(self) -> list[float]:
         return sorted(r["latency"] for r in self.results)
@@ -127,7 +141,8 @@ class Run:
                 "gen_tok_per_s": self.tokens_per_s, "generated": self.total("generated"),
                 "prompt_sent": self.total("prompt_sent"),
                 "prompt_computed": self.total("prompt_computed"),
-                "call_tokens": self.total("call_tokens"), "call_steps": self.total("call_steps")}
+                "call_tokens": self.total("call_tokens"), "call_steps": self.total("call_steps"),
+                **({"pool": self.pool} if self.pool else {}), **self.server}
 
 
 # ------------------------------------------------------------------------------ servers
@@ -219,6 +234,75 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rss_bytes(pid: int) -> int:
+    """A process's resident memory now (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+_METRICS = {"pages_used": 'pie_ctx_pages{state="used"}', "tokens_computed":
+            "pie_ctx_tokens_computed_total", "auto_suspends": 'pie_ctx_suspends_total{how="pressure"}',
+            "resumes": "pie_ctx_resumes_total", "pages_resumed_from_disk":
+            'pie_ctx_pages_resumed_total{source="disk"}', "pages_resumed_from_memory":
+            'pie_ctx_pages_resumed_total{source="memory"}', "pool_pages": "pie_ctx_pages_total"}
+
+
+def _read_metrics(base: str) -> dict[str, float]:
+    """The series of ``_METRICS`` from a pie-ctx server's ``/metrics`` (base: its URL)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        values[name] = value
+    return {key: float(values.get(series, "nan")) for key, series in _METRICS.items()}
+
+
+class ServerWatch:
+    """A server's figures over one run: peak resident memory (from /proc, both kinds of
+    server) and, for ours, the peak of live pages and the counters' increase (/metrics)."""
+
+    def __init__(self, pid: int, metrics_base: str | None) -> None:
+        self.pid, self.base = pid, metrics_base
+        self.peak_rss = _rss_bytes(pid)
+        self.peak_pages = 0.0
+        self.before = None if metrics_base is None else _read_metrics(metrics_base)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak_rss = max(self.peak_rss, _rss_bytes(self.pid))
+            if self.base is not None:
+                now = await asyncio.to_thread(_read_metrics, self.base)
+                self.peak_pages = max(self.peak_pages, now["pages_used"])
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.25)
+            except TimeoutError:
+                pass
+
+    async def finish(self) -> dict[str, Any]:
+        self._stop.set()
+        await self._task
+        out: dict[str, Any] = {"server_peak_rss_gb": self.peak_rss / 2**30}
+        if self.base is not None and self.before is not None:
+            after = _read_metrics(self.base)
+            out.update({"peak_pages_used": int(self.peak_pages),
+                        "pool_pages": int(after["pool_pages"])})
+            for key in ("tokens_computed", "auto_suspends", "resumes",
+                        "pages_resumed_from_disk", "pages_resumed_from_memory"):
+                out[key] = int(after[key] - self.before[key])
+        return out
 
 
 # ------------------------------------------------------------------------------- agents
@@ -391,19 +475,56 @@ async def itl_under_prefill(server: PieServer, smoke: bool) -> dict[str, float]:
 
 async def measure(weights: str, workload: str, agents: int, system: str, target: str,
                   args: argparse.Namespace, tools_as: str = "tools",
-                  http: str | None = None) -> Run:
+                  http: str | None = None, watch: tuple[int, str | None] | None = None,
+                  pool: str = "") -> Run:
     """One run, after a warm-up with the same session (so its system prompt is in every
     cache: once in ours, in every slot of llama-server) but other agents (so nothing
-    else of the timed agents is)."""
+    else of the timed agents is). ``watch``: the server's pid and metrics URL (None for
+    llama-server's), to record its figures over the timed run (``ServerWatch``)."""
     session = secrets.token_hex(4)
     slots = agents if system == "c" else min(agents, 8)
     if not args.smoke:  # (the smoke measures nothing)
         await run_agents(Run(weights, workload, slots, system), target, session, smoke=True,
                          tools_as=tools_as, first=WARM_AGENTS, http=http)
-    run = Run(weights, workload, agents, system)
+    run = Run(weights, workload, agents, system, pool=pool)
+    watcher = None if watch is None else ServerWatch(*watch)
     await run_agents(run, target, session, smoke=args.smoke, tools_as=tools_as, http=http)
+    if watcher is not None:
+        run.server = await watcher.finish()
     _print_run(run)
     return run
+
+
+def _one_agent_pages(run: Run) -> int:
+    """The pages the largest agent of a run holds at its end (serve's pages of 16 tokens),
+    plus a few for its next step: the least a pool must hold to run it at all."""
+    return max(math.ceil((r["prompt_sent"] + r["generated"]) / 16) for r in run.results) + 4
+
+
+def _base(url: str) -> str:
+    return url.removesuffix("/v1")
+
+
+async def pool_pair(weights: str, workload: str, agents: int, model: str | None, tmp: str,
+                    args: argparse.Namespace, extra: tuple[str, ...]) -> list[Run]:
+    """Our a2 programs twice: on a pool that holds everyone (its peak of live pages
+    measured), then on a pool of ``--pool-fraction`` of that peak, a server each."""
+    runs = []
+    big = max(NUM_PAGES, NUM_PAGES * agents // 32)
+    for pool in ("unlimited", "fraction"):
+        pages = big if pool == "unlimited" else max(
+            _one_agent_pages(runs[0]),
+            math.ceil(args.pool_fraction * runs[0].server["peak_pages_used"]))
+        folder = tempfile.mkdtemp(prefix=f"pool-{pool}-", dir=tmp)
+        server = PieServer(weights, model, tmp, args.smoke, num_pages=pages,
+                           snapshot_dir=folder, extra=extra)
+        try:
+            runs.append(await measure(
+                weights, workload, agents, "a2", f"unix:{server.socket}", args,
+                http=server.url, watch=(server.proc.pid, _base(server.url)), pool=pool))
+        finally:
+            server.stop()
+    return runs
 
 
 WARM_AGENTS = 10_000  # warm-up agents are numbered from here (other questions, seeds)
@@ -462,6 +583,13 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], dict[str, Any]]:
                                                       target, args, http=server.url))
             finally:
                 server.stop()
+            if args.pool_fraction is not None:
+                for workload in [w for w in workloads if w in ("react", "swarm")]:
+                    for level in _levels(args.concurrency):
+                        agents = max(ring, level - level % ring) if workload == "swarm" \
+                            else level
+                        runs += await pool_pair(weights, workload, agents, model, tmp, args,
+                                                extra)
         if "c" in systems:
             gguf = args.gguf or _default_gguf()
             for workload in workloads:
@@ -473,7 +601,8 @@ async def amain(args: argparse.Namespace) -> tuple[list[Run], dict[str, Any]]:
                     server = LlamaServer(llama, gguf, agents, args.threads, log)
                     try:
                         runs.append(await measure("q4_1", workload, agents, "c", server.url,
-                                                  args, args.llama_tools))
+                                                  args, args.llama_tools,
+                                                  watch=(server.proc.pid, None)))
                     finally:
                         server.stop()
     return runs, probes
@@ -499,7 +628,7 @@ def summarize(runs: list[Run], at: int = 8, probes: dict[str, Any] | None = None
     (the socket hop per token, decode beside a long prompt), and every run's raw figures."""
     def find(workload: str, system: str) -> Run | None:
         found = [r for r in runs if r.workload == workload and r.system == system and
-                 r.agents == at]
+                 r.agents == at and not r.pool]
         # our side on the file's own blocks (llama.cpp's Q4_1), then int8, else what ran
         found.sort(key=lambda r: {"gguf": 0, "int8": 1}.get(r.weights, 2))
         return found[0] if found else None
@@ -532,9 +661,39 @@ def summarize(runs: list[Run], at: int = 8, probes: dict[str, Any] | None = None
         **(probes or {}),
         "tool_call_steps_per_token": (a2.total("call_steps") / a2.total("call_tokens"))
         if a2 is not None and a2.total("call_tokens") else None,
+        **pool_figures(runs),
         "agents": at,
         "runs": [r.row() for r in runs],
     }
+    return out
+
+
+def pool_figures(runs: list[Run]) -> dict[str, Any]:
+    """``--pool-fraction``'s keys, per workload and concurrency (``react64_...``)."""
+    out: dict[str, Any] = {}
+    for small in [r for r in runs if r.pool == "fraction"]:
+        key = f"{small.workload}{small.agents}_"
+        big = next(r for r in runs if r.pool == "unlimited" and r.workload == small.workload
+                   and r.agents == small.agents and r.weights == small.weights)
+        llama = next((r for r in runs if r.system == "c" and r.workload == small.workload
+                      and r.agents == small.agents), None)
+        s, b = small.server, big.server
+        out.update({
+            key + "tput_vs_unlimited_pool": small.agents_per_min / big.agents_per_min,
+            key + "recomputed_suspended_tokens": max(0, s["tokens_computed"]
+                                                     - b["tokens_computed"]),
+            key + "tput_vs_llamaserver": None if llama is None
+            else small.agents_per_min / llama.agents_per_min,
+            key + "pool_pages": s["pool_pages"], key + "peak_pages_unlimited":
+            b["peak_pages_used"], key + "auto_suspends": s["auto_suspends"],
+            key + "resumes": s["resumes"],
+            key + "pages_resumed_from_disk": s["pages_resumed_from_disk"],
+            key + "pages_resumed_from_memory": s["pages_resumed_from_memory"],
+            key + "rss_gb": s["server_peak_rss_gb"],
+            key + "rss_gb_unlimited_pool": b["server_peak_rss_gb"],
+            key + "llamaserver_rss_gb": None if llama is None
+            else llama.server["server_peak_rss_gb"],
+        })
     return out
 
 
@@ -575,6 +734,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, the systems in turn; each figure is the "
                          "median of the rounds'")
+    ap.add_argument("--pool-fraction", type=float, default=None, metavar="F",
+                    help="also run ReAct and Swarm (a2) on a pool of F times the agents' "
+                         "peak of live pages, beside a pool that holds everyone")
     ap.add_argument("--decode-share", type=float, default=None,
                     help="our servers' --decode-share (default: serve's)")
     ap.add_argument("--smoke", action="store_true",
@@ -584,6 +746,10 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.weights = "2", "fp32"
         args.systems = ",".join(s for s in args.systems.split(",") if s != "c")
+    if args.pool_fraction is not None and not 0 < args.pool_fraction <= 1:
+        ap.error(f"--pool-fraction must be in (0, 1], got {args.pool_fraction}")
+    if args.smoke and args.pool_fraction is None:
+        args.pool_fraction = 0.5
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     rounds = []
