@@ -491,11 +491,11 @@ inline float finish_512(__m128 acc, __m128 accm) {
 // Super-block b of every row of a tile: its integer sums into ``isum`` (second of a pair:
 // pair_sums'd with what is there), its mins and scales (zeros past the row's end: a tail
 // of fewer than four super-blocks).
-template <int R, bool second>
+template <int R, bool second, bool full>
 inline void tile_sums(int64_t kind, const uint8_t* w, int64_t b, int64_t nb, const Spread& sp,
                       const Acts& a, int64_t r0, Block512& blk, float& d, float& dmin,
                       __m128i& mins, __m512i (&isum)[R]) {
-  const bool in = b < nb;
+  const bool in = full || b < nb;
   if (in) load_block(kind, w + b * block_bytes(kind), sp, blk);
   d = in ? blk.d : 0.f;
   dmin = in ? blk.dmin : 0.f;
@@ -506,39 +506,56 @@ inline void tile_sums(int64_t kind, const uint8_t* w, int64_t b, int64_t nb, con
   }
 }
 
-template <int R>
-void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
-              const Spread& sp) {
+// Super-blocks b0..b0 + 3 of a weight row into the chains (``full``: all four exist).
+template <int R, int64_t kind, bool full>
+inline void tile_512_four(const uint8_t* w, const Acts& a, int64_t r0, int64_t b0,
+                          const Spread& sp, Block512& blk, __m128 (&acc)[R], __m128 (&accm)[R]) {
+  const int64_t nb = a.nb;
+  alignas(16) float d4[4], dmin4[4];
+  __m128i mins[4];
+  __m512i xy[R], zw[R];  // the sums of super-blocks b0, b0 + 1 and b0 + 2, b0 + 3
+  tile_sums<R, false, full>(kind, w, b0, nb, sp, a, r0, blk, d4[0], dmin4[0], mins[0], xy);
+  tile_sums<R, true, full>(kind, w, b0 + 1, nb, sp, a, r0, blk, d4[1], dmin4[1], mins[1], xy);
+  tile_sums<R, false, full>(kind, w, b0 + 2, nb, sp, a, r0, blk, d4[2], dmin4[2], mins[2], zw);
+  tile_sums<R, true, full>(kind, w, b0 + 3, nb, sp, a, r0, blk, d4[3], dmin4[3], mins[3], zw);
+  const int n = full ? 4 : static_cast<int>(std::min<int64_t>(4, nb - b0));
+  const __mmask8 k = static_cast<__mmask8>((1 << n) - 1);
+  const __m128 d = _mm_load_ps(d4), dmin = _mm_load_ps(dmin4);
+  for (int r = 0; r < R; ++r) {
+    const __m128i isum4 = lane_sums(quad_sums(xy[r], zw[r]));
+    const __m128 da = _mm_maskz_loadu_ps(k, a.d.data() + (r0 + r) * nb + b0);
+    acc[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(isum4), _mm_mul_ps(d, da), acc[r], k);
+    if (kind == Q6_K) continue;
+    // the mins' sums m . bsum32 of the four super-blocks (Q6_K has none)
+    const int16_t* bs = a.bs.data() + ((r0 + r) * nb + b0) * 16;
+    __m128i m[4];
+    for (int q = 0; q < 4; ++q)
+      m[q] = _mm_madd_epi16(mins[q], _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 16 * std::min(q, n - 1))));
+    const __m128i imin4 = quad_sums(pair_sums(m[0], m[1]), pair_sums(m[2], m[3]));
+    accm[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(imin4), _mm_mul_ps(dmin, da), accm[r], k);
+  }
+}
+
+// (the format a template argument: its loads and sums compiled without a branch on it)
+template <int R, int64_t kind>
+void tile_512k(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
+               const Spread& sp) {
   const int64_t nb = a.nb;
   __m128 acc[R], accm[R];
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm_setzero_ps();
   Block512 blk;
-  for (int64_t b0 = 0; b0 < nb; b0 += 4) {
-    alignas(16) float d4[4], dmin4[4];
-    __m128i mins[4];
-    __m512i xy[R], zw[R];  // the sums of super-blocks b0, b0 + 1 and b0 + 2, b0 + 3
-    tile_sums<R, false>(kind, w, b0, nb, sp, a, r0, blk, d4[0], dmin4[0], mins[0], xy);
-    tile_sums<R, true>(kind, w, b0 + 1, nb, sp, a, r0, blk, d4[1], dmin4[1], mins[1], xy);
-    tile_sums<R, false>(kind, w, b0 + 2, nb, sp, a, r0, blk, d4[2], dmin4[2], mins[2], zw);
-    tile_sums<R, true>(kind, w, b0 + 3, nb, sp, a, r0, blk, d4[3], dmin4[3], mins[3], zw);
-    const int n = static_cast<int>(std::min<int64_t>(4, nb - b0));
-    const __mmask8 k = static_cast<__mmask8>((1 << n) - 1);
-    const __m128 d = _mm_load_ps(d4), dmin = _mm_load_ps(dmin4);
-    for (int r = 0; r < R; ++r) {
-      const __m128i isum4 = lane_sums(quad_sums(xy[r], zw[r]));
-      const __m128 da = _mm_maskz_loadu_ps(k, a.d.data() + (r0 + r) * nb + b0);
-      acc[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(isum4), _mm_mul_ps(d, da), acc[r], k);
-      if (kind == Q6_K) continue;
-      // the mins' sums m . bsum32 of the four super-blocks (Q6_K has none)
-      const int16_t* bs = a.bs.data() + ((r0 + r) * nb + b0) * 16;
-      __m128i m[4];
-      for (int q = 0; q < 4; ++q)
-        m[q] = _mm_madd_epi16(mins[q], _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 16 * std::min(q, n - 1))));
-      const __m128i imin4 = quad_sums(pair_sums(m[0], m[1]), pair_sums(m[2], m[3]));
-      accm[r] = _mm_mask3_fmadd_ps(_mm_cvtepi32_ps(imin4), _mm_mul_ps(dmin, da), accm[r], k);
-    }
-  }
+  int64_t b0 = 0;
+  for (; b0 + 4 <= nb; b0 += 4) tile_512_four<R, kind, true>(w, a, r0, b0, sp, blk, acc, accm);
+  if (b0 < nb) tile_512_four<R, kind, false>(w, a, r0, b0, sp, blk, acc, accm);
   for (int r = 0; r < R; ++r) out[r * os] = finish_512(acc[r], accm[r]);
+}
+
+template <int R>
+void tile_512(int64_t kind, const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t os,
+              const Spread& sp) {
+  if (kind == Q4_K) tile_512k<R, Q4_K>(w, a, r0, out, os, sp);
+  else if (kind == Q5_K) tile_512k<R, Q5_K>(w, a, r0, out, os, sp);
+  else tile_512k<R, Q6_K>(w, a, r0, out, os, sp);
 }
 
 // Many rows (gemm_tile): columns in lanes. GEMM_COLS output columns of one part are unpacked
