@@ -9,6 +9,13 @@ of the memory-mapped file: nothing is copied at load unless rows must be permute
 A fused projection (qkv, gate_up) keeps its parts' bytes apart (:attr:`KQuantWeight.parts`,
 each its own format: a Q4_K_M file mixes Q4_K and Q6_K in one layer's qkv).
 
+Where the AVX-512 VNNI path is built, each matrix whose rows are a multiple of 16 is
+*packed* at load (:func:`pack_wanted`; ``PIE_CTX_KQUANT_PACK=0`` keeps the file's
+layout): the same bytes reordered so that 16 output rows sit in the lanes of one vector
+(``kquant_mm.cpp``, "the packed layout"), as llama.cpp repacks its K-quants for its CPU
+kernels. The packed copy replaces the file's bytes (their pages of the mapping are
+released), so memory holds one copy; every product gives the same bits on either layout.
+
 The products (``runtime/model/kernels/kquant_mm.cpp``):
 
 * ``kquant`` (:meth:`KQuantWeight.matmul`): the file's weights dequantized exactly as
@@ -24,6 +31,8 @@ are dequantized per call (numpy, ``gguf.quants``) and go through ``F.linear``.
 
 from __future__ import annotations
 
+import mmap
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -33,8 +42,8 @@ import torch
 from pie_ctx.proto.errors import ModelError
 from runtime.model import blocks, kernels
 
-__all__ = ["ISAS", "KQUANT_FORMATS", "QK_K", "KQuantPart", "KQuantWeight", "built_isas",
-           "int8_activations", "round_q8k"]
+__all__ = ["ISAS", "KQUANT_FORMATS", "PACK", "QK_K", "KQuantPart", "KQuantWeight", "built_isas",
+           "int8_activations", "pack_wanted", "round_q8k"]
 
 QK_K = 256  # weights a super-block
 # format -> (ggml type id: kquant_mm.cpp's ``kind``, bytes a super-block)
@@ -42,14 +51,19 @@ KQUANT_FORMATS: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 17
                                               "Q6_K": (14, 210)}
 # the q8_K product's code paths, by name -> kquant_mm_parts' ``isa`` argument
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+PACK = 16  # output rows a packed group holds (a part's rows must be a multiple)
+_PACKED = 100  # added to a packed part's kind code
+_PACKING = os.environ.get("PIE_CTX_KQUANT_PACK", "1").lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
 class KQuantPart:
-    """One stored matrix: ``raw`` uint8 [rows, row bytes] in format ``kind``."""
+    """One stored matrix: ``raw`` uint8 [rows, row bytes] in format ``kind``, in the file's
+    layout or (``packed``) in the packed one (see the module docstring)."""
 
     kind: str
     raw: torch.Tensor
+    packed: bool = False
 
     @property
     def rows(self) -> int:
@@ -57,7 +71,20 @@ class KQuantPart:
 
     @property
     def code(self) -> int:
-        return KQUANT_FORMATS[self.kind][0]
+        return KQUANT_FORMATS[self.kind][0] + (_PACKED if self.packed else 0)
+
+    def natural(self) -> torch.Tensor:
+        """The bytes in the file's layout (``raw`` itself, or a copy of a packed part's)."""
+        if not self.packed:
+            return self.raw
+        return kernels.kquant_ops().kquant_unpack(self.raw, KQUANT_FORMATS[self.kind][0])
+
+    def packed_copy(self) -> KQuantPart:
+        """This part in the packed layout (needs the kernels and rows a multiple of 16)."""
+        if self.packed:
+            return self
+        ops = kernels.kquant_ops()
+        return KQuantPart(self.kind, ops.kquant_pack(self.raw, KQUANT_FORMATS[self.kind][0]), True)
 
     def dequantize(self, index: torch.Tensor) -> torch.Tensor:
         """float32 [R, in] weights of rows ``index`` (int64): ggml's values exactly."""
@@ -66,7 +93,7 @@ class KQuantPart:
             return ops.kquant_rows(self.raw, self.code, index.to(torch.int64).contiguous())
         import gguf
 
-        rows = self.raw[index.to(self.raw.device)].cpu().numpy()
+        rows = self.natural()[index.to(self.raw.device)].cpu().numpy()
         kind = gguf.GGMLQuantizationType[self.kind]
         return torch.from_numpy(np.asarray(gguf.quants.dequantize(rows, kind), np.float32))
 
@@ -105,10 +132,12 @@ class KQuantWeight:
                    torch.tensor([p.code for p in parts], dtype=torch.int64))
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray | torch.Tensor, kind: str,
-                  shape: tuple[int, int]) -> KQuantWeight:
+    def from_gguf(cls, raw: np.ndarray | torch.Tensor, kind: str, shape: tuple[int, int],
+                  pack: bool | None = None) -> KQuantWeight:
         """The weight of a GGUF tensor's bytes ``raw`` (uint8 [out, row bytes] or flat), in
-        place: the tensor shares ``raw``'s memory (a view of the memory-mapped file).
+        place: the tensor shares ``raw``'s memory (a view of the memory-mapped file), or,
+        packed (``pack``; None: :func:`pack_wanted`), a packed copy, the pages of the
+        mapping it was read from released.
 
         Raises:
             ModelError: ``kind`` is not a K-quant format, or the bytes do not fit ``shape``.
@@ -121,7 +150,12 @@ class KQuantWeight:
         if in_f % QK_K or raw.size != out_f * row_bytes or raw.dtype != np.uint8:
             raise ModelError(f"GGUF {kind} tensor of shape {shape} has {raw.size} bytes; the "
                              "file is corrupt")
-        return cls.of((KQuantPart(kind, _as_tensor(raw).reshape(out_f, row_bytes)),), in_f)
+        part = KQuantPart(kind, _as_tensor(raw).reshape(out_f, row_bytes))
+        if pack_wanted(out_f) if pack is None else pack:
+            part = part.packed_copy()
+            if isinstance(raw, np.ndarray):
+                _release_mapped(raw)
+        return cls.of((part,), in_f)
 
     @staticmethod
     def cat(parts: list[KQuantWeight]) -> KQuantWeight | None:
@@ -137,8 +171,11 @@ class KQuantWeight:
         if len(self.parts) != 1:
             raise RuntimeError("take_rows of a fused K-quant weight")
         part = self.parts[0]
-        raw = part.raw[index.to(torch.int64)].contiguous()
-        return KQuantWeight.of((KQuantPart(part.kind, raw),), self.in_features)
+        raw = part.natural()[index.to(torch.int64)].contiguous()
+        taken = KQuantPart(part.kind, raw)
+        if part.packed and taken.rows % PACK == 0:  # (a packed weight's rows stay packed)
+            taken = taken.packed_copy()
+        return KQuantWeight.of((taken,), self.in_features)
 
     # ------------------------------------------------------------------ reading
 
@@ -191,6 +228,31 @@ class KQuantWeight:
         x = x if x.stride(-1) == 1 else x.contiguous()
         return ops.kquant_mm_parts(x, [p.raw for p in self.parts], self.codes, True,
                                    -1 if isa is None else ISAS[isa])
+
+
+def pack_wanted(rows: int) -> bool:
+    """Whether a matrix of ``rows`` output rows is packed at load: the AVX-512 VNNI path is
+    built (the packed layout's kernel), rows are a multiple of :data:`PACK`, and
+    ``PIE_CTX_KQUANT_PACK`` is not 0."""
+    return _PACKING and rows % PACK == 0 and "avx512_vnni" in built_isas()
+
+
+def _release_mapped(raw: np.ndarray) -> None:
+    """Drop ``raw``'s whole pages from this process if it is a view of a read-only file
+    mapping (they come back from the file if read again): the packed copy serves instead,
+    and resident memory holds one copy of the weights, not two."""
+    base = raw
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # (numpy.frombuffer's)
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or raw.flags.writeable:
+        return
+    start = raw.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def int8_activations() -> bool:

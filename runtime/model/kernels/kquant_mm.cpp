@@ -27,8 +27,10 @@
 //   d = 1 / iscale, sums per 16), then integer dots with the weights' sub-block scales (and
 //   mins) per super-block, scaled once a super-block in fp32. Three code paths, chosen by
 //   the caller (``isa``): AVX-512 VNNI (few rows: maddubs then dpwssd with the scales; many
-//   rows: columns in lanes, dpbusd; both the same chain per (row, column)), AVX2 (maddubs
-//   then madd), and portable C++; each keeps the invariance above.
+//   rows: columns in lanes, dpbusd; a packed weight (below): its own kernel at every size;
+//   all the same chain per (row, column)), AVX2 (maddubs then madd), and portable C++; each
+//   keeps the invariance above. A packed weight on a path other than its kernel is read
+//   row by row, gathered back into the file's layout.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -49,13 +51,47 @@ constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
 // code paths of the q8_K product (kquants.py's ISAS)
 constexpr int64_t PORTABLE = 0, AVX2 = 1, AVX512 = 2;
 
-int64_t block_bytes(int64_t kind) {
+constexpr int64_t block_bytes(int64_t kind) {
   switch (kind) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
     default: return 0;
   }
+}
+
+// ---------------------------------------------------------------- the packed layout
+//
+// A part whose output rows are a multiple of PACK may be stored packed (its kind code plus
+// PACKED; kquant_pack makes it from the file's bytes at load, on AVX-512 builds): the same
+// bytes, reordered so that 16 output columns sit in the 16 dword lanes of one vector. Each
+// group of PACK consecutive output rows is one run of PACK rows' bytes; in it, super-block
+// b takes PACK * padded_bytes bytes, dword k of column c at (k * PACK + c) * 4 (a block
+// padded to whole dwords: Q6_K's 210 bytes to 212, the pad zero). The q8_K product then
+// reads a super-block of 16 columns as 36-53 aligned vectors, as llama.cpp's repacked
+// layouts do, where the file's layout needs each column's scales decoded and its sums
+// folded across lanes (tile_512) or the columns transposed at every call (unpack_group).
+constexpr int64_t PACK = 16, PACKED = 100;
+
+int64_t padded_bytes(int64_t kind) { return (block_bytes(kind) + 3) / 4 * 4; }
+
+// A kind code as the kernels take it: the format, and whether the part is packed.
+inline int64_t format_of(int64_t code) { return code >= PACKED ? code - PACKED : code; }
+
+// Output row n of a weight (``w``: its bytes, ``ws``: a row's stride) in the file's layout:
+// in place, or gathered from the packed groups into ``buf`` (nb * block_bytes bytes).
+const uint8_t* natural_row(const uint8_t* w, int64_t ws, int64_t kind, bool packed, int64_t n,
+                           int64_t nb, std::vector<uint8_t>& buf) {
+  if (!packed) return w + n * ws;
+  const int64_t bb = block_bytes(kind), bbp = padded_bytes(kind);
+  buf.resize(nb * bb);
+  const uint8_t* group = w + (n - n % PACK) * ws;
+  const int64_t c = n % PACK;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t at = 0; at < bb; at += 4)
+      std::memcpy(buf.data() + b * bb + at, group + b * PACK * bbp + (at / 4 * PACK + c) * 4,
+                  std::min<int64_t>(4, bb - at));
+  return buf.data();
 }
 
 inline float half(const uint8_t* p) {
@@ -168,20 +204,30 @@ void dot_tile(const float* x, int64_t xs, const float* w, int64_t ws, int64_t K,
     for (int c = 0; c < C; ++c) out[r * os + c] = hsum(acc[r][c][0] + acc[r][c][1]);
 }
 
-void check_weight(const torch::Tensor& raw, int64_t kind, const char* op) {
-  TORCH_CHECK(block_bytes(kind) > 0, op, ": kind must be Q4_K (12), Q5_K (13) or Q6_K (14)");
+void check_weight(const torch::Tensor& raw, int64_t code, const char* op) {
+  const int64_t kind = format_of(code);
+  TORCH_CHECK(block_bytes(kind) > 0, op, ": kind must be Q4_K (12), Q5_K (13) or Q6_K (14), "
+              "plus 100 when packed");
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.stride(1) == 1 &&
-              raw.size(1) % block_bytes(kind) == 0, op, ": raw uint8 [N, row bytes]");
+              raw.size(1) % (code >= PACKED ? padded_bytes(kind) : block_bytes(kind)) == 0, op,
+              ": raw uint8 [N, row bytes]");
+  if (code >= PACKED)
+    TORCH_CHECK(raw.size(0) % PACK == 0 && raw.size(1) % padded_bytes(kind) == 0 &&
+                raw.stride(0) == raw.size(1), op, ": a packed part is contiguous uint8 "
+                "[N, row bytes], N a multiple of 16");
 }
 
 }  // namespace
 
 // The fp32 weights of output rows ``rows`` (int64 [R]) -> [R, K]: ggml's dequantized values.
-torch::Tensor kquant_rows(torch::Tensor raw, int64_t kind, torch::Tensor rows) {
-  check_weight(raw, kind, "kquant_rows");
+torch::Tensor kquant_rows(torch::Tensor raw, int64_t code, torch::Tensor rows) {
+  check_weight(raw, code, "kquant_rows");
+  const int64_t kind = format_of(code);
+  const bool packed = code >= PACKED;
   TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(),
               "kquant_rows: rows int64 [R]");
-  const int64_t R = rows.size(0), N = raw.size(0), nb = raw.size(1) / block_bytes(kind);
+  const int64_t R = rows.size(0), N = raw.size(0),
+                nb = raw.size(1) / (packed ? padded_bytes(kind) : block_bytes(kind));
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "kquant_rows: row ", rp[i], " out of range");
@@ -190,7 +236,47 @@ torch::Tensor kquant_rows(torch::Tensor raw, int64_t kind, torch::Tensor rows) {
   float* op = out.data_ptr<float>();
   const int64_t ws = raw.stride(0);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequant_row(kind, w + rp[i] * ws, nb, op + i * nb * QK);
+    std::vector<uint8_t> buf;
+    for (int64_t i = begin; i < end; ++i)
+      dequant_row(kind, natural_row(w, ws, kind, packed, rp[i], nb, buf), nb, op + i * nb * QK);
+  });
+  return out;
+}
+
+// The file's bytes [N, row bytes] of ``kind`` (N a multiple of 16) in the packed layout.
+torch::Tensor kquant_pack(torch::Tensor raw, int64_t kind) {
+  check_weight(raw, kind, "kquant_pack");
+  TORCH_CHECK(raw.size(0) % PACK == 0, "kquant_pack: rows must be a multiple of 16");
+  const int64_t N = raw.size(0), bb = block_bytes(kind), bbp = padded_bytes(kind),
+                nb = raw.size(1) / bb, ws = raw.stride(0);
+  auto out = torch::zeros({N, nb * bbp}, torch::kUInt8);
+  const uint8_t* w = raw.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / PACK, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t c = 0; c < PACK; ++c) {
+        const uint8_t* row = w + (g * PACK + c) * ws;
+        uint8_t* group = o + g * PACK * nb * bbp;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t at = 0; at < bb; at += 4)
+            std::memcpy(group + b * PACK * bbp + (at / 4 * PACK + c) * 4, row + b * bb + at,
+                        std::min<int64_t>(4, bb - at));
+      }
+  });
+  return out;
+}
+
+// A packed part's bytes back in the file's layout (kquant_pack's inverse).
+torch::Tensor kquant_unpack(torch::Tensor packed, int64_t kind) {
+  check_weight(packed, kind + PACKED, "kquant_unpack");
+  const int64_t N = packed.size(0), bb = block_bytes(kind), nb = packed.size(1) / padded_bytes(kind);
+  auto out = torch::empty({N, nb * bb}, torch::kUInt8);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, PACK, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> buf;
+    for (int64_t n = begin; n < end; ++n)
+      std::memcpy(o + n * nb * bb, natural_row(w, packed.stride(0), kind, true, n, nb, buf), nb * bb);
   });
   return out;
 }
@@ -282,7 +368,13 @@ void prepare(const float* x, int64_t M, int64_t xs, int64_t nb, int64_t kind, bo
 // its own format, all with the same input width.
 struct Part {
   const uint8_t* w;
-  int64_t ws, kind, lo, hi;  // row stride; kind; its output columns [lo, hi)
+  int64_t ws, kind, lo, hi;  // row stride; format; its output columns [lo, hi)
+  bool packed;  // in the packed layout (w: its first group)
+
+  // Output row n (lo <= n < hi) in the file's layout (``buf``: where a packed one is gathered).
+  const uint8_t* row(int64_t n, int64_t nb, std::vector<uint8_t>& buf) const {
+    return natural_row(w, ws, kind, packed, n - lo, nb, buf);
+  }
 };
 
 // One super-block's quants as unsigned bytes in natural order (Q6_K's before its -32), its
@@ -592,6 +684,7 @@ void unpack_group(const Part& p, int64_t n0, int cols, int64_t nb, Group512& g) 
   // column keep other columns' weights: their zero scales and the masked store drop them.
   Unpacked u[16];
   for (auto& x : u) std::memset(x.q, 0, QK);
+  std::vector<uint8_t> buf;
   const __m512i rows = _mm512_mullo_epi32(_mm512_set1_epi32(sizeof(Unpacked)),
                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t b = 0; b < nb; ++b)
@@ -599,7 +692,7 @@ void unpack_group(const Part& p, int64_t n0, int cols, int64_t nb, Group512& g) 
       const int64_t at = b * GEMM_VECS + v;
       const int n = std::clamp(cols - 16 * v, 0, 16);
       for (int lane = 0; lane < n; ++lane) {
-        unpack(p.kind, p.w + (n0 + 16 * v + lane - p.lo) * p.ws + b * bb, u[lane]);
+        unpack(p.kind, p.row(n0 + 16 * v + lane, nb, buf) + b * bb, u[lane]);
         const Unpacked& x = u[lane];
         for (int j = 0; j < 16; ++j) g.sc[(at * 16 + j) * 16 + lane] = x.sc[j];
         const int32_t* pv = p.kind == Q6_K ? x.sc : x.mn;
@@ -699,6 +792,166 @@ void gemm_rows(const Group512& g, const Acts& a, int64_t M, float* out, int64_t 
   int64_t r = 0;
   for (; r + GEMM_ROWS <= M; r += GEMM_ROWS) gemm_tile<GEMM_ROWS, q6>(g, a, r, out + r * os, os);
   for (; r < M; ++r) gemm_tile<1, q6>(g, a, r, out + r * os, os);
+}
+
+// Packed parts (the packed layout above): 16 columns in lanes, read as stored. Per super-block
+// b and activation row, vpdpbusd accumulates a sub-block's dots of the 16 columns (one
+// broadcast of 4 activations, one vector of 4 weights a column), the dots are scaled once
+// (mullo) and the mins (Q4_K / Q5_K) taken by dpwssd from int16 pairs: the integer sums
+// isum, imin of tile_512 and gemm_tile exactly, then the same four fp32 chains, so a
+// (row, column) has the same bits on every kernel of this path.
+constexpr int PACKED_ROWS = 4;  // activation rows a pass over a group's weights serves
+// (No software prefetch: a group is one run of bytes, which the hardware prefetchers follow.
+// Measured 1 row, 2 threads, the 1B shape from memory (EPYC): none 41.0 GB/s, 2-16 KB
+// ahead 39.4-31.8.)
+
+struct Lanes {  // vpshufb controls over the dwords of a vector
+  __m512i byte[4];  // byte i of each dword, zero-extended
+  __m512i top[4];   // byte i of each dword in its top byte (then srai 24: sign-extended)
+  __m512i pair[2];  // bytes 2i, 2i + 1 as two zero-extended int16
+  Lanes() {
+    alignas(64) int8_t c[64];
+    auto make = [&](auto f) {
+      for (int at = 0; at < 64; ++at) c[at] = f(at % 16 / 4 * 4, at % 4);
+      return _mm512_load_si512(c);
+    };
+    for (int i = 0; i < 4; ++i) {
+      byte[i] = make([i](int q, int k) { return static_cast<int8_t>(k == 0 ? q + i : -128); });
+      top[i] = make([i](int q, int k) { return static_cast<int8_t>(k == 3 ? q + i : -128); });
+    }
+    for (int i = 0; i < 2; ++i)
+      pair[i] = make([i](int q, int k) {
+        return static_cast<int8_t>(k == 0 ? q + 2 * i : k == 2 ? q + 2 * i + 1 : -128);
+      });
+  }
+};
+
+inline __m512i lanes_at(const uint8_t* blk, int k) { return _mm512_loadu_si512(blk + 64 * k); }
+inline __m512 halves_ps(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+inline __m512i bit_at4(__m512i v, int s) {  // bit s of each byte moved to bit 4
+  return s < 4 ? _mm512_slli_epi32(v, 4 - s) : s > 4 ? _mm512_srli_epi32(v, s - 4) : v;
+}
+constexpr int OR_AND = 0xF8;  // ternary logic: a | (b & c)
+
+template <int R, int64_t kind>
+void packed_tile(const uint8_t* group, int64_t nb, const Acts& a, int64_t r0, float* out,
+                 int64_t os, const Lanes& ln) {
+  constexpr int64_t step = PACK * ((block_bytes(kind) + 3) / 4 * 4);  // a super-block's bytes
+  const __m512i m0f = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i m30 = _mm512_set1_epi8(0x30), m10 = _mm512_set1_epi8(0x10);
+  __m512 acc[R][4], accm[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = accm[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * step;
+    const int8_t* aq[R];
+    const int16_t* bs[R];
+    for (int r = 0; r < R; ++r) {
+      aq[r] = a.q.data() + (r0 + r) * a.K + b * QK;
+      bs[r] = a.bs.data() + ((r0 + r) * nb + b) * 16;
+    }
+    __m512i isum[R], imin[R];
+    for (int r = 0; r < R; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
+    __m512 d, dmin = _mm512_setzero_ps();
+    if constexpr (kind == Q6_K) {
+      d = halves_ps(lanes_at(blk, 52));
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half) {
+          __m512i dot[4][R];
+          for (int k = 0; k < 4; ++k)
+            for (int r = 0; r < R; ++r) dot[k][r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+          for (int l4 = 4 * half; l4 < 4 * half + 4; ++l4) {
+            const __m512i A = lanes_at(blk, 16 * h + l4), B = lanes_at(blk, 16 * h + 8 + l4);
+            const __m512i C = lanes_at(blk, 32 + 8 * h + l4);
+            __m512i w[4];  // the weights 128 h + 32 k + 4 l4 + 0..3 of each column, 0..63
+            w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(A, m0f), _mm512_slli_epi32(C, 4), m30, OR_AND);
+            w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(B, m0f), _mm512_slli_epi32(C, 2), m30, OR_AND);
+            w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 4), m0f), C, m30, OR_AND);
+            w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 4), m0f),
+                                             _mm512_srli_epi32(C, 2), m30, OR_AND);
+            for (int k = 0; k < 4; ++k)
+              for (int r = 0; r < R; ++r)
+                dot[k][r] = _mm512_dpbusd_epi32(dot[k][r], w[k], bcast32(aq[r] + 128 * h + 32 * k + 4 * l4));
+          }
+          for (int k = 0; k < 4; ++k) {
+            const int sub = 8 * h + 2 * k + half;  // its sub-block of 16, scale int8
+            const __m512i sc = _mm512_srai_epi32(
+                _mm512_shuffle_epi8(lanes_at(blk, 48 + sub / 4), ln.top[sub % 4]), 24);
+            for (int r = 0; r < R; ++r)  // (q - 32) . a = q . a - 32 * (the sum of 16)
+              isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(
+                  _mm512_sub_epi32(dot[k][r], _mm512_set1_epi32(32 * bs[r][sub])), sc));
+          }
+        }
+    } else {
+      const __m512i dd = lanes_at(blk, 0);
+      d = halves_ps(dd);
+      dmin = halves_ps(_mm512_srli_epi32(dd, 16));
+      const __m512i u0 = lanes_at(blk, 1), u1 = lanes_at(blk, 2), u2 = lanes_at(blk, 3);
+      const __m512i k1 = _mm512_set1_epi8(0x3F), k3 = _mm512_set1_epi8(0x03);
+      // scales_mins64 over 16 columns: sub-blocks 0..3 in lo, 4..7 in hi, a byte each
+      const __m512i sc_lo = _mm512_and_si512(u0, k1), m_lo = _mm512_and_si512(u1, k1);
+      const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m0f),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
+      const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m0f),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
+      for (int i = 0; i < 4; ++i) {
+        const __m512i mp = _mm512_shuffle_epi8(i < 2 ? m_lo : m_hi, ln.pair[i % 2]);
+        for (int r = 0; r < R; ++r) imin[r] = _mm512_dpwssd_epi32(imin[r], mp, bcast32(bs[r] + 2 * i));
+      }
+      constexpr int qs0 = kind == Q5_K ? 12 : 4;  // dwords: Q5_K's qh are 4..11
+      for (int j = 0; j < 4; ++j) {  // sub-blocks 2 j (low nibbles) and 2 j + 1 (high)
+        __m512i dlo[R], dhi[R];
+        for (int r = 0; r < R; ++r) dlo[r] = dhi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int l4 = 0; l4 < 8; ++l4) {
+          const __m512i v = lanes_at(blk, qs0 + 8 * j + l4);
+          __m512i lo = _mm512_and_si512(v, m0f), hi;
+          if constexpr (kind == Q5_K) {
+            const __m512i qh = lanes_at(blk, 4 + l4);
+            lo = _mm512_ternarylogic_epi32(lo, bit_at4(qh, 2 * j), m10, OR_AND);
+            hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), m0f),
+                                           bit_at4(qh, 2 * j + 1), m10, OR_AND);
+          } else {
+            hi = _mm512_and_si512(v, mf0);  // 16 x the high nibble: the dot shifted back below
+          }
+          for (int r = 0; r < R; ++r) {
+            dlo[r] = _mm512_dpbusd_epi32(dlo[r], lo, bcast32(aq[r] + 64 * j + 4 * l4));
+            dhi[r] = _mm512_dpbusd_epi32(dhi[r], hi, bcast32(aq[r] + 64 * j + 32 + 4 * l4));
+          }
+        }
+        const __m512i s0 = _mm512_shuffle_epi8(j < 2 ? sc_lo : sc_hi, ln.byte[(2 * j) % 4]);
+        const __m512i s1 = _mm512_shuffle_epi8(j < 2 ? sc_lo : sc_hi, ln.byte[(2 * j + 1) % 4]);
+        for (int r = 0; r < R; ++r) {
+          const __m512i dh = kind == Q5_K ? dhi[r] : _mm512_srai_epi32(dhi[r], 4);  // exact
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], s0),
+                                                                _mm512_mullo_epi32(dh, s1)));
+        }
+      }
+    }
+    const int c = static_cast<int>(b % 4);
+    for (int r = 0; r < R; ++r) {
+      const __m512 da = _mm512_set1_ps(a.d[(r0 + r) * nb + b]);
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r][c]);
+      if constexpr (kind != Q6_K)
+        accm[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(dmin, da), accm[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+    const __m512 m = _mm512_add_ps(_mm512_add_ps(accm[r][0], accm[r][1]), _mm512_add_ps(accm[r][2], accm[r][3]));
+    _mm512_storeu_ps(out + r * os, _mm512_sub_ps(s, m));
+  }
+}
+
+// Every activation row over one packed group of 16 columns.
+template <int64_t kind>
+void packed_rows(const uint8_t* group, int64_t nb, const Acts& a, int64_t M, float* out,
+                 int64_t os, const Lanes& ln) {
+  int64_t r = 0;
+  for (; r + PACKED_ROWS <= M; r += PACKED_ROWS)
+    packed_tile<PACKED_ROWS, kind>(group, nb, a, r, out + r * os, os, ln);
+  for (; r < M; ++r) packed_tile<1, kind>(group, nb, a, r, out + r * os, os, ln);
 }
 #endif
 
@@ -851,11 +1104,13 @@ std::vector<Part> parts_of(const std::vector<torch::Tensor>& raws, const int64_t
   nb = -1;
   for (size_t i = 0; i < raws.size(); ++i) {
     check_weight(raws[i], kinds[i], "kquant_mm");
-    const int64_t pnb = raws[i].size(1) / block_bytes(kinds[i]);
+    const int64_t kind = format_of(kinds[i]);
+    const bool packed = kinds[i] >= PACKED;
+    const int64_t pnb = raws[i].size(1) / (packed ? padded_bytes(kind) : block_bytes(kind));
     TORCH_CHECK(nb < 0 || pnb == nb, "kquant_mm: parts of different input widths");
     nb = pnb;
-    parts.push_back({raws[i].data_ptr<uint8_t>(), raws[i].stride(0), kinds[i], N,
-                     N + raws[i].size(0)});
+    parts.push_back({raws[i].data_ptr<uint8_t>(), raws[i].stride(0), kind, N,
+                     N + raws[i].size(0), packed});
     N += raws[i].size(0);
   }
   return parts;
@@ -904,11 +1159,12 @@ void exact_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t
   const int64_t block = std::max<int64_t>(EXACT_COLS, std::min<int64_t>(16, (128 << 10) / K));
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> wbuf(block * K);
+    std::vector<uint8_t> buf;
     for (int64_t n0 = begin; n0 < end; n0 += block) {
       const int64_t cols = std::min(block, end - n0);
       for (int64_t c = 0; c < cols; ++c) {
         const Part& p = part_of(parts, n0 + c);
-        dequant_row(p.kind, p.w + (n0 + c - p.lo) * p.ws, nb, wbuf.data() + c * K);
+        dequant_row(p.kind, p.row(n0 + c, nb, buf), nb, wbuf.data() + c * K);
       }
       const float* w = wbuf.data();
       float* o = op + n0;
@@ -945,12 +1201,31 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
   Acts& a6 = buffers[1];
   bool need45 = false, need6 = false;
   for (const Part& p : parts) (p.kind == Q6_K ? need6 : need45) = true;
+  bool packed = isa == AVX512;  // every part packed: its kernel, natural order
+  for (const Part& p : parts) packed = packed && p.packed;
   const bool gemm = isa == AVX512 && M >= GEMM_MIN_ROWS;  // (natural order, as Q6_K's)
-  if (need45) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512 && !gemm, a45);
+  if (need45)
+    prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q4_K, isa == AVX512 && !gemm && !packed, a45);
   if (need6) prepare(x.data_ptr<float>(), M, x.stride(0), nb, Q6_K, false, a6);
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (packed) {  // threads split the groups of 16 columns
+    std::vector<std::pair<const Part*, int64_t>> groups;
+    for (const Part& p : parts)
+      for (int64_t n0 = p.lo; n0 < p.hi; n0 += PACK) groups.emplace_back(&p, n0);
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      const Lanes ln;
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [p, n0] = groups[i];
+        const uint8_t* g = p->w + (n0 - p->lo) * p->ws;
+        if (p->kind == Q4_K) packed_rows<Q4_K>(g, nb, a45, M, op + n0, os, ln);
+        else if (p->kind == Q5_K) packed_rows<Q5_K>(g, nb, a45, M, op + n0, os, ln);
+        else packed_rows<Q6_K>(g, nb, a6, M, op + n0, os, ln);
+      }
+    });
+    return;
+  }
   if (gemm) {  // threads split groups of GEMM_COLS columns of one part
     std::vector<std::pair<const Part*, int64_t>> groups;
     for (const Part& p : parts)
@@ -970,11 +1245,12 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
 #endif
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     const Spread sp;
+    std::vector<uint8_t> buf;
     for (int64_t n = begin; n < end; ++n) {
       const Part& p = part_of(parts, n);
       const Acts& a = p.kind == Q6_K ? a6 : a45;
-      const uint8_t* w = p.w + (n - p.lo) * p.ws;
-      if (n + PREFETCH_ROWS < std::min(end, p.hi)) {
+      const uint8_t* w = p.row(n, nb, buf);
+      if (!p.packed && n + PREFETCH_ROWS < std::min(end, p.hi)) {
         const uint8_t* ahead = w + PREFETCH_ROWS * p.ws;
         for (int64_t at = 0; at < nb * block_bytes(p.kind); at += 64) __builtin_prefetch(ahead + at, 0, 3);
       }
@@ -1015,6 +1291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_mm_parts", &kquant_mm_parts,
         "x @ W.T for W in K-quant super-blocks (its parts), exact or on q8_K activations");
   m.def("kquant_rows", &kquant_rows, "rows of a K-quant weight, dequantized to float32");
+  m.def("kquant_pack", &kquant_pack, "a K-quant weight's bytes in the packed layout");
+  m.def("kquant_unpack", &kquant_unpack, "a packed K-quant weight's bytes in the file's layout");
   m.def("q8k_quantize", &q8k_quantize, "x rounded to q8_K: (q, d, bsums)");
   m.def("kquant_isas", &kquant_isas, "the q8_K product's code paths built here");
 }
