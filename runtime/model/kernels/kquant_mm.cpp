@@ -66,14 +66,28 @@ constexpr int64_t block_bytes(int64_t kind) {
 // PACKED; kquant_pack makes it from the file's bytes at load, on AVX-512 builds): the same
 // bytes, reordered so that 16 output columns sit in the 16 dword lanes of one vector. Each
 // group of PACK consecutive output rows is one run of PACK rows' bytes; in it, super-block
-// b takes PACK * padded_bytes bytes, dword k of column c at (k * PACK + c) * 4 (a block
-// padded to whole dwords: Q6_K's 210 bytes to 212, the pad zero). The q8_K product then
+// b takes PACK * padded_bytes bytes, its dword k of column c at (k * PACK + c) * 4 (a block
+// padded to whole dwords: Q6_K's 210 bytes to 212, the pad zero), k the block's own dword
+// order except for Q6_K, whose dwords come in the order its kernel reads them (so that a
+// group is read front to back, as the hardware prefetchers follow: natural_dword). The q8_K
+// product then
 // reads a super-block of 16 columns as 36-53 aligned vectors, as llama.cpp's repacked
 // layouts do, where the file's layout needs each column's scales decoded and its sums
 // folded across lanes (tile_512) or the columns transposed at every call (unpack_group).
 constexpr int64_t PACK = 16, PACKED = 100;
 
 int64_t padded_bytes(int64_t kind) { return (block_bytes(kind) + 3) / 4 * 4; }
+
+// The block's own dword at packed position p. Q6_K: d (dword 52), the scales (48..51), then
+// per (h, half of l4, l4) its ql dwords 16 h + l4 and 16 h + 8 + l4 and its qh dword 32 + 8 h
+// + l4 (packed_tile's loop).
+constexpr int64_t natural_dword(int64_t kind, int64_t p) {
+  if (kind != Q6_K) return p;
+  if (p == 0) return 52;
+  if (p <= 4) return 48 + p - 1;
+  const int64_t i = (p - 5) / 3, which = (p - 5) % 3, h = i / 8, l4 = i % 8;
+  return which == 0 ? 16 * h + l4 : which == 1 ? 16 * h + 8 + l4 : 32 + 8 * h + l4;
+}
 
 // A kind code as the kernels take it: the format, and whether the part is packed.
 inline int64_t format_of(int64_t code) { return code >= PACKED ? code - PACKED : code; }
@@ -88,9 +102,11 @@ const uint8_t* natural_row(const uint8_t* w, int64_t ws, int64_t kind, bool pack
   const uint8_t* group = w + (n - n % PACK) * ws;
   const int64_t c = n % PACK;
   for (int64_t b = 0; b < nb; ++b)
-    for (int64_t at = 0; at < bb; at += 4)
-      std::memcpy(buf.data() + b * bb + at, group + b * PACK * bbp + (at / 4 * PACK + c) * 4,
+    for (int64_t p = 0; p < bbp / 4; ++p) {
+      const int64_t at = 4 * natural_dword(kind, p);
+      std::memcpy(buf.data() + b * bb + at, group + b * PACK * bbp + (p * PACK + c) * 4,
                   std::min<int64_t>(4, bb - at));
+    }
   return buf.data();
 }
 
@@ -258,9 +274,11 @@ torch::Tensor kquant_pack(torch::Tensor raw, int64_t kind) {
         const uint8_t* row = w + (g * PACK + c) * ws;
         uint8_t* group = o + g * PACK * nb * bbp;
         for (int64_t b = 0; b < nb; ++b)
-          for (int64_t at = 0; at < bb; at += 4)
-            std::memcpy(group + b * PACK * bbp + (at / 4 * PACK + c) * 4, row + b * bb + at,
+          for (int64_t p = 0; p < bbp / 4; ++p) {
+            const int64_t at = 4 * natural_dword(kind, p);
+            std::memcpy(group + b * PACK * bbp + (p * PACK + c) * 4, row + b * bb + at,
                         std::min<int64_t>(4, bb - at));
+          }
       }
   });
   return out;
@@ -854,7 +872,7 @@ void packed_tile(const uint8_t* group, int64_t nb, const Acts& a, int64_t r0, fl
     for (int r = 0; r < R; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
     __m512 d, dmin = _mm512_setzero_ps();
     if constexpr (kind == Q6_K) {
-      d = halves_ps(lanes_at(blk, 52));
+      d = halves_ps(lanes_at(blk, 0));
       for (int h = 0; h < 2; ++h)
         for (int half = 0; half < 2; ++half) {
           __m512i dot[4][R];
@@ -862,8 +880,8 @@ void packed_tile(const uint8_t* group, int64_t nb, const Acts& a, int64_t r0, fl
             for (int r = 0; r < R; ++r) dot[k][r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
           for (int l4 = 4 * half; l4 < 4 * half + 4; ++l4) {
-            const __m512i A = lanes_at(blk, 16 * h + l4), B = lanes_at(blk, 16 * h + 8 + l4);
-            const __m512i C = lanes_at(blk, 32 + 8 * h + l4);
+            const int at = 5 + 3 * (8 * h + l4);  // its ql, ql and qh dwords (natural_dword)
+            const __m512i A = lanes_at(blk, at), B = lanes_at(blk, at + 1), C = lanes_at(blk, at + 2);
             __m512i w[4];  // the weights 128 h + 32 k + 4 l4 + 0..3 of each column, 0..63
             w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(A, m0f), _mm512_slli_epi32(C, 4), m30, OR_AND);
             w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(B, m0f), _mm512_slli_epi32(C, 2), m30, OR_AND);
@@ -877,7 +895,7 @@ void packed_tile(const uint8_t* group, int64_t nb, const Acts& a, int64_t r0, fl
           for (int k = 0; k < 4; ++k) {
             const int sub = 8 * h + 2 * k + half;  // its sub-block of 16, scale int8
             const __m512i sc = _mm512_srai_epi32(
-                _mm512_shuffle_epi8(lanes_at(blk, 48 + sub / 4), ln.top[sub % 4]), 24);
+                _mm512_shuffle_epi8(lanes_at(blk, 1 + sub / 4), ln.top[sub % 4]), 24);
             for (int r = 0; r < R; ++r)  // (q - 32) . a = q . a - 32 * (the sum of 16)
               isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(
                   _mm512_sub_epi32(dot[k][r], _mm512_set1_epi32(32 * bs[r][sub])), sc));
@@ -1210,13 +1228,22 @@ void q8_parts(const torch::Tensor& x, const std::vector<Part>& parts, int64_t N,
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (packed) {  // threads split the groups of 16 columns
+  if (packed) {  // threads split the groups of 16 columns, as many bytes each
     std::vector<std::pair<const Part*, int64_t>> groups;
+    std::vector<int64_t> upto{0};  // bytes of the groups before each
     for (const Part& p : parts)
-      for (int64_t n0 = p.lo; n0 < p.hi; n0 += PACK) groups.emplace_back(&p, n0);
-    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = p.lo; n0 < p.hi; n0 += PACK) {
+        groups.emplace_back(&p, n0);
+        upto.push_back(upto.back() + padded_bytes(p.kind));
+      }
+    const int64_t shares = std::min<int64_t>(at::get_num_threads(), groups.size());
+    at::parallel_for(0, shares, 1, [&](int64_t first, int64_t last) {
       const Lanes ln;
-      for (int64_t i = begin; i < end; ++i) {
+      // share t: the groups whose first byte lies in [t, t + 1) x total / shares
+      const auto at_share = [&](int64_t t) {
+        return std::lower_bound(upto.begin(), upto.end() - 1, upto.back() * t / shares) - upto.begin();
+      };
+      for (int64_t i = at_share(first); i < at_share(last); ++i) {
         const auto [p, n0] = groups[i];
         const uint8_t* g = p->w + (n0 - p->lo) * p->ws;
         if (p->kind == Q4_K) packed_rows<Q4_K>(g, nb, a45, M, op + n0, os, ln);
