@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 from kquant_fixtures import Q4_K_M, random_blocks, write_kquant_gguf
-from test_kquants import _forward, _pool
+from test_kquants import _forward, _ops, _pool, _tmp_cache  # noqa: F401 (an autouse fixture)
 
 from runtime.model import blocks as blocks_mod
-from runtime.model import kernels
 from runtime.model import kquants as kquants_mod
 from runtime.model.formats import cat_weights
 from runtime.model.kquants import KQUANT_FORMATS, KQuantWeight, built_isas, pack_wanted
@@ -28,17 +27,9 @@ from runtime.model.runner import ModelRunner
 FORMATS = tuple(KQUANT_FORMATS)
 
 
-@pytest.fixture(autouse=True)
-def _tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PIE_CTX_CACHE", str(tmp_path / "cache"))
-
-
 @pytest.fixture
 def ops():
-    ops = kernels.kquant_ops()
-    if ops is None:
-        pytest.skip("the K-quant kernels did not build here (no compiler?)")
-    return ops
+    return _ops()
 
 
 def _pair(kind: str, rows: int = 48, cols: int = 1280, seed: int = 0

@@ -70,13 +70,12 @@ constexpr int64_t block_bytes(int64_t kind) {
 // padded to whole dwords: Q6_K's 210 bytes to 212, the pad zero), k the block's own dword
 // order except for Q6_K, whose dwords come in the order its kernel reads them (so that a
 // group is read front to back, as the hardware prefetchers follow: natural_dword). The q8_K
-// product then
-// reads a super-block of 16 columns as 36-53 aligned vectors, as llama.cpp's repacked
+// product then reads a super-block of 16 columns as 36-53 aligned vectors, as llama.cpp's repacked
 // layouts do, where the file's layout needs each column's scales decoded and its sums
 // folded across lanes (tile_512) or the columns transposed at every call (unpack_group).
 constexpr int64_t PACK = 16, PACKED = 100;
 
-int64_t padded_bytes(int64_t kind) { return (block_bytes(kind) + 3) / 4 * 4; }
+constexpr int64_t padded_bytes(int64_t kind) { return (block_bytes(kind) + 3) / 4 * 4; }
 
 // The block's own dword at packed position p. Q6_K: d (dword 52), the scales (48..51), then
 // per (h, half of l4, l4) its ql dwords 16 h + l4 and 16 h + 8 + l4 and its qh dword 32 + 8 h
@@ -87,6 +86,19 @@ constexpr int64_t natural_dword(int64_t kind, int64_t p) {
   if (p <= 4) return 48 + p - 1;
   const int64_t i = (p - 5) / 3, which = (p - 5) % 3, h = i / 8, l4 = i % 8;
   return which == 0 ? 16 * h + l4 : which == 1 ? 16 * h + 8 + l4 : 32 + 8 * h + l4;
+}
+
+// Super-block of column c copied from ``from`` to ``to``: from the file's layout (its
+// block_bytes) into a packed group's super-block (PACK * padded_bytes bytes), or back.
+template <bool to_packed>
+inline void move_block(int64_t kind, const uint8_t* from, uint8_t* to, int64_t c) {
+  const int64_t bb = block_bytes(kind);
+  for (int64_t p = 0; p < padded_bytes(kind) / 4; ++p) {
+    const int64_t at = 4 * natural_dword(kind, p), in_group = (p * PACK + c) * 4;
+    const int64_t n = std::min<int64_t>(4, bb - at);
+    if constexpr (to_packed) std::memcpy(to + in_group, from + at, n);
+    else std::memcpy(to + at, from + in_group, n);
+  }
 }
 
 // A kind code as the kernels take it: the format, and whether the part is packed.
@@ -102,11 +114,7 @@ const uint8_t* natural_row(const uint8_t* w, int64_t ws, int64_t kind, bool pack
   const uint8_t* group = w + (n - n % PACK) * ws;
   const int64_t c = n % PACK;
   for (int64_t b = 0; b < nb; ++b)
-    for (int64_t p = 0; p < bbp / 4; ++p) {
-      const int64_t at = 4 * natural_dword(kind, p);
-      std::memcpy(buf.data() + b * bb + at, group + b * PACK * bbp + (p * PACK + c) * 4,
-                  std::min<int64_t>(4, bb - at));
-    }
+    move_block<false>(kind, group + b * PACK * bbp, buf.data() + b * bb, c);
   return buf.data();
 }
 
@@ -228,8 +236,7 @@ void check_weight(const torch::Tensor& raw, int64_t code, const char* op) {
               raw.size(1) % (code >= PACKED ? padded_bytes(kind) : block_bytes(kind)) == 0, op,
               ": raw uint8 [N, row bytes]");
   if (code >= PACKED)
-    TORCH_CHECK(raw.size(0) % PACK == 0 && raw.size(1) % padded_bytes(kind) == 0 &&
-                raw.stride(0) == raw.size(1), op, ": a packed part is contiguous uint8 "
+    TORCH_CHECK(raw.size(0) % PACK == 0 && raw.stride(0) == raw.size(1), op, ": a packed part is contiguous uint8 "
                 "[N, row bytes], N a multiple of 16");
 }
 
@@ -274,11 +281,7 @@ torch::Tensor kquant_pack(torch::Tensor raw, int64_t kind) {
         const uint8_t* row = w + (g * PACK + c) * ws;
         uint8_t* group = o + g * PACK * nb * bbp;
         for (int64_t b = 0; b < nb; ++b)
-          for (int64_t p = 0; p < bbp / 4; ++p) {
-            const int64_t at = 4 * natural_dword(kind, p);
-            std::memcpy(group + b * PACK * bbp + (p * PACK + c) * 4, row + b * bb + at,
-                        std::min<int64_t>(4, bb - at));
-          }
+          move_block<true>(kind, row + b * bb, group + b * PACK * bbp, c);
       }
   });
   return out;
@@ -854,7 +857,7 @@ constexpr int OR_AND = 0xF8;  // ternary logic: a | (b & c)
 template <int R, int64_t kind>
 void packed_tile(const uint8_t* group, int64_t nb, const Acts& a, int64_t r0, float* out,
                  int64_t os, const Lanes& ln) {
-  constexpr int64_t step = PACK * ((block_bytes(kind) + 3) / 4 * 4);  // a super-block's bytes
+  constexpr int64_t step = PACK * padded_bytes(kind);  // a super-block's bytes
   const __m512i m0f = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8(static_cast<char>(0xF0));
   const __m512i m30 = _mm512_set1_epi8(0x30), m10 = _mm512_set1_epi8(0x10);
   __m512 acc[R][4], accm[R][4];
